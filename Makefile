@@ -1,0 +1,35 @@
+# Two commands for a newcomer: `make demo` (the main job) and `make test`.
+# Each creates or refreshes the local virtual environment .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test,examples,dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/digits_demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check aadl_func tests examples
+	$(PY) -m ruff format --check aadl_func tests examples
+
+bench: $(STAMP)
+	$(PY) examples/benchmark.py
+
+clean:
+	rm -rf $(VENV) runs bench_results

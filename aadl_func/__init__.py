@@ -1,0 +1,18 @@
+"""aadl_func: functional Anderson acceleration for deep learning on torch.func."""
+
+from aadl_func._src.anderson import Anderson, anderson
+from aadl_func._src.mix import mix, mixing_weights
+from aadl_func._src.solve import MixingWeights, solve_weights
+from aadl_func._src.state import AndersonState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Anderson",
+    "AndersonState",
+    "MixingWeights",
+    "anderson",
+    "mix",
+    "mixing_weights",
+    "solve_weights",
+]

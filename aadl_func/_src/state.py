@@ -1,0 +1,53 @@
+"""The immutable state threaded through :func:`aadl_func.anderson`'s ``update``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["AndersonState"]
+
+
+class AndersonState(NamedTuple):
+    """State of :func:`aadl_func.anderson`: tensors only, so vmap and ``torch.save`` work.
+
+    The window is stored as differences, which keeps the Gram matrix free of cancellation and
+    lets a low-precision ``history_dtype`` hold small steps accurately.
+
+    Attributes:
+      count: 0-d int64, number of ``update`` calls so far.
+      inner_state: the inner optimizer's state.
+      anchor: mode "aadl": the newest window entry, a pytree like ``params`` (params' dtype,
+        history device). Mode "classic": ``()``.
+      residuals: ring of ``Q`` pytrees like ``params`` (history dtype and device). Mode "aadl":
+        ``Q = history_depth - 1`` differences ``x_{i+1} - x_i`` of consecutive window entries.
+        Mode "classic": ``Q = history_depth`` residuals ``g(x_i) - x_i``.
+      iterates: mode "classic": ring of the ``Q`` points ``x_i``; mode "aadl": ``()``.
+      gram: ``(Q, Q)`` float64 Gram matrix of ``residuals`` in ring order (compute device).
+      head: 0-d int64, ring slot of the newest residual.
+      window_size: 0-d int64, entries in the window (aadl: iterates, classic: pairs).
+      num_mixed: 0-d int64, calls whose returned params came from the mixing.
+      num_rejected: 0-d int64, mixes the ``loss_fn`` safeguard rejected.
+      num_nonfinite: 0-d int64, mixes discarded because the Gram matrix or the mixed point was
+        not finite (the plain step was returned instead).
+      num_averaged: 0-d int64, calls whose params were replaced by the window mean.
+    """
+
+    count: Tensor
+    inner_state: Any
+    anchor: Any
+    residuals: tuple
+    iterates: tuple
+    gram: Tensor
+    head: Tensor
+    window_size: Tensor
+    num_mixed: Tensor
+    num_rejected: Tensor
+    num_nonfinite: Tensor
+    num_averaged: Tensor
+
+
+# ``torch.load(weights_only=True)`` (the default) only rebuilds allow-listed classes.
+torch.serialization.add_safe_globals([AndersonState])

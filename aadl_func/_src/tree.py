@@ -1,0 +1,108 @@
+"""Pytree helpers shared by the solver, the window and the transformation.
+
+Parameters are arbitrary pytrees of tensors (dicts, tuples, lists, NamedTuples). We flatten
+with optree, whose default node registry agrees with ``torch.utils._pytree`` for the
+containers users pass, so states built here also flatten under ``torch.func``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+from torch._C import _functorch
+
+__all__ = [
+    "flatten",
+    "unflatten",
+    "check_like",
+    "is_transformed",
+    "static_value",
+    "flat_view",
+]
+
+
+def flatten(tree: Any, name: str = "params") -> tuple[list[Tensor], Any]:
+    """Flattens ``tree`` into its tensor leaves and a tree spec, rejecting non-tensor leaves."""
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=False)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, Tensor):
+            raise TypeError(
+                f"`{name}` must be a pytree of tensors; leaf {i} is {type(leaf).__name__}"
+            )
+    return leaves, spec
+
+
+def unflatten(spec: Any, leaves: list[Tensor]) -> Any:
+    return optree.tree_unflatten(spec, leaves)
+
+
+def check_like(
+    name: str,
+    leaves: list[Tensor],
+    spec: Any,
+    ref_leaves: list[Tensor],
+    ref_spec: Any,
+    ref_name: str = "params",
+    check_dtype: bool = False,
+) -> None:
+    """Raises if ``leaves``/``spec`` do not match the reference structure and shapes."""
+    if spec != ref_spec:
+        raise ValueError(
+            f"`{name}` has a different pytree structure from `{ref_name}`: {spec} vs {ref_spec}"
+        )
+    for i, (leaf, ref) in enumerate(zip(leaves, ref_leaves)):
+        if leaf.shape != ref.shape:
+            raise ValueError(
+                f"`{name}` leaf {i} has shape {tuple(leaf.shape)}, expected "
+                f"{tuple(ref.shape)} like `{ref_name}`"
+            )
+        if check_dtype and leaf.dtype != ref.dtype:
+            raise TypeError(
+                f"`{name}` leaf {i} has dtype {leaf.dtype}, expected {ref.dtype} like `{ref_name}`"
+            )
+
+
+def is_transformed(t: Tensor) -> bool:
+    """True when ``t`` is wrapped by a torch.func transform (vmap, grad, ...)."""
+    return _functorch.is_functorch_wrapped_tensor(t)
+
+
+def static_value(t: Tensor) -> bool | int | None:
+    """The Python value of a 0-d CPU tensor when it is concrete, else ``None``.
+
+    ``update`` expresses every decision as a tensor so that it runs under ``vmap``; when a gate
+    is a plain CPU tensor (eager mode, counters live on the CPU) reading it costs nothing and
+    lets us skip work whose result would be discarded by ``torch.where``. Under a transform we
+    return ``None`` and the caller blends both outcomes instead.
+    """
+    if is_transformed(t) or t.device.type != "cpu" or t.dim() != 0:
+        return None
+    return t.item()
+
+
+def flat_view(t: Tensor) -> Tensor:
+    """A 1-d view of a dense tensor, in storage order; a reshaped copy for non-dense ones.
+
+    Tensors created with ``*_like(..., memory_format=torch.preserve_format)`` from the same
+    dense tensor share its strides, so their flat views line up element by element, which lets
+    us stream window slots in chunks without copying them (``channels_last`` included).
+    """
+    if is_transformed(t):
+        return t.reshape(-1)
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+    permuted = t.permute(order)
+    if permuted.is_contiguous():
+        return permuted.view(-1)
+    return t.reshape(-1)
+
+
+def as_layout(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` with the strides of ``like`` (a copy only when they differ), so flat views align."""
+    if is_transformed(t) or is_transformed(like) or t.stride() == like.stride():
+        return t
+    return torch.empty_like(like, dtype=t.dtype, device=t.device).copy_(t)
