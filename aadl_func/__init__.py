@@ -1,6 +1,7 @@
 """aadl_func: functional Anderson acceleration for deep learning on torch.func."""
 
 from aadl_func._src.anderson import Anderson, anderson
+from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
 from aadl_func._src.mix import mix, mixing_weights
 from aadl_func._src.solve import MixingWeights, solve_weights
 from aadl_func._src.state import AndersonState
@@ -8,11 +9,17 @@ from aadl_func._src.state import AndersonState
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdamState",
     "Anderson",
     "AndersonState",
+    "InnerOptimizer",
     "MixingWeights",
+    "SgdState",
+    "adam",
+    "adamw",
     "anderson",
     "mix",
     "mixing_weights",
+    "sgd",
     "solve_weights",
 ]

@@ -1,0 +1,532 @@
+"""Functional inner optimizers in the torchopt protocol.
+
+Every optimizer here is a pair of pure functions bundled in an :class:`InnerOptimizer`:
+
+* ``init(params) -> state``
+* ``update(updates, state, params=None, inplace=True) -> (updates, new_state)``
+
+``params`` and ``updates`` (the gradients on input) are arbitrary pytrees of tensors (dicts,
+tuples, lists, nested; traversed with :mod:`optree`, ``None`` is *not* a leaf). The returned
+``updates`` are the deltas to **add** to the parameters, ``new_params = params + updates``,
+exactly like ``torchopt.apply_updates``.
+
+The optimizers reproduce :class:`torch.optim.SGD`, :class:`torch.optim.Adam` and
+:class:`torch.optim.AdamW` (default single-tensor implementation: not fused, not capturable,
+``maximize=False``, ``amsgrad=False``) operation for operation, so that after
+``params + updates`` the results agree with ``torch.optim`` up to the final rounding of that
+addition (``torch.optim`` fuses it into the parameter update).
+
+All states are :class:`typing.NamedTuple` s that hold only tensors (the step counter is a 0-d
+``int64`` tensor on the parameters' device), and no hyperparameter logic branches on tensor
+values, so ``init`` and ``update`` compose with :func:`torch.func.vmap` (ensembles of models),
+and with ``inplace=False`` with :func:`torch.func.grad` / :func:`torch.func.jvp` as well.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AdamState",
+    "InnerOptimizer",
+    "SgdState",
+    "adam",
+    "adamw",
+    "sgd",
+]
+
+PyTree = Any
+
+_REDUCED_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class InnerOptimizer(NamedTuple):
+    """A functional optimizer: a pair of pure functions (torchopt's ``GradientTransformation``).
+
+    Attributes:
+        init: ``init(params) -> state``. Builds the optimizer state for a pytree of parameter
+            tensors.
+        update: ``update(updates, state, params=None, inplace=True) -> (updates, new_state)``.
+            Maps gradients ``updates`` (same pytree structure as ``params``) to the parameter
+            deltas, so that ``new_params = params + updates`` leaf by leaf. With
+            ``inplace=True`` the gradient and state buffers may be overwritten and reused;
+            with ``inplace=False`` no input is mutated.
+    """
+
+    init: Callable[[PyTree], Any]
+    update: Callable[..., tuple[PyTree, Any]]
+
+
+class SgdState(NamedTuple):
+    """State of :func:`sgd`.
+
+    Attributes:
+        count: 0-d ``int64`` tensor, the number of updates done so far.
+        momentum_buffer: pytree shaped like the parameters holding the momentum buffers
+            :math:`b` (same dtype, device and memory format as the parameters), or ``()``
+            when ``momentum == 0`` (no parameter-sized memory is kept then).
+    """
+
+    count: Tensor
+    momentum_buffer: PyTree
+
+
+class AdamState(NamedTuple):
+    """State of :func:`adam` and :func:`adamw`.
+
+    Attributes:
+        count: 0-d ``int64`` tensor, the number of updates done so far (:math:`t - 1` during
+            update :math:`t`).
+        exp_avg: pytree shaped like the parameters, first moment estimates :math:`m`.
+        exp_avg_sq: pytree shaped like the parameters, second moment estimates :math:`v`.
+    """
+
+    count: Tensor
+    exp_avg: PyTree
+    exp_avg_sq: PyTree
+
+
+# Let users ``torch.load(..., weights_only=True)`` saved states without registering anything.
+if hasattr(torch.serialization, "add_safe_globals"):  # torch >= 2.4
+    torch.serialization.add_safe_globals([SgdState, AdamState])
+
+
+# --------------------------------------------------------------------------------------------
+# Hyperparameter validation.
+# --------------------------------------------------------------------------------------------
+
+
+def _real(fn: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{fn}: `{name}` must be a real number (int or float), "
+            f"got {type(value).__name__}: {value!r}"
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{fn}: `{name}` must be a finite non-negative float, got {value}")
+    return value
+
+
+def _non_negative(fn: str, name: str, value: Any) -> float:
+    value = _real(fn, name, value)
+    if value < 0.0:
+        raise ValueError(f"{fn}: `{name}` must be a non-negative float, got {value}")
+    return value
+
+
+def _betas(fn: str, betas: Any) -> tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{fn}: `betas` must be a pair (beta1, beta2) of floats, got {betas!r}")
+    out = []
+    for i, beta in enumerate(betas):
+        name = f"betas[{i}]"
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+            raise TypeError(
+                f"{fn}: `{name}` must be a real number in [0, 1), "
+                f"got {type(beta).__name__}: {beta!r}"
+            )
+        beta = float(beta)
+        if not 0.0 <= beta < 1.0:  # also rejects nan
+            raise ValueError(f"{fn}: `{name}` must be in [0, 1), got {beta}")
+        out.append(beta)
+    return out[0], out[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Pytree helpers.
+# --------------------------------------------------------------------------------------------
+
+
+def _flatten_params(fn: str, params: PyTree) -> tuple[list[Tensor], Any]:
+    leaves, spec = optree.tree_flatten(params, none_is_leaf=False)
+    for leaf in leaves:
+        if not isinstance(leaf, Tensor):
+            raise TypeError(
+                f"{fn}: `params` must be a pytree of tensors, found a leaf of type "
+                f"{type(leaf).__name__}"
+            )
+    return leaves, spec
+
+
+def _leaves_like(fn: str, what: str, tree: PyTree, spec: Any) -> list[Any]:
+    leaves, tree_spec = optree.tree_flatten(tree, none_is_leaf=False)
+    if tree_spec != spec:
+        raise ValueError(
+            f"{fn}: `{what}` has pytree structure {tree_spec}, which differs from the "
+            f"structure of `updates` {spec}"
+        )
+    return leaves
+
+
+def _zero_count(leaves: list[Tensor]) -> Tensor:
+    # ``new_zeros`` of a (possibly vmapped) parameter gives a counter batched like it, so that
+    # ``vmap(init)`` returns one independent, writable counter per ensemble member.
+    if leaves:
+        return leaves[0].new_zeros((), dtype=torch.int64)
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    # torch.optim's kernels do the arithmetic of half / bfloat16 tensors with python scalars in
+    # float32; float32 and float64 are computed in their own precision.
+    return torch.float32 if dtype in _REDUCED_FLOAT_DTYPES else dtype
+
+
+# --------------------------------------------------------------------------------------------
+# SGD.
+# --------------------------------------------------------------------------------------------
+
+
+def sgd(
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> InnerOptimizer:
+    r"""Stochastic gradient descent, step for step equal to :class:`torch.optim.SGD`.
+
+    With gradient :math:`g_t`, parameters :math:`\theta_{t-1}`, learning rate :math:`\gamma`,
+    weight decay :math:`\lambda`, momentum :math:`\mu` and dampening :math:`\tau`, update
+    :math:`t = 1, 2, \dots` computes
+
+    .. math::
+
+        d_t &= g_t + \lambda \theta_{t-1} \\
+        b_t &= d_t \text{ if } t = 1 \text{ else } \mu b_{t-1} + (1 - \tau) d_t \\
+        d_t &\leftarrow d_t + \mu b_t \text{ (nesterov) or } b_t \text{ (otherwise; only if }
+            \mu \neq 0) \\
+        \Delta_t &= -\gamma d_t
+
+    and returns :math:`\Delta_t` (``theta_t = theta_{t-1} + Delta_t``). The first-step case
+    is selected with ``torch.where`` on ``state.count`` (no Python branching on tensors), so
+    the update works under :func:`torch.func.vmap`.
+
+    Args:
+        lr: learning rate :math:`\gamma \ge 0`.
+        momentum: momentum factor :math:`\mu \ge 0`. With ``0`` no momentum buffer is stored.
+        dampening: dampening :math:`\tau \ge 0` of the momentum.
+        nesterov: use Nesterov momentum; requires ``momentum > 0`` and ``dampening == 0``.
+        weight_decay: L2 penalty :math:`\lambda \ge 0` (added to the gradient).
+
+    Returns:
+        An :class:`InnerOptimizer` whose state is an :class:`SgdState`. ``update`` needs
+        ``params`` only when ``weight_decay != 0``.
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (``nesterov``: not a bool).
+        ValueError: a hyperparameter is negative or not finite, or ``nesterov`` is set with
+            ``momentum <= 0`` or ``dampening != 0``.
+    """
+    fn = "sgd"
+    lr = _non_negative(fn, "lr", lr)
+    momentum = _non_negative(fn, "momentum", momentum)
+    dampening = _non_negative(fn, "dampening", dampening)
+    weight_decay = _non_negative(fn, "weight_decay", weight_decay)
+    if not isinstance(nesterov, bool):
+        raise TypeError(
+            f"{fn}: `nesterov` must be a bool, got {type(nesterov).__name__}: {nesterov!r}"
+        )
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ValueError(
+            f"{fn}: `nesterov` momentum requires `momentum` > 0 and `dampening` == 0, "
+            f"got momentum={momentum}, dampening={dampening}"
+        )
+    use_momentum = momentum != 0.0
+
+    def init(params: PyTree) -> SgdState:
+        leaves, spec = _flatten_params(fn, params)
+        if use_momentum:
+            bufs = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
+            momentum_buffer = optree.tree_unflatten(spec, bufs)
+        else:
+            momentum_buffer = ()
+        return SgdState(count=_zero_count(leaves), momentum_buffer=momentum_buffer)
+
+    def update(
+        updates: PyTree,
+        state: SgdState,
+        params: PyTree | None = None,
+        inplace: bool = True,
+    ) -> tuple[PyTree, SgdState]:
+        grads, spec = optree.tree_flatten(updates, none_is_leaf=False)
+        if weight_decay != 0.0:
+            if params is None:
+                raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
+            param_leaves = _leaves_like(fn, "params", params, spec)
+        else:
+            param_leaves = [None] * len(grads)
+        if use_momentum:
+            bufs = _leaves_like(fn, "state.momentum_buffer", state.momentum_buffer, spec)
+            not_first = state.count != 0
+        else:
+            bufs = [None] * len(grads)
+            not_first = None
+
+        new_updates, new_bufs = [], []
+        for g, p, buf in zip(grads, param_leaves, bufs, strict=True):
+            out = g
+            # d_p = g + wd * p
+            if weight_decay != 0.0:
+                d_p = g.add_(p, alpha=weight_decay) if inplace else g.add(p, alpha=weight_decay)
+            else:
+                d_p = g
+            if use_momentum:
+                # buf = d_p on the first step, else momentum * buf + (1 - dampening) * d_p
+                # (``blended`` first in ``where`` so the buffer keeps its memory format)
+                if inplace:
+                    blended = buf.mul_(momentum).add_(d_p, alpha=1.0 - dampening)
+                    new_buf = buf.copy_(torch.where(not_first, blended, d_p))
+                else:
+                    blended = torch.add(buf.mul(momentum), d_p, alpha=1.0 - dampening)
+                    new_buf = torch.where(not_first, blended, d_p)
+                new_bufs.append(new_buf)
+                if nesterov:
+                    if inplace:
+                        d_p = d_p.add_(new_buf, alpha=momentum)
+                    else:
+                        d_p = d_p.add(new_buf, alpha=momentum)
+                elif inplace:
+                    d_p = out.copy_(new_buf)  # never scale the momentum buffer itself
+                else:
+                    d_p = new_buf
+            # Delta = -lr * d_p
+            if inplace:
+                if d_p is not out:
+                    d_p = out.copy_(d_p)
+                new_updates.append(d_p.mul_(-lr))
+            else:
+                new_updates.append(d_p.mul(-lr))
+
+        new_state = SgdState(
+            count=state.count + 1,
+            momentum_buffer=optree.tree_unflatten(spec, new_bufs) if use_momentum else (),
+        )
+        return optree.tree_unflatten(spec, new_updates), new_state
+
+    return InnerOptimizer(init=init, update=update)
+
+
+# --------------------------------------------------------------------------------------------
+# Adam / AdamW.
+# --------------------------------------------------------------------------------------------
+
+
+def _adam_leaf(
+    g: Tensor,
+    p: Tensor | None,
+    m: Tensor,
+    v: Tensor,
+    neg_step_size: Tensor,
+    bias_correction2_sqrt: Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_decay: float,
+    inplace: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    out = g
+    if weight_decay != 0.0:  # L2 penalty (Adam): g = g + wd * p
+        g = g.add_(p, alpha=weight_decay) if inplace else g.add(p, alpha=weight_decay)
+
+    is_complex = torch.is_complex(g)
+    if is_complex:  # like torch.optim: complex numbers are treated as pairs of reals
+        g, m, v = torch.view_as_real(g), torch.view_as_real(m), torch.view_as_real(v)
+
+    # m = m + (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
+    if inplace:
+        # lerp_ / addcmul_ have no vmap batching rules (slow fallback + warning): compute out
+        # of place with the same kernels and write back into the state buffers.
+        m = m.copy_(torch.lerp(m, g, 1.0 - beta1))
+        v = v.copy_(torch.addcmul(v.mul_(beta2), g, g, value=1.0 - beta2))
+    else:
+        m = torch.lerp(m, g, 1.0 - beta1)
+        v = torch.addcmul(v.mul(beta2), g, g, value=1.0 - beta2)
+
+    dtype = v.dtype
+    opmath = _opmath(dtype)
+    # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
+    denom = torch.div(v.sqrt().to(opmath), bias_correction2_sqrt.to(opmath)).to(dtype)
+    denom = denom.add_(eps)
+    # Delta = (-lr / (1 - beta1^t) * m) / denom
+    step = torch.mul(m.to(opmath), neg_step_size.to(opmath)).div_(denom.to(opmath)).to(dtype)
+
+    if is_complex:
+        m, v, step = torch.view_as_complex(m), torch.view_as_complex(v), torch.view_as_complex(step)
+    if decoupled_decay != 0.0:  # AdamW: Delta = Delta - lr * wd * p
+        step = step.add_(p, alpha=-decoupled_decay)
+    if inplace:
+        step = out.copy_(step)
+    return step, m, v
+
+
+def _make_adam(
+    fn: str,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> InnerOptimizer:
+    lr = _non_negative(fn, "lr", lr)
+    beta1, beta2 = _betas(fn, betas)
+    eps = _non_negative(fn, "eps", eps)
+    weight_decay = _non_negative(fn, "weight_decay", weight_decay)
+    coupled_wd = 0.0 if decoupled else weight_decay
+    decoupled_decay = lr * weight_decay if decoupled else 0.0
+    needs_params = weight_decay != 0.0
+
+    def init(params: PyTree) -> AdamState:
+        leaves, spec = _flatten_params(fn, params)
+        exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
+        exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
+        return AdamState(
+            count=_zero_count(leaves),
+            exp_avg=optree.tree_unflatten(spec, exp_avg),
+            exp_avg_sq=optree.tree_unflatten(spec, exp_avg_sq),
+        )
+
+    def update(
+        updates: PyTree,
+        state: AdamState,
+        params: PyTree | None = None,
+        inplace: bool = True,
+    ) -> tuple[PyTree, AdamState]:
+        grads, spec = optree.tree_flatten(updates, none_is_leaf=False)
+        if needs_params:
+            if params is None:
+                raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
+            param_leaves = _leaves_like(fn, "params", params, spec)
+        else:
+            param_leaves = [None] * len(grads)
+        ms = _leaves_like(fn, "state.exp_avg", state.exp_avg, spec)
+        vs = _leaves_like(fn, "state.exp_avg_sq", state.exp_avg_sq, spec)
+
+        # Bias corrections from the counter with tensor ops (vmap-able), in float64 like the
+        # python floats of torch.optim; each leaf casts them to its own compute dtype.
+        count = state.count + 1
+        t = count.to(torch.float64)
+        bias_correction1 = 1.0 - torch.pow(beta1, t)
+        bias_correction2 = 1.0 - torch.pow(beta2, t)
+        neg_step_size = -(torch.full_like(bias_correction1, lr) / bias_correction1)
+        bias_correction2_sqrt = bias_correction2.sqrt()
+
+        new_updates, new_ms, new_vs = [], [], []
+        for g, p, m, v in zip(grads, param_leaves, ms, vs, strict=True):
+            step, m, v = _adam_leaf(
+                g,
+                p,
+                m,
+                v,
+                neg_step_size,
+                bias_correction2_sqrt,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=coupled_wd,
+                decoupled_decay=decoupled_decay,
+                inplace=inplace,
+            )
+            new_updates.append(step)
+            new_ms.append(m)
+            new_vs.append(v)
+
+        new_state = AdamState(
+            count=count,
+            exp_avg=optree.tree_unflatten(spec, new_ms),
+            exp_avg_sq=optree.tree_unflatten(spec, new_vs),
+        )
+        return optree.tree_unflatten(spec, new_updates), new_state
+
+    return InnerOptimizer(init=init, update=update)
+
+
+def adam(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> InnerOptimizer:
+    r"""Adam, step for step equal to :class:`torch.optim.Adam` (``amsgrad=False``).
+
+    With gradient :math:`g_t`, parameters :math:`\theta_{t-1}`, learning rate :math:`\gamma`,
+    betas :math:`(\beta_1, \beta_2)` and weight decay :math:`\lambda` (an L2 penalty added to
+    the gradient), update :math:`t = 1, 2, \dots` computes
+
+    .. math::
+
+        g_t &\leftarrow g_t + \lambda \theta_{t-1} \\
+        m_t &= m_{t-1} + (1 - \beta_1)(g_t - m_{t-1}) \\
+        v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+        \Delta_t &= -\frac{\gamma}{1 - \beta_1^t} \, m_t \Big/
+            \Big(\frac{\sqrt{v_t}}{\sqrt{1 - \beta_2^t}} + \epsilon\Big)
+
+    and returns :math:`\Delta_t` (``theta_t = theta_{t-1} + Delta_t``). The bias corrections
+    are computed from ``state.count`` with float64 tensor operations (no ``.item()``), so the
+    update works under :func:`torch.func.vmap`. Complex parameters are handled as pairs of
+    reals, like ``torch.optim``.
+
+    Args:
+        lr: learning rate :math:`\gamma \ge 0`.
+        betas: :math:`(\beta_1, \beta_2)`, each in :math:`[0, 1)`.
+        eps: :math:`\epsilon \ge 0` added to the denominator.
+        weight_decay: L2 penalty :math:`\lambda \ge 0`.
+
+    Returns:
+        An :class:`InnerOptimizer` whose state is an :class:`AdamState`. ``update`` needs
+        ``params`` only when ``weight_decay != 0``.
+
+    Raises:
+        TypeError: a hyperparameter is not a real number, or ``betas`` is not a pair.
+        ValueError: a hyperparameter is out of range (negative, not finite, beta not in
+            :math:`[0, 1)`).
+    """
+    return _make_adam("adam", lr, betas, eps, weight_decay, decoupled=False)
+
+
+def adamw(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> InnerOptimizer:
+    r"""AdamW, step for step equal to :class:`torch.optim.AdamW` (``amsgrad=False``).
+
+    Adam with decoupled weight decay: the parameters are shrunk by :math:`1 - \gamma\lambda`
+    before the Adam step, and the decay never enters the moments:
+
+    .. math::
+
+        m_t &= m_{t-1} + (1 - \beta_1)(g_t - m_{t-1}) \\
+        v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+        \Delta_t &= -\gamma\lambda\,\theta_{t-1} - \frac{\gamma}{1 - \beta_1^t} \, m_t \Big/
+            \Big(\frac{\sqrt{v_t}}{\sqrt{1 - \beta_2^t}} + \epsilon\Big)
+
+    so that ``theta_t = theta_{t-1} + Delta_t = (1 - lr * wd) * theta_{t-1} + adam_step``.
+
+    Args:
+        lr: learning rate :math:`\gamma \ge 0`.
+        betas: :math:`(\beta_1, \beta_2)`, each in :math:`[0, 1)`.
+        eps: :math:`\epsilon \ge 0` added to the denominator.
+        weight_decay: decoupled weight decay :math:`\lambda \ge 0`.
+
+    Returns:
+        An :class:`InnerOptimizer` whose state is an :class:`AdamState`. ``update`` needs
+        ``params`` whenever ``weight_decay != 0`` (the default).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number, or ``betas`` is not a pair.
+        ValueError: a hyperparameter is out of range (negative, not finite, beta not in
+            :math:`[0, 1)`).
+    """
+    return _make_adam("adamw", lr, betas, eps, weight_decay, decoupled=True)

@@ -1,0 +1,508 @@
+"""Tests of the functional inner optimizers against their torch.optim twins."""
+
+from __future__ import annotations
+
+import functools
+import io
+import itertools
+
+import optree
+import pytest
+import torch
+from torch.func import grad, vmap
+
+from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
+
+STEPS = 50
+
+# --------------------------------------------------------------------------------------------
+# Helpers.
+# --------------------------------------------------------------------------------------------
+
+
+def make_params(dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    return {
+        "conv": randn(4, 3, 3, 3),
+        "linear": (randn(5, 7), randn(5)),
+        "scale": randn(()),
+    }
+
+
+def loss_fn(params):
+    """A fixed smooth, nonlinear, coupled and convex objective."""
+    total = 0.0
+    for i, leaf in enumerate(optree.tree_leaves(params)):
+        total = total + 0.5 * (1.0 + 0.25 * i) * (leaf**2).sum()
+        total = total + 0.3 * torch.nn.functional.softplus(2 * leaf - 1).sum()
+    w, b = params["linear"]
+    return total + 0.1 * torch.nn.functional.softplus(b @ w).sum()
+
+
+grad_fn = grad(loss_fn)
+
+
+def noise_sequence(params, steps, seed=1):
+    """A seeded, deterministic sequence of gradient perturbations shaped like ``params``."""
+    gen = torch.Generator().manual_seed(seed)
+    leaves, spec = optree.tree_flatten(params)
+    seq = []
+    for _ in range(steps):
+        noise = [
+            0.5 * torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype)
+            for x in leaves
+        ]
+        seq.append(optree.tree_unflatten(spec, noise))
+    return seq
+
+
+def gradients(params, noise):
+    return optree.tree_map(torch.add, grad_fn(params), noise)
+
+
+def apply_updates(params, updates):
+    return optree.tree_map(torch.add, params, updates)
+
+
+def clone_tree(tree):
+    return optree.tree_map(torch.clone, tree)
+
+
+def assert_tree_equal(a, b):
+    la, sa = optree.tree_flatten(a)
+    lb, sb = optree.tree_flatten(b)
+    assert sa == sb
+    for x, y in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x, y)
+
+
+def tols(dtype):
+    # Parameters are O(1); ``params + updates`` rounds once more than torch.optim's fused
+    # in-place update, so tiny absolute differences accumulate over the steps.
+    if dtype in (torch.float64, torch.complex128):
+        return {"rtol": 1e-12, "atol": 1e-12}
+    return {"rtol": 1e-5, "atol": 1e-5}
+
+
+def run_against_torch(opt, torch_opt_cls, torch_kwargs, dtype, inplace, state_names, steps=STEPS):
+    """Runs ``opt`` and the torch.optim twin side by side, comparing params and state."""
+    params = make_params(dtype)
+    leaves, spec = optree.tree_flatten(params)
+    twins = [x.clone() for x in leaves]
+    torch_opt = torch_opt_cls(twins, **torch_kwargs)
+    noises = noise_sequence(params, steps)
+    state = opt.init(params)
+    for t in range(steps):
+        # Both optimizers see the same gradients (computed at our parameters), so differences
+        # are the optimizers' own and do not get amplified by the objective's dynamics.
+        grads = gradients(params, noises[t])
+        for p, g in zip(twins, optree.tree_leaves(grads), strict=True):
+            p.grad = g.clone()
+        torch_opt.step()
+        updates, state = opt.update(grads, state, params, inplace=inplace)
+        params = apply_updates(params, updates)
+
+        kw = tols(dtype)
+        for ours, twin in zip(optree.tree_leaves(params), twins, strict=True):
+            assert ours.dtype == dtype
+            torch.testing.assert_close(ours, twin, **kw, msg=lambda m, t=t: f"step {t}: {m}")
+        assert int(state.count) == t + 1
+        for ours_name, torch_name in state_names:
+            ours_leaves = optree.tree_leaves(getattr(state, ours_name))
+            for ours, twin in zip(ours_leaves, twins, strict=True):
+                ref = torch_opt.state[twin][torch_name]
+                assert ours.dtype == ref.dtype
+                torch.testing.assert_close(ours, ref, **kw, msg=lambda m, t=t: f"step {t}: {m}")
+
+
+# --------------------------------------------------------------------------------------------
+# Step-for-step agreement with torch.optim.
+# --------------------------------------------------------------------------------------------
+
+SGD_CONFIGS = [
+    {"momentum": m, "dampening": d, "nesterov": n, "weight_decay": wd}
+    for m, d, n, wd in itertools.product((0.0, 0.9), (0.0, 0.1), (False, True), (0.0, 1e-2))
+    if not (n and (m <= 0 or d != 0))
+]
+ADAM_CONFIGS = [
+    {"betas": b, "eps": e, "weight_decay": wd}
+    for b, e, wd in itertools.product(
+        ((0.9, 0.999), (0.5, 0.9), (0.0, 0.99)), (1e-8, 1e-3), (0.0, 0.1)
+    )
+]
+ADAMW_CONFIGS = [
+    {"betas": b, "eps": e, "weight_decay": wd}
+    for b, e, wd in itertools.product(
+        ((0.9, 0.999), (0.5, 0.9), (0.0, 0.99)), (1e-8, 1e-3), (0.0, 1e-2, 0.5)
+    )
+]
+DTYPES = [torch.float64, torch.float32]
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", SGD_CONFIGS, ids=str)
+def test_sgd_matches_torch(config, dtype, inplace):
+    names = [("momentum_buffer", "momentum_buffer")] if config["momentum"] else []
+    run_against_torch(
+        sgd(0.05, **config), torch.optim.SGD, {"lr": 0.05, **config}, dtype, inplace, names
+    )
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", ADAM_CONFIGS, ids=str)
+def test_adam_matches_torch(config, dtype, inplace):
+    names = [("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")]
+    run_against_torch(
+        adam(0.02, **config), torch.optim.Adam, {"lr": 0.02, **config}, dtype, inplace, names
+    )
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", ADAMW_CONFIGS, ids=str)
+def test_adamw_matches_torch(config, dtype, inplace):
+    names = [("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")]
+    run_against_torch(
+        adamw(0.02, **config), torch.optim.AdamW, {"lr": 0.02, **config}, dtype, inplace, names
+    )
+
+
+def test_defaults_match_torch():
+    run_against_torch(adam(), torch.optim.Adam, {}, torch.float64, True, [], steps=10)
+    run_against_torch(adamw(), torch.optim.AdamW, {}, torch.float64, True, [], steps=10)
+    run_against_torch(sgd(1e-3), torch.optim.SGD, {"lr": 1e-3}, torch.float64, True, [], 10)
+
+
+def _twin(name):
+    return {
+        "sgd": (sgd(0.05, momentum=0.9, weight_decay=1e-2), torch.optim.SGD,
+                {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-2}),
+        "nesterov": (sgd(0.05, momentum=0.9, nesterov=True), torch.optim.SGD,
+                     {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+        # eps=1e-8 underflows to 0 in float16, making Adam divide by zero (in torch.optim too)
+        "adam": (adam(0.02, eps=1e-4, weight_decay=0.1), torch.optim.Adam,
+                 {"lr": 0.02, "eps": 1e-4, "weight_decay": 0.1}),
+        "adamw": (adamw(0.02, eps=1e-4), torch.optim.AdamW, {"lr": 0.02, "eps": 1e-4}),
+    }[name]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["sgd", "nesterov", "adam", "adamw"])
+def test_low_precision_dtypes(name, dtype):
+    opt, cls, kwargs = _twin(name)
+    params = make_params(dtype)
+    leaves, spec = optree.tree_flatten(params)
+    twins = [x.clone() for x in leaves]
+    torch_opt = cls(twins, **kwargs)
+    noises = noise_sequence(params, 10)
+    state = opt.init(params)
+    for leaf, p in zip(optree.tree_leaves(state[1:]), itertools.cycle(leaves), strict=False):
+        assert leaf.dtype == dtype and leaf.shape == p.shape
+    for t in range(10):
+        g = noises[t]  # parameter-independent gradients: only rounding differs
+        updates, state = opt.update(clone_tree(g), state, params)
+        for u, p in zip(optree.tree_leaves(updates), leaves, strict=True):
+            assert u.dtype == dtype and u.shape == p.shape
+        params = apply_updates(params, updates)
+        for p, gl in zip(twins, optree.tree_leaves(g), strict=True):
+            p.grad = gl.clone()
+        torch_opt.step()
+    for ours, twin in zip(optree.tree_leaves(params), twins, strict=True):
+        assert ours.dtype == dtype
+        torch.testing.assert_close(ours, twin, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64], ids=str)
+@pytest.mark.parametrize("name", ["sgd", "nesterov", "adam", "adamw"])
+def test_complex_params(name, dtype):
+    opt, cls, kwargs = _twin(name)
+    gen = torch.Generator().manual_seed(3)
+    params = {
+        "a": torch.randn(4, 3, generator=gen, dtype=dtype),
+        "b": torch.randn(2, generator=gen, dtype=dtype),
+    }
+    leaves, spec = optree.tree_flatten(params)
+    twins = [x.clone() for x in leaves]
+    torch_opt = cls(twins, **kwargs)
+    state = opt.init(params)
+    for t in range(20):
+        g = {k: torch.randn(v.shape, generator=gen, dtype=dtype) for k, v in params.items()}
+        updates, state = opt.update(clone_tree(g), state, params, inplace=bool(t % 2))
+        params = apply_updates(params, updates)
+        for p, gl in zip(twins, optree.tree_leaves(g), strict=True):
+            p.grad = gl.clone()
+        torch_opt.step()
+        for ours, twin in zip(optree.tree_leaves(params), twins, strict=True):
+            torch.testing.assert_close(ours, twin, **tols(dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Functional properties.
+# --------------------------------------------------------------------------------------------
+
+ALL_OPTIMIZERS = {
+    "sgd": lambda: sgd(0.1),
+    "sgd_momentum_wd": lambda: sgd(0.1, momentum=0.9, dampening=0.2, weight_decay=1e-2),
+    "sgd_nesterov_wd": lambda: sgd(0.1, momentum=0.8, nesterov=True, weight_decay=1e-2),
+    "adam": lambda: adam(0.01),
+    "adam_wd": lambda: adam(0.01, betas=(0.8, 0.99), weight_decay=0.1),
+    "adamw": lambda: adamw(0.01, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+def test_vmap_ensemble_equals_separate_members(name, inplace):
+    opt = ALL_OPTIMIZERS[name]()
+    members = [make_params(seed=s) for s in range(3)]
+    batched = optree.tree_map(lambda *xs: torch.stack(xs), *members)
+    noises = [noise_sequence(m, 5, seed=10 + i) for i, m in enumerate(members)]
+
+    batched_state = vmap(opt.init)(batched)
+    assert batched_state.count.shape == (3,)
+    states = [opt.init(m) for m in members]
+    assert_tree_equal(batched_state, optree.tree_map(lambda *xs: torch.stack(xs), *states))
+
+    vupdate = vmap(functools.partial(opt.update, inplace=inplace))
+    for t in range(5):
+        grads = [gradients(m, n[t]) for m, n in zip(members, noises, strict=True)]
+        batched_grads = optree.tree_map(lambda *xs: torch.stack(xs), *grads)
+        batched_updates, batched_state = vupdate(batched_grads, batched_state, batched)
+        batched = apply_updates(batched, batched_updates)
+        for i in range(3):
+            updates, states[i] = opt.update(grads[i], states[i], members[i], inplace=inplace)
+            members[i] = apply_updates(members[i], updates)
+        stacked = optree.tree_map(lambda *xs: torch.stack(xs), *members)
+        stacked_state = optree.tree_map(lambda *xs: torch.stack(xs), *states)
+        for a, b in zip(optree.tree_leaves(batched), optree.tree_leaves(stacked), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+        for a, b in zip(
+            optree.tree_leaves(batched_state), optree.tree_leaves(stacked_state), strict=True
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    assert batched_state.count.tolist() == [5, 5, 5]
+
+
+def _storages(tree):
+    return {x.untyped_storage().data_ptr() for x in optree.tree_leaves(tree) if x.numel()}
+
+
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+def test_pure_update_leaves_inputs_untouched(name):
+    opt = ALL_OPTIMIZERS[name]()
+    params = make_params()
+    state = opt.init(params)
+    noises = noise_sequence(params, 4)
+    for t in range(4):
+        grads = gradients(params, noises[t])
+        before = clone_tree((grads, state, params))
+        updates, new_state = opt.update(grads, state, params, inplace=False)
+        assert_tree_equal((grads, state, params), before)
+        inputs = _storages((grads, state, params))
+        assert not _storages(updates) & inputs
+        assert not _storages(new_state) & inputs
+        params, state = apply_updates(params, updates), new_state
+
+
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+def test_inplace_matches_pure_bitwise(name):
+    opt = ALL_OPTIMIZERS[name]()
+    params_a = params_b = make_params()
+    state_a, state_b = opt.init(params_a), opt.init(params_b)
+    noises = noise_sequence(params_a, 6)
+    for t in range(6):
+        grads = gradients(params_a, noises[t])
+        updates_a, state_a = opt.update(clone_tree(grads), state_a, params_a, inplace=False)
+        grads_b = clone_tree(grads)
+        updates_b, state_b = opt.update(grads_b, state_b, params_b, inplace=True)
+        # torchopt semantics: the gradient buffers are reused for the returned updates
+        for u, g in zip(optree.tree_leaves(updates_b), optree.tree_leaves(grads_b), strict=True):
+            assert u.data_ptr() == g.data_ptr()
+        assert_tree_equal(updates_a, updates_b)
+        assert_tree_equal(state_a, state_b)
+        params_a = apply_updates(params_a, updates_a)
+        params_b = apply_updates(params_b, updates_b)
+
+
+@pytest.mark.parametrize("contiguous_grads", [False, True], ids=["cl_grads", "contig_grads"])
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+def test_channels_last_is_preserved(name, inplace, contiguous_grads):
+    opt = ALL_OPTIMIZERS[name]()
+    cl = torch.channels_last
+    weight = torch.randn(8, 3, 5, 5, dtype=torch.float64).to(memory_format=cl)
+    params = {"weight": weight, "bias": torch.randn(8, dtype=torch.float64)}
+    assert not weight.is_contiguous()
+    state = opt.init(params)
+    bufs = state[1:] if isinstance(state, AdamState) else [state.momentum_buffer]
+    for buf in bufs:
+        if buf:
+            assert buf["weight"].is_contiguous(memory_format=cl)
+    for _ in range(3):
+        g = torch.randn_like(params["weight"])
+        if contiguous_grads:
+            g = g.contiguous()
+        grads = {"weight": g, "bias": torch.randn(8, dtype=torch.float64)}
+        updates, state = opt.update(grads, state, params, inplace=inplace)
+        assert updates["weight"].shape == weight.shape
+        assert updates["weight"].dtype == weight.dtype
+        if not contiguous_grads:
+            assert updates["weight"].is_contiguous(memory_format=cl)
+        params = apply_updates(params, updates)
+        assert params["weight"].is_contiguous(memory_format=cl)
+        assert not params["weight"].is_contiguous()
+    bufs = state[1:] if isinstance(state, AdamState) else [state.momentum_buffer]
+    for buf in bufs:
+        if buf:
+            assert buf["weight"].is_contiguous(memory_format=cl)
+
+
+def test_states_hold_only_tensors():
+    params = make_params()
+    no_momentum = sgd(0.1).init(params)
+    assert isinstance(no_momentum, SgdState)
+    assert no_momentum.momentum_buffer == ()
+    assert no_momentum.count.dtype == torch.int64 and no_momentum.count.shape == ()
+    for opt in (sgd(0.1, momentum=0.5), adam(), adamw()):
+        state = opt.init(params)
+        assert isinstance(state, (SgdState, AdamState))
+        assert all(isinstance(x, torch.Tensor) for x in optree.tree_leaves(state))
+        assert state.count.dtype == torch.int64 and int(state.count) == 0
+        for buf in state[1:]:
+            assert optree.tree_structure(buf) == optree.tree_structure(params)
+    assert isinstance(sgd(0.1), InnerOptimizer)
+
+
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+def test_state_save_load_round_trip(name):
+    opt = ALL_OPTIMIZERS[name]()
+    params = make_params()
+    state = opt.init(params)
+    for noise in noise_sequence(params, 3):
+        updates, state = opt.update(gradients(params, noise), state, params)
+        params = apply_updates(params, updates)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert type(loaded) is type(state)
+    assert_tree_equal(loaded, state)
+    # both continue identically
+    grads = gradients(params, noise_sequence(params, 1, seed=7)[0])
+    u1, s1 = opt.update(clone_tree(grads), state, params)
+    u2, s2 = opt.update(clone_tree(grads), loaded, params)
+    assert_tree_equal(u1, u2)
+    assert_tree_equal(s1, s2)
+
+
+def test_pure_update_is_differentiable():
+    """With ``inplace=False`` the update is an ordinary differentiable function."""
+    gen = torch.Generator().manual_seed(5)
+    p0 = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    g = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+
+    def one_step(opt, p):
+        state = opt.init(p)
+        state = opt.update(g.clone(), state, p, inplace=False)[1]  # warm up the moments
+        updates, _ = opt.update(g * torch.tanh(p), state, p, inplace=False)
+        return p + updates
+
+    for opt in (sgd(0.1, momentum=0.9, weight_decay=0.1), adam(0.1, weight_decay=0.1), adamw()):
+        p = p0.clone().requires_grad_()
+        assert torch.autograd.gradcheck(functools.partial(one_step, opt), (p,))
+        jac = torch.func.jacrev(functools.partial(one_step, opt))(p0)
+        assert torch.isfinite(jac).all()
+
+
+def test_sgd_weight_decay_gradient():
+    p = torch.randn(5, dtype=torch.float64)
+    opt = sgd(0.1, weight_decay=0.5)
+    state = opt.init(p)
+    jac = torch.func.jacrev(lambda q: q + opt.update(torch.ones_like(q), state, q, False)[0])(p)
+    torch.testing.assert_close(jac, torch.eye(5, dtype=torch.float64) * (1 - 0.1 * 0.5))
+
+
+def test_pytree_containers_and_empty_tree():
+    opt = adam(0.1)
+    params = {"a": [torch.ones(2), (torch.zeros(3), None)], "b": torch.ones(())}
+    state = opt.init(params)
+    grads = {"a": [torch.ones(2), (torch.ones(3), None)], "b": torch.ones(())}
+    updates, state = opt.update(grads, state)
+    assert optree.tree_structure(updates) == optree.tree_structure(params)
+    empty_state = sgd(0.1, momentum=0.9).init({})
+    updates, empty_state = sgd(0.1, momentum=0.9).update({}, empty_state)
+    assert updates == {} and int(empty_state.count) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Validation.
+# --------------------------------------------------------------------------------------------
+
+INVALID = [
+    (sgd, {"lr": -1.0}, ValueError, "lr"),
+    (sgd, {"lr": float("nan")}, ValueError, "lr"),
+    (sgd, {"lr": float("inf")}, ValueError, "lr"),
+    (sgd, {"lr": "0.1"}, TypeError, "lr"),
+    (sgd, {"lr": True}, TypeError, "lr"),
+    (sgd, {"lr": torch.tensor(0.1)}, TypeError, "lr"),
+    (sgd, {"lr": 0.1, "momentum": -0.5}, ValueError, "momentum"),
+    (sgd, {"lr": 0.1, "momentum": None}, TypeError, "momentum"),
+    (sgd, {"lr": 0.1, "dampening": -0.1}, ValueError, "dampening"),
+    (sgd, {"lr": 0.1, "weight_decay": -1e-4}, ValueError, "weight_decay"),
+    (sgd, {"lr": 0.1, "nesterov": True}, ValueError, "nesterov"),
+    (sgd, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "nesterov": True}, ValueError,
+     "nesterov"),
+    (sgd, {"lr": 0.1, "momentum": 0.9, "nesterov": 1}, TypeError, "nesterov"),
+    (adam, {"lr": -1e-3}, ValueError, "lr"),
+    (adam, {"betas": (1.0, 0.999)}, ValueError, "betas[0]"),
+    (adam, {"betas": (0.9, -0.1)}, ValueError, "betas[1]"),
+    (adam, {"betas": (0.9, float("nan"))}, ValueError, "betas[1]"),
+    (adam, {"betas": 0.9}, TypeError, "betas"),
+    (adam, {"betas": (0.9, 0.99, 0.9)}, TypeError, "betas"),
+    (adam, {"betas": (0.9, "x")}, TypeError, "betas[1]"),
+    (adam, {"eps": -1e-8}, ValueError, "eps"),
+    (adam, {"weight_decay": -0.1}, ValueError, "weight_decay"),
+    (adamw, {"lr": -0.1}, ValueError, "lr"),
+    (adamw, {"betas": (0.9, 1.0)}, ValueError, "betas[1]"),
+    (adamw, {"eps": "1e-8"}, TypeError, "eps"),
+    (adamw, {"weight_decay": -1e-2}, ValueError, "weight_decay"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("factory", "kwargs", "exc", "arg"), INVALID)
+def test_invalid_hyperparameters(factory, kwargs, exc, arg):
+    with pytest.raises(exc, match=f"{factory.__name__}: `{arg}`".replace("[", r"\[")):
+        factory(**kwargs)
+
+
+def test_valid_edge_hyperparameters():
+    sgd(0, momentum=0, dampening=0, weight_decay=0)
+    sgd(1, momentum=1.5, dampening=2.0)  # torch.optim accepts these too
+    adam(0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0)
+    adamw(1, betas=[0.5, 0.5])
+
+
+def test_message_format():
+    with pytest.raises(ValueError, match=r"^sgd: `lr` must be a non-negative float, got -1.0$"):
+        sgd(-1.0)
+
+
+def test_update_argument_errors():
+    params = make_params()
+    for opt in (sgd(0.1, weight_decay=0.1), adam(weight_decay=0.1), adamw()):
+        state = opt.init(params)
+        with pytest.raises(ValueError, match="`params`"):
+            opt.update(clone_tree(params), state)
+    opt = adam()
+    state = opt.init(params)
+    with pytest.raises(ValueError, match="structure"):
+        opt.update({"conv": params["conv"]}, state)
+    with pytest.raises(TypeError, match="pytree of tensors"):
+        opt.init({"a": 1.0})
