@@ -5,16 +5,19 @@ from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adam
 from aadl_func._src.mix import mix, mixing_weights
 from aadl_func._src.solve import MixingWeights, solve_weights
 from aadl_func._src.state import AndersonState
+from aadl_func._src.wrapper import AcceleratedOptimizer, accelerate
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AcceleratedOptimizer",
     "AdamState",
     "Anderson",
     "AndersonState",
     "InnerOptimizer",
     "MixingWeights",
     "SgdState",
+    "accelerate",
     "adam",
     "adamw",
     "anderson",

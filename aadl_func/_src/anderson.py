@@ -9,18 +9,31 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import tree
+from aadl_func._src import distributed, tree
+from aadl_func._src.average import window_average
 from aadl_func._src.mix import aadl_coefficients
 from aadl_func._src.solve import solve_weights
 from aadl_func._src.state import AndersonState
 from aadl_func._src.validation import (
+    check_bool,
+    check_callable,
     check_choice,
     check_device,
     check_dtype,
     check_float,
     check_int,
+    check_leaf_devices,
+    check_leaf_dtypes,
+    same_device,
 )
-from aadl_func._src.window import combine, gram_row, select, set_gram_row, write_slot
+from aadl_func._src.window import (
+    combine,
+    gram_row,
+    new_ring,
+    select,
+    set_gram_row,
+    write_slot,
+)
 
 __all__ = ["Anderson", "anderson"]
 
@@ -180,16 +193,37 @@ def _counter() -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def _window_buffer(config: _Config, p: Tensor) -> Tensor:
-    return torch.zeros_like(
+def _pin_window(config: _Config, p: Tensor) -> bool:
+    # The newest entry of a CPU window serving CUDA params is page-locked: the mix is laid
+    # out like it (window.combine), so the O(n) copy back to the params is asynchronous.
+    # The ring itself never crosses devices and stays pageable.
+    return p.is_cuda and config.history_device_of(p).type == "cpu"
+
+
+def _window_buffer(
+    config: _Config,
+    p: Tensor,
+    num_slots: int = 1,
+    dtype: torch.dtype | None = None,
+    pin_memory: bool = False,
+) -> list[Tensor]:
+    """``num_slots`` zeroed window buffers for leaf ``p``, rows of one allocation."""
+    return new_ring(
         p,
-        dtype=config.history_dtype_of(p),
+        num_slots,
+        dtype=config.history_dtype_of(p) if dtype is None else dtype,
         device=config.history_device_of(p),
-        memory_format=torch.preserve_format,
+        pin_memory=pin_memory,
     )
 
 
+def _anchor_buffer(config: _Config, p: Tensor) -> Tensor:
+    return _window_buffer(config, p, dtype=p.dtype, pin_memory=_pin_window(config, p))[0]
+
+
 def _init(config: _Config, params: Params) -> AndersonState:
+    # Sharded (DTensor) params: the state holds each rank's local shards only.
+    params = distributed.local_params(params, "anderson.init", average=config.average)
     leaves, spec = tree.flatten(params, "params")
     if not leaves:
         raise ValueError("anderson.init: `params` must contain at least one tensor")
@@ -199,20 +233,12 @@ def _init(config: _Config, params: Params) -> AndersonState:
     q = config.num_slots
 
     def ring() -> tuple:
-        return tuple(
-            tree.unflatten(spec, [_window_buffer(config, p) for p in leaves]) for _ in range(q)
-        )
+        # A leaf's q slots are rows of one buffer: a pass over them is one strided matrix.
+        per_leaf = [_window_buffer(config, p, q) for p in leaves]
+        return tuple(tree.unflatten(spec, [slots[s] for slots in per_leaf]) for s in range(q))
 
     if config.mode == "aadl":
-        anchor = tree.unflatten(
-            spec,
-            [
-                torch.zeros_like(
-                    p, device=config.history_device_of(p), memory_format=torch.preserve_format
-                )
-                for p in leaves
-            ],
-        )
+        anchor = tree.unflatten(spec, [_anchor_buffer(config, p) for p in leaves])
         iterates: tuple = ()
     else:
         anchor = ()
@@ -235,28 +261,137 @@ def _init(config: _Config, params: Params) -> AndersonState:
 
 
 def _check_inputs(
-    config: _Config, state: AndersonState, params: Params, grads: Params, loss_fn: Any
+    config: _Config,
+    state: AndersonState,
+    params: Params,
+    grads: Params,
+    loss_fn: Any,
+    inplace: Any = False,
 ) -> tuple[list[Tensor], Any, list[Tensor]]:
+    """Validates every argument of ``update`` before anything is computed or written.
+
+    With ``inplace=True`` the inner optimizer and the window overwrite buffers as soon as the
+    step starts, so a mismatch found later would leave a half-updated state behind: every
+    check that can be made from metadata alone (types, structure, shapes, dtypes, devices) is
+    made here. Values are never inspected (no ``.item()``), so the checks also run under vmap.
+    """
+    owner = "anderson.update"
     if not isinstance(state, AndersonState):
-        raise TypeError(
-            f"anderson.update: `state` must be an AndersonState, got {type(state).__name__}"
-        )
+        raise TypeError(f"{owner}: `state` must be an AndersonState, got {type(state).__name__}")
+    check_bool(owner, "inplace", inplace)
+    if loss_fn is not None:
+        check_callable(owner, "loss_fn", loss_fn)
     p_leaves, spec = tree.flatten(params, "params")
+    for i, p in enumerate(p_leaves):
+        if not p.is_floating_point():
+            raise TypeError(f"{owner}: `params` leaf {i} must be floating, got {p.dtype}")
     g_leaves, g_spec = tree.flatten(grads, "grads")
     tree.check_like("grads", g_leaves, g_spec, p_leaves, spec, check_dtype=True)
-    if len(state.residuals) != config.num_slots:
-        raise ValueError(
-            f"anderson.update: `state` holds {len(state.residuals)} window slots, this optimizer "
-            f"expects {config.num_slots} (history_depth={config.history_depth}, mode="
-            f"{config.mode!r}); was it made by another configuration?"
-        )
-    s_leaves, s_spec = tree.flatten(state.residuals[0], "state.residuals")
-    tree.check_like("params", p_leaves, spec, s_leaves, s_spec, ref_name="the state's window")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(
-            f"anderson.update: `loss_fn` must be callable, got {type(loss_fn).__name__}"
-        )
+    check_leaf_devices(owner, "grads", g_leaves, [p.device for p in p_leaves], "like `params`")
+    if inplace and torch.is_grad_enabled():
+        for i, p in enumerate(p_leaves):
+            # autograd forbids in-place writes into leaves that require grad; fail before the
+            # inner optimizer has overwritten its buffers rather than halfway through.
+            if p.requires_grad and p.is_leaf and not tree.is_transformed(p):
+                raise ValueError(
+                    f"{owner}: `inplace=True` cannot write into `params` leaf {i}, a leaf that "
+                    "requires grad; call update under torch.no_grad() or pass detached params"
+                )
+    _check_state(config, state, p_leaves, spec)
     return p_leaves, spec, g_leaves
+
+
+def _check_state(config: _Config, state: AndersonState, p_leaves: list[Tensor], spec: Any) -> None:
+    """The state's layout matches this optimizer's options and ``params``.
+
+    Catches states made by another configuration (e.g. a checkpoint saved with a different
+    ``history_depth``, ``mode`` or ``history_dtype``) or for other params (structure, shape,
+    dtype, device), which would otherwise mix garbage or fail halfway through a step.
+    """
+    owner = "anderson.update"
+    for name in _COUNTERS:
+        value = getattr(state, name)
+        if not (isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.int64):
+            got = (
+                f"{value.dtype} tensor of shape {tuple(value.shape)}"
+                if isinstance(value, Tensor)
+                else type(value).__name__
+            )
+            raise TypeError(f"{owner}: `state.{name}` must be a 0-d int64 tensor, got {got}")
+    q = config.num_slots
+    hint = "was it made by another configuration?"
+    if not isinstance(state.residuals, tuple) or len(state.residuals) != q:
+        held = len(state.residuals) if isinstance(state.residuals, (tuple, list)) else "no"
+        raise ValueError(
+            f"{owner}: `state` holds {held} window slots, this optimizer expects {q} "
+            f"(history_depth={config.history_depth}, mode={config.mode!r}); {hint}"
+        )
+    history_devices = [config.history_device_of(p) for p in p_leaves]
+    history_dtypes = [config.history_dtype_of(p) for p in p_leaves]
+    where = "the history device for `params`; was the state made on another device?"
+    what = "the history_dtype for `params`; was the state made with other options or params?"
+
+    def check_window(name: str, window: Any) -> None:
+        leaves, window_spec = tree.flatten(window, name)
+        tree.check_like("params", p_leaves, spec, leaves, window_spec, ref_name=name)
+        check_leaf_dtypes(owner, name, leaves, history_dtypes, what)
+        check_leaf_devices(owner, name, leaves, history_devices, where)
+
+    empty_anchor = isinstance(state.anchor, tuple) and len(state.anchor) == 0
+    if config.mode == "aadl":
+        if not (isinstance(state.iterates, tuple) and len(state.iterates) == 0) or empty_anchor:
+            raise ValueError(
+                f"{owner}: `state` has no anchor or holds iterates, so it was made in mode "
+                f"'classic', not {config.mode!r}"
+            )
+        # The anchor keeps the params' own dtype: a params dtype change is reported as such.
+        a_leaves, a_spec = tree.flatten(state.anchor, "state.anchor")
+        tree.check_like("params", p_leaves, spec, a_leaves, a_spec, ref_name="state.anchor")
+        check_leaf_dtypes(
+            owner,
+            "params",
+            p_leaves,
+            [a.dtype for a in a_leaves],
+            "the dtype of the params the state was made for",
+        )
+        check_window("state.residuals", state.residuals[0])
+        check_leaf_devices(owner, "state.anchor", a_leaves, history_devices, where)
+    else:
+        if not empty_anchor or not isinstance(state.iterates, tuple) or len(state.iterates) != q:
+            raise ValueError(
+                f"{owner}: `state` has an anchor or lacks {q} iterates, so it was made in mode "
+                f"'aadl' or with another history_depth, not mode {config.mode!r}"
+            )
+        check_window("state.residuals", state.residuals[0])
+        check_window("state.iterates", state.iterates[0])
+    gram = state.gram
+    compute_device = config.compute_device_of(p_leaves)
+    if not (
+        isinstance(gram, Tensor)
+        and tuple(gram.shape) == (q, q)
+        and gram.dtype == torch.float64
+        and same_device(gram.device, compute_device)
+    ):
+        got = (
+            f"{gram.dtype} tensor of shape {tuple(gram.shape)} on {gram.device}"
+            if isinstance(gram, Tensor)
+            else type(gram).__name__
+        )
+        raise ValueError(
+            f"{owner}: `state.gram` must be a ({q}, {q}) float64 tensor on {compute_device}, "
+            f"got {got}; {hint}"
+        )
+
+
+_COUNTERS = (
+    "count",
+    "head",
+    "window_size",
+    "num_mixed",
+    "num_rejected",
+    "num_nonfinite",
+    "num_averaged",
+)
 
 
 def _update(
@@ -268,14 +403,24 @@ def _update(
     inplace: bool,
     loss_fn: LossFn | None,
 ) -> tuple[Params, AndersonState]:
-    p_leaves, spec, _ = _check_inputs(config, state, params, grads, loss_fn)
+    # Sharded (DTensor) params: the step runs on local shards (the inner optimizer included,
+    # so it must act coordinate-wise) and reduces over the mesh; see distributed.py.
+    shards, params, grads, loss_fn = distributed.sharded_call(
+        params, grads, loss_fn, inplace=inplace, average=config.average, owner="anderson.update"
+    )
+    p_leaves, spec, _ = _check_inputs(config, state, params, grads, loss_fn, inplace)
     updates, inner_state = config.inner.update(
         grads, state.inner_state, params=params, inplace=inplace
     )
     u_leaves, u_spec = tree.flatten(updates, "inner updates")
     tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec)
     step = _AadlStep if config.mode == "aadl" else _ClassicStep
-    return step(config, state, p_leaves, spec, u_leaves, inner_state, inplace, loss_fn).run()
+    out, new_state = step(
+        config, state, p_leaves, spec, u_leaves, inner_state, inplace, loss_fn, shards
+    ).run()
+    if shards is not None:
+        out = tree.unflatten(spec, shards.globalize(tree.flatten(out, "params")[0]))
+    return out, new_state
 
 
 class _Step:
@@ -291,6 +436,7 @@ class _Step:
         inner_state: Any,
         inplace: bool,
         loss_fn: LossFn | None,
+        shards: distributed.ShardedCall | None = None,
     ) -> None:
         self.config = config
         self.state = state
@@ -310,8 +456,29 @@ class _Step:
             )
             for p in p_leaves
         ]
+        # Sharded params only: the Gram row of the newest residual summed over ranks, the
+        # mixing weights and the bounds of the finiteness certificate (see distributed.py).
+        self.shards = shards
+        self.summed_head_row: Tensor | None = None
+        self.base_bound: Tensor | None = None
+        self.weights: Any = None
+        self.chrono_norms: Tensor | None = None
+        self.overflow_limit = 0.5 * min(
+            torch.finfo(d).max for d in [p.dtype for p in p_leaves] + self.compute_dtypes
+        )
 
     # -- helpers ---------------------------------------------------------------------------
+    def owned(self, values: list[Tensor], callers: list[Tensor]) -> list[Tensor]:
+        """``values`` with copies of those that are the caller's own tensors.
+
+        The window must own its buffers, or a caller writing into what it passed or got back
+        (``x.copy_(new)``, a later in-place step) corrupts it. In-place steps copy into the
+        window's slots anyway, so nothing needs cloning there.
+        """
+        if self.inplace:
+            return values
+        return [v.clone() if v is c else v for v, c in zip(values, callers)]
+
     def inner_step(self) -> list[Tensor]:
         """``y = x + u``: the plain step, written into the params' buffers if ``inplace``."""
         if self.inplace:
@@ -319,11 +486,20 @@ class _Step:
         return [p + u for p, u in zip(self.params, self.updates)]
 
     def to_history(self, leaves: list[Tensor], like: list[Tensor]) -> list[Tensor]:
-        """Leaves moved to the window's device/dtype/layout (O(n) per leaf, no-op if there)."""
-        return [
-            tree.as_layout(v.to(device=w.device, dtype=w.dtype, non_blocking=True), w)
-            for v, w in zip(leaves, like)
-        ]
+        """Leaves moved to the window's device/dtype/layout (O(n) per leaf, no-op if there).
+
+        A copy from CUDA to a CPU window lands in page-locked memory (``non_blocking``), all
+        leaves in flight at once; the CPU reads the window right away, so we wait for those
+        copies once before handing the leaves over (reading them earlier would race).
+        """
+        moved, streams = [], {}
+        for v, w in zip(leaves, like):
+            moved.append(v.to(device=w.device, dtype=w.dtype, non_blocking=True))
+            if v.is_cuda and w.device.type == "cpu" and not tree.is_transformed(v):
+                streams[v.device] = torch.cuda.current_stream(v.device)
+        for stream in streams.values():
+            stream.synchronize()
+        return [tree.as_layout(v, w) for v, w in zip(moved, like)]
 
     def slot_valid(self, head: Tensor, num_residuals: Tensor) -> Tensor:
         """Ring-order mask of slots holding one of the newest ``num_residuals`` residuals."""
@@ -348,6 +524,11 @@ class _Step:
         slot = (head + 1) % self.q
         ring = write_slot(ring, slot, residual, self.inplace)
         row = gram_row(ring, residual, self.compute_device)
+        local_row = row
+        if self.shards is not None:
+            # The state keeps the newest row as this rank's partial sums; the decisions below
+            # use the sums over ranks.
+            gram, row = self.reduce_rows(gram, head, row)
         grown = torch.clamp(num_residuals + 1, max=self.q)
         valid = self.slot_valid(slot, grown).to(row.device)
         poisoned = ~torch.isfinite(torch.where(valid, row, 0.0)).all().cpu()
@@ -356,27 +537,47 @@ class _Step:
             zeros = [torch.zeros_like(r) for r in residual]
             return write_slot(ring, slot, zeros, self.inplace), torch.zeros_like(gram)
 
-        ring, new_gram = select(poisoned, restart, (ring, set_gram_row(gram, slot, row)))
+        ring, new_gram = select(poisoned, restart, (ring, set_gram_row(gram, slot, local_row)))
         num_residuals = torch.where(poisoned, torch.zeros_like(grown), grown)
+        if self.shards is not None:
+            self.summed_head_row = select(poisoned, lambda: torch.zeros_like(row), row)
         return ring, new_gram, slot, num_residuals, poisoned
 
     def solve(self, gram: Tensor, head: Tensor, num_residuals: Tensor):
+        if self.shards is not None:
+            if self.summed_head_row is None:
+                gram, self.summed_head_row = self.reduce_rows(gram, head)
+            gram = set_gram_row(gram, head, self.summed_head_row)
         order = self.chronological(head)
         order_c = order.to(self.compute_device)
         chrono = gram[order_c][:, order_c]
         weights = solve_weights(chrono, num_residuals.to(self.compute_device), self.config.reg)
+        if self.shards is not None:
+            self.weights = weights
+            self.chrono_norms = torch.diagonal(chrono).clamp(min=0.0).sqrt()
         return weights, order_c
 
     def to_ring_order(self, chrono_values: Tensor, order: Tensor) -> Tensor:
         return torch.zeros_like(chrono_values).index_copy(0, order, chrono_values)
 
     def finite(self, leaves: list[Tensor]) -> Tensor:
+        if self.shards is not None:
+            # A local check would differ between ranks; the certificate is the same on all.
+            return self.certified_finite()
+        # Checked against the params' dtype, which the mix is cast to: a float32 mix of fp16
+        # params can be finite and still overflow there. NaN fails both comparisons.
         flag = torch.ones((), dtype=torch.bool)
-        for t in leaves:
-            flag = flag & torch.isfinite(t).all().cpu()
+        for t, p in zip(leaves, self.params):
+            if t.numel() == 0:
+                continue
+            limit = torch.finfo(p.dtype).max
+            low, high = torch.aminmax(t)
+            flag = flag & ((low >= -limit) & (high <= limit)).cpu()
         return flag
 
     def to_params(self, leaves: list[Tensor]) -> list[Tensor]:
+        """Leaves moved to the params' devices and dtypes. From a page-locked CPU window to
+        CUDA the copy is asynchronous (stream-ordered before any use of the params)."""
         return [
             v.to(device=p.device, dtype=p.dtype, non_blocking=True)
             for v, p in zip(leaves, self.params)
@@ -390,9 +591,11 @@ class _Step:
         def decide() -> Tensor:
             loss_x = self.loss_fn(tree.unflatten(self.spec, x))
             loss_y = self.loss_fn(tree.unflatten(self.spec, y))
-            for name, loss in (("loss_fn(params)", loss_x),):
+            for loss in (loss_x, loss_y):
                 if not isinstance(loss, Tensor) or loss.numel() != 1:
-                    raise TypeError(f"anderson.update: {name} must return a scalar tensor")
+                    raise TypeError("anderson.update: `loss_fn` must return a scalar tensor")
+            if self.shards is not None:
+                loss_x, loss_y = self.shards.mean_losses(loss_x, loss_y)
             better = torch.isfinite(loss_x) & (loss_x < loss_y)
             return gate & better.reshape(()).cpu()
 
@@ -412,6 +615,73 @@ class _Step:
     def new_state(self, **fields: Any) -> AndersonState:
         return self.state._replace(count=self.count, inner_state=self.inner_state, **fields)
 
+    # -- sharded params (DTensor / FSDP2; see distributed.py) ------------------------------
+    def reduce_rows(
+        self, gram: Tensor, head: Tensor, new_row: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The step's one all_reduce over the shard group.
+
+        Sums ``[gram[head], new_row, base bound]`` over ranks: the row of the previous newest
+        residual (kept as this rank's partial sums because the safeguard may have replaced
+        that residual after the previous reduction), the partial row of the residual appended
+        now, and this rank's bound for :meth:`certified_finite`.
+
+        Returns ``(gram with row head summed, the summed new row, or the summed row head)``.
+        """
+        q = self.q
+        parts = [gram[head.to(gram.device)]]
+        if new_row is not None:
+            parts.append(new_row.to(gram.device))
+        parts.append(self.local_base_bound().to(gram.device).reshape(1))
+        total = self.shards.all_sum(torch.cat(parts))
+        self.base_bound = total[-1]
+        gram = set_gram_row(gram, head, total[:q])
+        return gram, (total[q:-1] if new_row is not None else total[:q])
+
+    def local_base_bound(self) -> Tensor:
+        """This rank's largest magnitude of the combination's base (0 if no mix can happen).
+
+        Mode "aadl": the anchor, old (``state.anchor``) or new (``y = x + u``, bounded by
+        ``max|x| + max|u|``, also when ``x`` already holds ``y``). Mode "classic": the iterates.
+        """
+        config = self.config
+        may_mix = (self.count > config.wait_iterations) & (self.count % config.frequency == 0)
+        known = tree.static_value(may_mix)
+        device = self.compute_device
+        if known is not None and not known:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        if config.mode == "aadl":
+            anchor = tree.flatten(self.state.anchor, "state.anchor")[0]
+            newest = distributed.max_abs(self.params, device)
+            newest = newest + distributed.max_abs(self.updates, device)
+            return torch.maximum(distributed.max_abs(anchor, device), newest)
+        iterates = [
+            leaf for entry in self.state.iterates for leaf in tree.flatten(entry, "iterates")[0]
+        ]
+        return torch.maximum(
+            distributed.max_abs(iterates, device), distributed.max_abs(self.params, device)
+        )
+
+    def certified_finite(self) -> Tensor:
+        r"""Whether the mix is certainly finite, from reduced quantities only (same on all ranks).
+
+        With :math:`A` the summed base bound and :math:`\|r_s\| = \sqrt{G_{ss}}`, every entry
+        of the mix is bounded by :math:`A + \sum_s |c_s| \|r_s\|` (aadl,
+        :math:`x = a - \sum_s c_s r_s`) or :math:`A \sum_i |\alpha_i| + \beta \sum_i
+        |\alpha_i| \|r_i\|` (classic); the mix is accepted when that bound is at most half
+        the largest value of the parameter and compute dtypes.
+        """
+        alpha = self.weights.alpha
+        if self.config.mode == "aadl":
+            c = aadl_coefficients(alpha, self.config.relaxation).abs()
+            spread = torch.where(c > 0, c * self.chrono_norms, 0.0).sum()
+            bound = self.base_bound + spread
+        else:
+            a = alpha.abs()
+            spread = torch.where(a > 0, a * self.chrono_norms, 0.0).sum()
+            bound = self.base_bound * a.sum() + self.config.relaxation * spread
+        return (bound <= self.overflow_limit).cpu()
+
 
 class _AadlStep(_Step):
     def run(self) -> tuple[Params, AndersonState]:
@@ -425,8 +695,18 @@ class _AadlStep(_Step):
         num_residuals = torch.clamp(state.window_size - 1, min=0)
 
         def append_residual() -> tuple:
-            residual = [(yh - a).to(config.history_dtype_of(a)) for yh, a in zip(y_hist, anchor)]
-            residual = self.to_history(residual, self.ring[0])
+            slot = tree.static_value((state.head + 1) % self.q) if self.inplace else None
+            if slot is not None:
+                # In place the difference goes straight into its ring slot (rounded to the
+                # history dtype once): appending allocates nothing parameter-sized.
+                residual = [
+                    torch.sub(yh, a, out=r) for yh, a, r in zip(y_hist, anchor, self.ring[slot])
+                ]
+            else:
+                residual = [
+                    (yh - a).to(config.history_dtype_of(a)) for yh, a in zip(y_hist, anchor)
+                ]
+                residual = self.to_history(residual, self.ring[0])
             return self.append(self.ring, state.gram, state.head, num_residuals, residual)
 
         no_append = (
@@ -445,8 +725,7 @@ class _AadlStep(_Step):
                 for a, v in zip(anchor, y_hist):
                     a.copy_(v)
                 return anchor
-            # The window owns its buffers: never share storage with the returned params.
-            return [v.clone() if v is yv else v for v, yv in zip(y_hist, y)]
+            return self.owned(y_hist, y)
 
         anchor = select(store, store_anchor, anchor)
         window_size = torch.where(
@@ -455,31 +734,72 @@ class _AadlStep(_Step):
             state.window_size,
         )
 
+        # Step 5, AADL's moving average (see aadl_func._src.average): decided on the window of
+        # plain iterates before any mix. When it applies, the window is too noisy to
+        # extrapolate from, so this call skips the mix (and its loss evaluations).
+        averaged = torch.zeros((), dtype=torch.bool)
+        if config.average:
+
+            def average() -> tuple[list[Tensor], Tensor]:
+                return window_average(
+                    anchor,
+                    ring,
+                    gram,
+                    head,
+                    window_size,
+                    tol=config.average_tol,
+                    compute_dtypes=self.compute_dtypes,
+                )
+
+            no_mean = [torch.zeros_like(a, dtype=c) for a, c in zip(anchor, self.compute_dtypes)]
+            mean_hist, averaged = select(window_size >= 2, average, (no_mean, averaged))
+
         gate = (
             (self.count > config.wait_iterations)
             & (self.count % config.frequency == 0)
             & (window_size >= 3)
+            & ~averaged
         )
+
+        def mix_into_params() -> list[Tensor] | None:
+            """The params' buffers when the mix can be written straight into them, saving a
+            parameter-sized allocation and a copy: in place, without the safeguard or the
+            moving average (both still read y there), unsharded, and only when this call
+            stored y in the anchor (same device, dtype, layout), which then undoes a
+            rejected mix."""
+            if not self.inplace or self.loss_fn is not None or config.average:
+                return None
+            if self.shards is not None or tree.static_value(store) is not True:
+                return None
+            for p, a, c in zip(self.params, anchor, self.compute_dtypes):
+                if (p.dtype, p.device, p.stride()) != (c, a.device, a.stride()):
+                    return None
+            return self.params
 
         def extrapolate() -> tuple[list[Tensor], Tensor]:
             weights, order = self.solve(gram, head, num_residuals)
             coefficients = aadl_coefficients(weights.alpha, config.relaxation)
+            into = mix_into_params()
             x_hist = combine(
                 anchor,
                 [ring],
                 -self.to_ring_order(coefficients, order),
                 self.compute_dtypes,
                 anchor,
+                out=into,
             )
             ok = weights.ok.cpu() & self.finite(x_hist)
+            if into is not None and not tree.static_value(ok):
+                for p, a in zip(self.params, anchor):
+                    p.copy_(a)  # back to y
             return x_hist, ok
 
-        zero_like_anchor = [
-            torch.zeros_like(a, dtype=c) for a, c in zip(anchor, self.compute_dtypes)
-        ]
-        x_hist, ok = select(
-            gate, extrapolate, (zero_like_anchor, torch.zeros((), dtype=torch.bool))
-        )
+        def no_mix() -> tuple[list[Tensor], Tensor]:
+            # Placeholders for the blend under vmap, built only on calls that do not mix.
+            zeros = [torch.zeros_like(a, dtype=c) for a, c in zip(anchor, self.compute_dtypes)]
+            return zeros, torch.zeros((), dtype=torch.bool)
+
+        x_hist, ok = select(gate, extrapolate, no_mix)
         mixable = gate & ok
         x = select(mixable, lambda: self.to_params(x_hist), y)
         use_mix = self.safeguard(mixable, x, y)
@@ -499,11 +819,15 @@ class _AadlStep(_Step):
                     for a, xa in zip(anchor, x_anchor):
                         a.copy_(xa)
                     x_anchor = anchor
+                else:
+                    x_anchor = self.owned(x_anchor, x)
                 return new_ring, set_gram_row(gram, head, row), x_anchor
 
             ring, gram, anchor = select(use_mix, replace_newest, (ring, gram, anchor))
 
-        out = self.output(use_mix, x, y)
+        if config.average:
+            x = select(averaged, lambda: self.to_params(mean_hist), x)
+        out = self.output(use_mix | averaged, x, y)
         new_state = self.new_state(
             anchor=tree.unflatten(self.spec, list(anchor)),
             residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
@@ -513,6 +837,7 @@ class _AadlStep(_Step):
             num_mixed=state.num_mixed + use_mix.long(),
             num_rejected=state.num_rejected + (mixable & ~use_mix).long(),
             num_nonfinite=state.num_nonfinite + (poisoned | (gate & ~ok)).long(),
+            num_averaged=state.num_averaged + averaged.long(),
         )
         return tree.unflatten(self.spec, out), new_state
 
@@ -520,16 +845,19 @@ class _AadlStep(_Step):
 class _ClassicStep(_Step):
     def run(self) -> tuple[Params, AndersonState]:
         config, state = self.config, self.state
+        if config.average:
+            # The rule averages a window of plain iterates; mode "classic" stores pairs
+            # (x_i, g(x_i) - x_i) whose Gram does not give the spread of the g(x_i).
+            raise ValueError("anderson: `average=True` is defined for mode='aadl' only")
         iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
         store = self.count % config.store_each_nth == 0
 
         def append_pair() -> tuple:
             slot = (state.head + 1) % self.q
             # x_k is copied into the window before an in-place step overwrites params.
-            new_iterates = write_slot(
-                iterates, slot, self.to_history(self.params, iterates[0]), self.inplace
-            )
-            residual = self.to_history(self.updates, self.ring[0])
+            point = self.owned(self.to_history(self.params, iterates[0]), self.params)
+            new_iterates = write_slot(iterates, slot, point, self.inplace)
+            residual = self.owned(self.to_history(self.updates, self.ring[0]), self.updates)
             ring, gram, head, size, poisoned = self.append(
                 self.ring, state.gram, state.head, state.window_size, residual
             )
@@ -565,8 +893,12 @@ class _ClassicStep(_Step):
             )
             return x_hist, weights.ok.cpu() & self.finite(x_hist)
 
-        zero_like = [torch.zeros_like(r, dtype=c) for r, c in zip(ring[0], self.compute_dtypes)]
-        x_hist, ok = select(gate, extrapolate, (zero_like, torch.zeros((), dtype=torch.bool)))
+        def no_mix() -> tuple[list[Tensor], Tensor]:
+            # Placeholders for the blend under vmap, built only on calls that do not mix.
+            zeros = [torch.zeros_like(r, dtype=c) for r, c in zip(ring[0], self.compute_dtypes)]
+            return zeros, torch.zeros((), dtype=torch.bool)
+
+        x_hist, ok = select(gate, extrapolate, no_mix)
         mixable = gate & ok
         x = select(mixable, lambda: self.to_params(x_hist), y)
         use_mix = self.safeguard(mixable, x, y)

@@ -8,14 +8,14 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
-from aadl_func._src.solve import MixingWeights, solve_weights
+from aadl_func._src.solve import MixingWeights, solve_coefficients
 from aadl_func._src.validation import check_float
 
 __all__ = ["mix", "mixing_weights", "aadl_coefficients"]
 
 
-def _window_differences(history: Any) -> tuple[list[Tensor], list[Tensor], Any, Tensor]:
-    """Float64 flattened iterates and their differences per leaf, plus the summed Gram."""
+def _window_leaves(history: Any) -> tuple[list[Tensor], Any, int]:
+    """The tensor leaves of ``history`` and its tree spec, checked to share a window dim >= 3."""
     leaves, spec = tree.flatten(history, "history")
     if not leaves:
         raise ValueError("`history` must contain at least one tensor")
@@ -30,22 +30,60 @@ def _window_differences(history: Any) -> tuple[list[Tensor], list[Tensor], Any, 
             raise TypeError(f"`history` leaf {i} must be floating point, got {leaf.dtype}")
     if window < 3:
         raise ValueError(f"`history` must hold at least 3 iterates (oldest first), got {window}")
+    return leaves, spec, window
+
+
+def _solve(leaves: list[Tensor], window: int, reg: float) -> tuple[MixingWeights, list]:
+    r"""The AADL weights of the window, with the float64 differences of every leaf.
+
+    The normal equations are formed from the second differences themselves,
+    :math:`H = \Delta R^\top \Delta R` and :math:`c = \Delta R^\top \Delta X_{:, -1}`, all in
+    float64: differencing a residual Gram matrix instead would cancel catastrophically when
+    consecutive steps are nearly equal (slowly varying steps are the common case in training).
+    """
     solve_device = leaves[0].device
-    iterates = [leaf.reshape(window, -1).to(torch.float64) for leaf in leaves]
-    differences = [x[1:] - x[:-1] for x in iterates]
-    gram = sum((d @ d.mT).to(solve_device) for d in differences)
-    return iterates, differences, spec, gram
+    m = window - 2
+    h = torch.zeros(m, m, dtype=torch.float64, device=solve_device)
+    c = torch.zeros(m, dtype=torch.float64, device=solve_device)
+    residual_sq = torch.zeros(window - 1, dtype=torch.float64, device=solve_device)
+    per_leaf = []
+    for leaf in leaves:
+        x = leaf.reshape(window, -1).to(torch.float64)
+        dx = x[1:] - x[:-1]
+        dr = dx[1:] - dx[:-1]
+        h = h + (dr @ dr.mT).to(solve_device)
+        c = c + (dr @ dx[-1]).to(solve_device)
+        residual_sq = residual_sq + (dx * dx).sum(-1).to(solve_device)
+        per_leaf.append((x, dx, dr))
+    ok = torch.isfinite(h).all() & torch.isfinite(c).all() & torch.isfinite(residual_sq).all()
+    # Non-finite sums (an overflowing window) give gamma = 0: the plain newest iterate.
+    h = torch.where(ok, h, 0.0)
+    c = torch.where(ok, c, 0.0)
+    residual_sq = torch.where(ok, residual_sq, 0.0)
+    gamma = solve_coefficients(h, c, residual_sq.max(), reg)
+    alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
+    # ||DX[:, -1] - DR gamma|| from the data, not from the (cancelling) quadratic form.
+    mixed_sq = torch.zeros((), dtype=torch.float64, device=solve_device)
+    for _, dx, dr in per_leaf:
+        r = dx[-1] - gamma.to(dr.device) @ dr
+        mixed_sq = mixed_sq + (r * r).sum().to(solve_device)
+    mixed_sq = torch.where(ok, mixed_sq, residual_sq[-1])
+    return MixingWeights(gamma, alpha, mixed_sq.sqrt(), ok), per_leaf
 
 
 def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:
-    """Diagnostics of :func:`mix`: the AADL least-squares coefficients for a window.
+    r"""Diagnostics of :func:`mix`: the AADL least-squares coefficients for a window.
 
     Returns :class:`MixingWeights` ``(gamma, alpha, residual_norm, ok)`` for the residuals
-    ``DX[:, i] = X[:, i+1] - X[:, i]`` of ``history`` (see :func:`mix`).
+    ``DX[:, i] = X[:, i+1] - X[:, i]`` of ``history`` (see :func:`mix`): ``gamma`` minimises
+    :math:`\|\Delta X_{:, -1} - \Delta R\,\gamma\|^2 + \mathrm{reg}\,\|\gamma\|^2`,
+    ``residual_norm`` is :math:`\|\Delta X_{:, -1} - \Delta R\,\gamma\|` and ``ok`` is False
+    when the window's float64 inner products overflowed (then ``gamma = 0``).
     """
     reg = check_float("mixing_weights", "reg", reg, minimum=0.0)
-    _, _, _, gram = _window_differences(history)
-    return solve_weights(gram, gram.shape[-1], reg)
+    leaves, _, window = _window_leaves(history)
+    weights, _ = _solve(leaves, window, reg)
+    return weights
 
 
 def aadl_coefficients(alpha: Tensor, relaxation: float) -> Tensor:
@@ -54,7 +92,8 @@ def aadl_coefficients(alpha: Tensor, relaxation: float) -> Tensor:
     Writing every window entry through the newest one, :math:`x_i = x_{k-1} - \sum_{j \ge i}
     \Delta x_j`, the relaxed AADL point
     :math:`\sum_i \alpha_i((1-\beta) x_i + \beta x_{i+1})` becomes
-    :math:`x_{k-1} - \sum_j (A_j - \beta \alpha_j) \Delta x_j` with :math:`A = \mathrm{cumsum}(\alpha)`.
+    :math:`x_{k-1} - \sum_j (A_j - \beta \alpha_j) \Delta x_j` with
+    :math:`A = \mathrm{cumsum}(\alpha)`.
     """
     return torch.cumsum(alpha, 0) - relaxation * alpha
 
@@ -75,11 +114,13 @@ def mix(history: Any, *, relaxation: float = 1.0, reg: float = 0.0) -> Any:
         x &= \beta\, x_{\mathrm{extr}} + (1 - \beta)\, X[:, :-1]\,\alpha, \quad
         \alpha = (\gamma_0, \gamma_1 - \gamma_0, \dots, 1 - \gamma_{k-3})
 
-    with :math:`\beta` = ``relaxation``. The least-squares problem is solved by
-    :func:`aadl_func.solve_weights` (float64, eigen-decomposition pseudo-inverse, one algorithm
-    on every device); the combination is formed in float64 and cast back to each leaf's dtype.
-    Finite input gives finite output: should the combination overflow the leaf dtype, the
-    newest iterate is returned instead.
+    with :math:`\beta` = ``relaxation``. The differences, the normal equations
+    :math:`\Delta R^\top \Delta R` and :math:`\Delta R^\top \Delta X[:, -1]` and the combination
+    are all formed in float64 and the small problem is solved by
+    :func:`aadl_func._src.solve.solve_coefficients` (eigen-decomposition pseudo-inverse, one
+    algorithm on every device); the result is cast back to each leaf's dtype. Finite input
+    gives finite output: should the float64 sums or the combination overflow, the newest
+    iterate is returned instead.
 
     Args:
       history: tensor or pytree of tensors with a leading window dimension, oldest first.
@@ -96,12 +137,11 @@ def mix(history: Any, *, relaxation: float = 1.0, reg: float = 0.0) -> Any:
     """
     relaxation = check_float("mix", "relaxation", relaxation, minimum=0.0, strict=True)
     reg = check_float("mix", "reg", reg, minimum=0.0)
-    iterates, differences, spec, gram = _window_differences(history)
-    weights = solve_weights(gram, gram.shape[-1], reg)
+    leaves, spec, window = _window_leaves(history)
+    weights, per_leaf = _solve(leaves, window, reg)
     coefficients = aadl_coefficients(weights.alpha, relaxation)
-    leaves, _ = tree.flatten(history, "history")
     mixed, newest = [], []
-    for leaf, x, dx in zip(leaves, iterates, differences):
+    for leaf, (x, dx, _) in zip(leaves, per_leaf):
         c = coefficients.to(dx.device)
         combined = x[-1] - c @ dx
         mixed.append(combined.to(leaf.dtype).reshape(leaf.shape[1:]))

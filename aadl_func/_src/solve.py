@@ -1,9 +1,11 @@
 """The small least-squares problem of Anderson acceleration, solved once, in float64.
 
 Every mixing path (the pure :func:`aadl_func.mix` reference, the incremental window of
-:func:`aadl_func.anderson`, the sharded window) reduces the window to the Gram matrix of its
-residual vectors and calls :func:`solve_weights`. Keeping this in one place is what makes CPU
-and GPU agree: AADL's users got different answers from ``torch.linalg.lstsq`` on the two
+:func:`aadl_func.anderson`, the sharded window) reduces the window to a few float64 inner
+products and solves the small problem with :func:`solve_coefficients`, either directly (from
+the residual differences, as ``mix`` does) or through :func:`solve_weights` (from the Gram
+matrix of the residuals, as the incremental window does). Keeping this in one place is what
+makes CPU and GPU agree: AADL's users got different answers from ``torch.linalg.lstsq`` on the two
 devices (pivoted QR on CPU, unpivoted QR on CUDA) exactly when the window was rank deficient.
 """
 
@@ -14,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["MixingWeights", "solve_weights", "RTOL"]
+__all__ = ["MixingWeights", "solve_weights", "solve_coefficients", "RTOL"]
 
 # Eigenvalues of the projected Gram below RTOL * (largest residual norm squared) are treated
 # as zero. Gram entries carry float64 rounding of order eps64 * ||f_i|| ||f_j||, so anything
@@ -59,6 +61,13 @@ def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> Mi
     :math:`\Delta F`; with 16 digits that still resolves cond(DF) up to ~1e6, far beyond the
     float32 data the window holds, and the Gram is never formed in the history's precision.
 
+    Forming :math:`D^\top G D` from :math:`G` cancels when the residuals change little across
+    the window: the entries of :math:`G` carry rounding of order
+    :math:`\epsilon \max_i \|f_i\|^2`, so :math:`\gamma` is accurate to about
+    :math:`\epsilon\, (\max_i \|f_i\| / \sigma_{\min}(\Delta F))^2` rather than
+    :math:`\epsilon\, \mathrm{cond}(\Delta F)^2`. Callers holding the differences should
+    use :func:`solve_coefficients` directly.
+
     Only the last ``num_valid`` residuals take part (the window may not be full yet); the
     others get zero weight. Written without data-dependent Python control flow, so it runs
     under ``torch.func.vmap``.
@@ -83,26 +92,71 @@ def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> Mi
     ok = torch.isfinite(torch.where(pair, gram, 0.0)).all()
     g = torch.where(pair & ok, gram, 0.0)
 
+    # Scaled to max_i ||f_i||^2 = 1 (|G_ij| <= 1), so differencing cannot overflow near the
+    # float64 limit and eigh sees O(1) entries whatever the parameters' scale.
+    gmax = torch.diagonal(g).max()
+    unit = torch.where(gmax > 0, gmax, torch.ones_like(gmax))
+    g = g / unit
+
     # D^T G D and D^T G e_last without forming D: differences of rows, then of columns.
     g_cols = g[:, 1:] - g[:, :-1]
     h = g_cols[1:, :] - g_cols[:-1, :]
     b = g[1:, -1] - g[:-1, -1]
 
-    gamma_valid = valid[:-1]
-    gmax = torch.diagonal(g).max()
-    unit = torch.where(gmax > 0, gmax, torch.ones_like(gmax))
-    # Invalid unknowns get a decoupled diagonal of the problem's own scale: gamma_j = 0 there.
-    h = torch.where(gamma_valid[:, None] & gamma_valid[None, :], h, 0.0)
-    h = h + torch.diag(torch.where(gamma_valid, 0.0, unit))
-    b = torch.where(gamma_valid, b, 0.0)
+    gamma = solve_coefficients(h, b, torch.ones_like(unit), reg / unit, valid=valid[:-1])
+    alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
+    residual_sq = (alpha @ g @ alpha).clamp(min=0.0) * unit
+    return MixingWeights(gamma, alpha, residual_sq.sqrt(), ok)
+
+
+def solve_coefficients(
+    dr_gram: Tensor,
+    dr_rhs: Tensor,
+    residual_scale: Tensor,
+    reg: float = 0.0,
+    valid: Tensor | None = None,
+) -> Tensor:
+    r"""The regularised least-squares coefficients from the normal equations of :math:`\Delta F`.
+
+    Returns :math:`\gamma = (H + \mathrm{reg}\, I)^{+} c` with :math:`H = \Delta F^\top \Delta F`
+    (``dr_gram``) and :math:`c = \Delta F^\top f_{q-1}` (``dr_rhs``), the pseudo-inverse taken
+    through a float64 symmetric eigen-decomposition whose eigenvalues below
+    ``RTOL * residual_scale`` are dropped (``residual_scale`` is :math:`\max_i \|f_i\|^2`, so
+    differences at the rounding level of the residuals never produce huge coefficients; a
+    rank-deficient problem gets its minimum-norm solution).
+
+    This is the single place where the small problem is solved. :func:`solve_weights` reaches it
+    from a residual Gram matrix :math:`F^\top F` by differencing; a caller that holds the
+    differences themselves (:func:`aadl_func.mix`) forms :math:`H` and :math:`c` directly,
+    which avoids the cancellation of differencing :math:`F^\top F` when the residuals change
+    little across the window (:math:`\|\Delta F\| \ll \|F\|`).
+
+    Args:
+      dr_gram: ``(m, m)`` float64 :math:`H`.
+      dr_rhs: ``(m,)`` float64 :math:`c`.
+      residual_scale: 0-d float64, :math:`\max_i \|f_i\|^2` (1 is used when it is 0).
+      reg: absolute Tikhonov weight, ``>= 0``.
+      valid: optional ``(m,)`` bool mask; the other unknowns are decoupled and get
+        :math:`\gamma_j = 0`.
+
+    Returns:
+      ``(m,)`` float64 :math:`\gamma`.
+    """
+    unit = torch.where(residual_scale > 0, residual_scale, torch.ones_like(residual_scale))
+    h, b = dr_gram, dr_rhs
+    if valid is not None:
+        # Invalid unknowns get a decoupled diagonal of the problem's own scale: gamma_j = 0.
+        h = torch.where(valid[:, None] & valid[None, :], h, 0.0)
+        h = h + torch.diag(torch.where(valid, 0.0, unit))
+        b = torch.where(valid, b, 0.0)
 
     eigvals, eigvecs = torch.linalg.eigh(h)
     shifted = eigvals.clamp(min=0.0) + reg
     keep = shifted > RTOL * unit
     inverse = torch.where(keep, 1.0 / torch.where(keep, shifted, 1.0), 0.0)
     gamma = eigvecs @ (inverse * (eigvecs.mT @ b))
-    gamma = torch.where(gamma_valid, gamma, 0.0)
-
-    alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
-    residual_sq = (alpha @ g @ alpha).clamp(min=0.0)
-    return MixingWeights(gamma, alpha, residual_sq.sqrt(), ok)
+    if valid is not None:
+        gamma = torch.where(valid, gamma, 0.0)
+    # Inputs at the edge of the float64 range can still round to Inf/NaN: fall back to
+    # gamma = 0, the plain newest iterate, rather than let them reach the parameters.
+    return torch.where(torch.isfinite(gamma).all(), gamma, 0.0)

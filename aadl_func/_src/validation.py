@@ -7,7 +7,18 @@ import numbers
 
 import torch
 
-__all__ = ["check_int", "check_float", "check_device", "check_dtype", "check_choice"]
+__all__ = [
+    "check_int",
+    "check_float",
+    "check_device",
+    "check_dtype",
+    "check_choice",
+    "check_bool",
+    "check_callable",
+    "same_device",
+    "check_leaf_dtypes",
+    "check_leaf_devices",
+]
 
 
 def check_int(owner: str, name: str, value: object, minimum: int) -> int:
@@ -52,3 +63,45 @@ def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...])
     if value not in choices:
         raise ValueError(f"{owner}: `{name}` must be one of {choices}, got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def check_bool(owner: str, name: str, value: object) -> bool:
+    # ``inplace=1`` or ``inplace="yes"`` would silently pick a code path; demand a real bool.
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: `{name}` must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_callable(owner: str, name: str, value: object) -> None:
+    if not callable(value):
+        raise TypeError(f"{owner}: `{name}` must be callable, got {type(value).__name__}")
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices agree; an index-less device (``"cuda"``) matches any index."""
+    if a == b:  # the common case, and a cheap one: this runs per leaf on every step
+        return True
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def check_leaf_dtypes(
+    owner: str, name: str, leaves: list, dtypes: list[torch.dtype], expected: str
+) -> None:
+    """Raises ``TypeError`` naming ``name`` and the first leaf whose dtype is not expected."""
+    for i, (leaf, dtype) in enumerate(zip(leaves, dtypes)):
+        if leaf.dtype != dtype:
+            raise TypeError(
+                f"{owner}: `{name}` leaf {i} has dtype {leaf.dtype}, expected {dtype} ({expected})"
+            )
+
+
+def check_leaf_devices(
+    owner: str, name: str, leaves: list, devices: list[torch.device], expected: str
+) -> None:
+    """Raises ``ValueError`` naming ``name`` and the first leaf on an unexpected device."""
+    for i, (leaf, device) in enumerate(zip(leaves, devices)):
+        if not same_device(leaf.device, device):
+            raise ValueError(
+                f"{owner}: `{name}` leaf {i} is on device {leaf.device}, expected {device} "
+                f"({expected})"
+            )

@@ -1,16 +1,32 @@
-"""Passes over the ring window: the Gram row of a new residual and the mixing combination.
+r"""Passes over the ring window: the Gram row of a new residual and the mixing combination.
 
 The window is a ring of ``Q`` slots, each a list of tensors (one per parameter leaf) living
 on the history device in the history dtype. A step makes at most two passes over it:
 
-* :func:`gram_row` -- the inner products of one new slot with every slot, accumulated in
-  float64 (an O(Q n) pass that keeps the Gram matrix exact up to float64 rounding);
-* :func:`combine` -- ``base + sum_s w_s slot_s`` (an O(Q n) pass).
+* :func:`gram_row` -- :math:`\langle s_j, v \rangle` for every slot :math:`s_j`, accumulated
+  in float64 from the stored values (products of float32 or bf16 numbers are exact in
+  float64, so the Gram matrix is exact up to float64 summation rounding);
+* :func:`combine` -- :math:`b + \sum_j w_j s_j` in the compute dtype.
 
-Both stream the window in chunks of a few hundred kilobytes: a chunk of every slot is
-upcast in cache, so no window-sized (or even parameter-sized) float64 temporary is ever
-built, and ``torch.stack``/``torch.cat`` never touch the whole window. ``flat_view`` lines
-slots up element by element, so ``channels_last`` buffers stream without copies.
+Both are O(Q n) and never build a window-sized temporary: ``torch.stack``/``torch.cat`` never
+touch the whole window, and no parameter-sized float64 copy is made.
+
+How fast they run depends on the layout, which :func:`new_ring` chooses: it allocates the
+``Q`` slots of a leaf as equally spaced rows of one buffer. A pass then sees the window as
+one strided ``(Q, n)`` matrix without copying it, so
+
+* a pass whose dtypes already match is a single BLAS matrix-vector product over the window
+  (``torch.mv``/``torch.addmv`` on the strided view), exactly the two passes that bound any
+  Anderson step from below;
+* a pass that must widen the data (a float32 or bf16 window into the float64 Gram) streams it
+  in chunks of ``Q x chunk`` elements: each chunk is converted with one copy into a small
+  float64 buffer that stays in cache, then multiplied there.
+
+Slots that are not rows of one buffer (the pure ``inplace=False`` path replaces a slot by a
+new tensor each step) take the same chunked route, one copy per slot and chunk. Under
+``torch.func`` transforms the slots are gathered per chunk with ``torch.stack``. ``flat_view``
+lines slots up element by element in storage order, so ``channels_last`` buffers stream
+without copies.
 """
 
 from __future__ import annotations
@@ -24,43 +40,208 @@ from torch import Tensor
 
 from aadl_func._src import tree
 
-__all__ = ["chunk_size", "gram_row", "combine", "write_slot", "select", "set_gram_row"]
+__all__ = [
+    "chunk_size",
+    "new_ring",
+    "gram_row",
+    "combine",
+    "write_slot",
+    "select",
+    "set_gram_row",
+]
 
 T = TypeVar("T")
 
-# Elements per chunk across all slots: 2^19 float64 values (4 MiB) fit in a last-level cache.
-_CHUNK_ELEMENTS = 1 << 19
+# Elements per chunk across all slots: 2^16 float64 values (512 KiB) stay in a core's L2
+# cache while they are converted and multiplied. Larger chunks fall out of cache, smaller
+# ones pay Python's per-operation overhead more often (measured on a 2-core Xeon VM).
+_CHUNK_ELEMENTS = 1 << 16
+_MIN_CHUNK = 1 << 10
+# On an accelerator every chunk is a kernel launch: chunks of 2^22 float64 values (32 MiB)
+# keep launches few while the buffer stays far below a large model's parameter size.
+_DEVICE_CHUNK_ELEMENTS = 1 << 22
 
 
-def chunk_size(num_slots: int) -> int:
-    return max(1 << 12, _CHUNK_ELEMENTS // max(num_slots, 1))
+def chunk_size(num_slots: int, device: torch.device | None = None) -> int:
+    """Elements per slot in one chunk of a streaming pass over ``num_slots`` slots."""
+    total = _CHUNK_ELEMENTS if device is None or device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
+    return max(_MIN_CHUNK, total // max(num_slots, 1))
+
+
+def _buffer_width(num_slots: int, numel: int, device: torch.device) -> int:
+    """Chunk width of a widening pass: a chunk size, capped so that the ``num_slots x width``
+    float64 buffer is at most about one float32 parameter (``4 numel`` bytes)."""
+    cap = max(_MIN_CHUNK, numel // (2 * max(num_slots, 1)))
+    return min(chunk_size(num_slots, device), cap, numel)
+
+
+def new_ring(
+    like: Tensor,
+    num_slots: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    pin_memory: bool = False,
+) -> list[Tensor]:
+    """``num_slots`` zeroed window slots shaped and strided like ``like``: rows of one buffer.
+
+    Every slot is a view of one ``num_slots * like.numel()`` allocation, ``like``'s strides
+    (``channels_last`` included) kept, so the passes of this module see the ring as one
+    ``(num_slots, n)`` matrix. In-place updates keep this layout; a slot replaced by a new
+    tensor (the pure path) only makes the passes take their chunked route.
+
+    Args:
+      like: a parameter leaf; its shape and memory format are copied.
+      num_slots: ``Q``.
+      dtype: the history dtype.
+      device: the history device.
+      pin_memory: page-lock the buffer (a CPU window serving CUDA params).
+    """
+    if tree.is_transformed(like):
+        # Under vmap each slot must be a batched tensor of its own.
+        return [
+            torch.zeros_like(like, dtype=dtype, device=device, memory_format=torch.preserve_format)
+            for _ in range(num_slots)
+        ]
+    strides = torch.empty_like(
+        like, dtype=dtype, device="meta", memory_format=torch.preserve_format
+    ).stride()
+    numel = like.numel()
+    buffer = torch.zeros(num_slots * numel, dtype=dtype, device=device, pin_memory=pin_memory)
+    return [buffer.as_strided(like.shape, strides, s * numel) for s in range(num_slots)]
+
+
+def _runs(flats: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
+    """Groups consecutive flat slots into ``(first slot, (k, n) view)`` runs.
+
+    Slots ``i .. i + k - 1`` form a run when they are equally spaced, non-overlapping views
+    of one storage (as :func:`new_ring` makes them); the run is then a strided matrix over
+    that storage, no copy made. Any other slot is a run of one.
+    """
+    runs: list[tuple[int, Tensor]] = []
+    numel = flats[0].shape[0]
+    start = 0
+    while start < len(flats):
+        first = flats[start]
+        stop = start + 1
+        if first.stride(0) == 1 and numel > 0:
+            ptr = first.untyped_storage().data_ptr()
+            spacing = None
+            while stop < len(flats):
+                f = flats[stop]
+                if (
+                    f.dtype != first.dtype
+                    or f.device != first.device
+                    or f.stride(0) != 1
+                    or f.untyped_storage().data_ptr() != ptr
+                ):
+                    break
+                gap = f.storage_offset() - flats[stop - 1].storage_offset()
+                if gap < numel or (spacing is not None and gap != spacing):
+                    break
+                spacing = gap
+                stop += 1
+            if spacing is not None:
+                view = first.as_strided((stop - start, numel), (spacing, 1))
+                runs.append((start, view))
+                start = stop
+                continue
+        runs.append((start, first.unsqueeze(0)))
+        start = stop
+    return runs
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Whether two flat views are the same elements (e.g. the residual just written)."""
+    return (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
 
 
 def gram_row(
     slots: Sequence[Sequence[Tensor]], vector: Sequence[Tensor], device: torch.device
 ) -> Tensor:
-    """``row[s] = <slots[s], vector>`` summed over leaves, in float64, on ``device``.
+    r"""``row[s] = <slots[s], vector>`` summed over leaves, in float64, on ``device``.
+
+    .. math::
+
+        \mathrm{row}_s = \sum_{\mathrm{leaves}} \sum_i \mathrm{f64}(s_{s,i})\,
+        \mathrm{f64}(v_i)
+
+    The pass runs where the slots live; only the ``Q`` results move to ``device``.
 
     Args:
       slots: ``slots[s][leaf]`` window tensors.
-      vector: one tensor per leaf, laid out like the slots (same strides).
-      device: where the result (``Q`` scalars) goes; the pass itself runs where slots live.
+      vector: one tensor per leaf, laid out like the slots (same strides); it may be one of
+        the slots (the residual just written), which is then converted only once.
+      device: where the result (``Q`` scalars) goes.
     """
     row = torch.zeros(len(slots), dtype=torch.float64, device=device)
     for leaf_index, v in enumerate(vector):
         flats = [tree.flat_view(slot[leaf_index]) for slot in slots]
         v_flat = tree.flat_view(v)
-        numel = v_flat.shape[0]
-        step = chunk_size(len(slots))
-        partial = None
-        for start in range(0, numel, step):
-            stop = min(start + step, numel)
-            block = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
-            contribution = torch.mv(block, v_flat[start:stop].to(torch.float64))
-            partial = contribution if partial is None else partial + contribution
+        if tree.is_transformed(v_flat) or any(tree.is_transformed(f) for f in flats):
+            partial = _gram_leaf_transformed(flats, v_flat)
+        else:
+            partial = _gram_leaf(flats, v_flat)
         if partial is not None:
             row = row + partial.to(device)
     return row
+
+
+def _gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
+    q, numel = len(flats), v.shape[0]
+    if numel == 0:
+        return None
+    runs = _runs(flats)
+    f64 = torch.float64
+    partial = torch.zeros(q, dtype=f64, device=v.device)
+    if v.dtype == f64 and all(block.dtype == f64 for _, block in runs):
+        # Nothing to widen: one BLAS product per run over the whole vector.
+        for first, block in runs:
+            torch.mv(block, v, out=partial[first : first + block.shape[0]])
+        return partial
+    step = _buffer_width(q, numel, v.device)
+    buffer = torch.empty(q, step, dtype=f64, device=v.device)
+    # Chunk views made in one call per run (cheaper than slicing chunk by chunk).
+    pieces = [(first, block.shape[0], block.split(step, dim=1)) for first, block in runs]
+    v_row = next((s for s, f in enumerate(flats) if _same(f, v)), None)
+    if v_row is None:
+        v_pieces = v.split(step)
+        v_buffer = torch.empty(step, dtype=f64, device=v.device)
+    else:
+        v_full = buffer[v_row]
+    for i in range(len(pieces[0][2])):
+        width = pieces[0][2][i].shape[1]
+        b = buffer if width == step else buffer[:, :width]
+        if len(pieces) == 1:
+            b.copy_(pieces[0][2][i])
+        else:
+            for first, k, chunks in pieces:
+                b[first : first + k].copy_(chunks[i])
+        if v_row is None:
+            v_chunk = v_buffer[:width].copy_(v_pieces[i])
+        else:
+            v_chunk = v_full if width == step else b[v_row]
+        partial.addmv_(b, v_chunk)
+    return partial
+
+
+def _gram_leaf_transformed(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
+    """The same pass for tensors wrapped by a torch.func transform (batched under vmap)."""
+    numel = v.shape[0]
+    step = chunk_size(len(flats), v.device)
+    partial = None
+    for start in range(0, numel, step):
+        stop = min(start + step, numel)
+        block = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
+        contribution = torch.mv(block, v[start:stop].to(torch.float64))
+        partial = contribution if partial is None else partial + contribution
+    return partial
 
 
 def combine(
@@ -69,8 +250,17 @@ def combine(
     weights: Tensor,
     compute_dtypes: Sequence[torch.dtype],
     like: Sequence[Tensor],
+    out: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:
-    """``base + sum_s weights[s] * slot_s`` per leaf, slots taken from ``rings`` in order.
+    r"""``base + sum_s weights[s] * slot_s`` per leaf, slots taken from ``rings`` in order.
+
+    .. math::
+
+        x = b + \sum_s w_s\, s_s \quad \text{(in the compute dtype)}
+
+    One pass over the window where it lives; the result is the only parameter-sized
+    allocation (page-locked when ``like`` is, so that it can be sent to an accelerator
+    asynchronously), none with ``out``.
 
     Args:
       base: one tensor per leaf, or None for zero.
@@ -78,39 +268,109 @@ def combine(
       weights: ``(total slots,)`` float64 weights (any device).
       compute_dtypes: per leaf, the dtype of the accumulation (float32 or float64).
       like: per leaf, a tensor whose layout the result takes (on the slots' device).
+      out: per leaf, a tensor to write the result into instead (laid out like ``like``, in
+        the compute dtype, on the slots' device, overlapping none of the inputs).
     """
     slots = [slot for ring in rings for slot in ring]
-    out = []
+    results = []
     for leaf_index, template in enumerate(like):
         cdt = compute_dtypes[leaf_index]
         device = slots[0][leaf_index].device
         w = weights.to(device=device, dtype=cdt)
         flats = [tree.flat_view(slot[leaf_index]) for slot in slots]
         base_flat = None if base is None else tree.flat_view(base[leaf_index])
-        numel = flats[0].shape[0]
-        step = chunk_size(len(slots))
-        transformed = tree.is_transformed(flats[0]) or tree.is_transformed(w)
+        transformed = any(tree.is_transformed(t) for t in [w, *flats]) or (
+            base_flat is not None and tree.is_transformed(base_flat)
+        )
         if transformed:
-            result = None
-            pieces = []
+            result = _combine_leaf_transformed(base_flat, flats, w, cdt, template)
+            results.append(result if out is None else out[leaf_index].copy_(result))
+            continue
+        if out is None:
+            result = _empty_like(template, cdt, device, pin_memory=_is_pinned(template))
         else:
-            result = torch.empty_like(template, dtype=cdt, device=device)
-            result_flat = tree.flat_view(result)
+            result = out[leaf_index]
+            if (result.dtype, result.device, result.stride()) != (cdt, device, template.stride()):
+                raise ValueError(
+                    f"combine: `out` leaf {leaf_index} must be a {cdt} tensor on {device} with "
+                    f"strides {template.stride()}, got {result.dtype} on {result.device} with "
+                    f"strides {result.stride()}"
+                )
+        _combine_leaf(base_flat, flats, w, tree.flat_view(result))
+        results.append(result)
+    return results
+
+
+def _combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, result: Tensor) -> None:
+    """Writes ``base + sum_s w[s] flats[s]`` into the flat ``result``."""
+    cdt, numel = result.dtype, result.shape[0]
+    if numel == 0:
+        return
+    runs = _runs(flats)
+    if all(block.dtype == cdt for _, block in runs) and (base is None or base.dtype == cdt):
+        # Matching dtypes: BLAS reads the slots in place. One run is one product over the
+        # whole vector; several runs go chunk by chunk so the result chunk stays in cache.
+        step = numel if len(runs) == 1 else min(chunk_size(1, result.device), numel)
         for start in range(0, numel, step):
             stop = min(start + step, numel)
-            block = torch.stack([f[start:stop] for f in flats]).to(cdt)
-            if base_flat is None:
-                chunk = torch.mv(block.mT, w)
-            else:
-                chunk = torch.addmv(base_flat[start:stop].to(cdt), block.mT, w)
-            if transformed:
-                pieces.append(chunk)
-            else:
-                result_flat[start:stop] = chunk
-        if transformed:
-            result = torch.cat(pieces).reshape(template.shape)
-        out.append(result)
-    return out
+            out = result[start:stop]
+            for index, (first, block) in enumerate(runs):
+                wk = w[first : first + block.shape[0]]
+                matrix = block[:, start:stop].mT
+                if index > 0:
+                    out.addmv_(matrix, wk)
+                elif base is None:
+                    torch.mv(matrix, wk, out=out)
+                else:
+                    torch.addmv(base[start:stop], matrix, wk, out=out)
+        return
+    # Widening (e.g. a bf16 window into float32): convert a chunk of every slot in cache.
+    q = len(flats)
+    step = _buffer_width(q, numel, result.device)
+    buffer = torch.empty(q, step, dtype=cdt, device=result.device)
+    for start in range(0, numel, step):
+        stop = min(start + step, numel)
+        b = buffer if stop - start == step else buffer[:, : stop - start]
+        for first, block in runs:
+            b[first : first + block.shape[0]].copy_(block[:, start:stop])
+        if base is None:
+            torch.mv(b.mT, w, out=result[start:stop])
+        else:
+            torch.addmv(base[start:stop].to(cdt), b.mT, w, out=result[start:stop])
+
+
+def _combine_leaf_transformed(
+    base: Tensor | None, flats: Sequence[Tensor], w: Tensor, cdt: torch.dtype, template: Tensor
+) -> Tensor:
+    """The same pass under a torch.func transform: chunks gathered with ``torch.stack``."""
+    numel = flats[0].shape[0]
+    step = chunk_size(len(flats), flats[0].device)
+    pieces = []
+    for start in range(0, numel, step):
+        stop = min(start + step, numel)
+        block = torch.stack([f[start:stop] for f in flats]).to(cdt)
+        if base is None:
+            pieces.append(torch.mv(block.mT, w))
+        else:
+            pieces.append(torch.addmv(base[start:stop].to(cdt), block.mT, w))
+    if not pieces:
+        return torch.zeros_like(template, dtype=cdt)
+    return torch.cat(pieces).reshape(template.shape)
+
+
+def _empty_like(
+    template: Tensor, dtype: torch.dtype, device: torch.device, *, pin_memory: bool
+) -> Tensor:
+    """An uninitialised tensor with ``template``'s shape and memory format."""
+    if not pin_memory:
+        return torch.empty_like(template, dtype=dtype, device=device)
+    strides = torch.empty_like(template, dtype=dtype, device="meta").stride()
+    return torch.empty_strided(template.shape, strides, dtype=dtype, device=device, pin_memory=True)
+
+
+def _is_pinned(t: Tensor) -> bool:
+    # ``is_pinned`` asks the accelerator runtime; only worth asking when one exists.
+    return t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()
 
 
 def write_slot(
@@ -118,14 +378,17 @@ def write_slot(
 ) -> tuple[list[Tensor], ...]:
     """The ring with ``ring[slot] = value``: touches one slot when ``slot`` is concrete.
 
-    Under a transform the slot index is a (batched) tensor, so every slot is blended with
-    ``torch.where``; that rewrites the window, the price of data-dependent indexing in vmap.
+    In place, ``value`` is copied into the slot's buffers (nothing to do when ``value`` is
+    those buffers, e.g. a residual computed straight into its slot). Under a transform the
+    slot index is a (batched) tensor, so every slot is blended with ``torch.where``; that
+    rewrites the window, the price of data-dependent indexing in vmap.
     """
     index = tree.static_value(slot)
     if index is not None:
         if inplace:
             for dst, src in zip(ring[index], value):
-                dst.copy_(src)
+                if src is not dst:
+                    dst.copy_(src)
             return ring
         return tuple(list(value) if s == index else entries for s, entries in enumerate(ring))
     return tuple(
@@ -142,12 +405,20 @@ def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
     return torch.where(hit[None, :], row[:, None], gram)
 
 
-def select(gate: Tensor, compute: Callable[[], T], otherwise: T) -> T:
+def select(gate: Tensor, compute: Callable[[], T], otherwise: T | Callable[[], T]) -> T:
     """``compute()`` where ``gate`` holds, else ``otherwise`` -- without computing it when the
-    gate is a concrete False. Under vmap both are evaluated and blended leaf by leaf."""
+    gate is a concrete False. Under vmap both are evaluated and blended leaf by leaf.
+
+    ``otherwise`` may be a zero-argument callable, called only when its value is needed (a
+    concrete False gate, or blending under vmap): placeholders such as a parameter-sized
+    zero tensor then cost nothing on the steps that compute.
+    """
     known = tree.static_value(gate)
     if known is not None:
-        return compute() if known else otherwise
+        if known:
+            return compute()
+        return otherwise() if callable(otherwise) else otherwise
+    fallback = otherwise() if callable(otherwise) else otherwise
     return optree.tree_map(
-        lambda new, old: torch.where(gate.to(new.device), new, old), compute(), otherwise
+        lambda new, old: torch.where(gate.to(new.device), new, old), compute(), fallback
     )

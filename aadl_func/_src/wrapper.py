@@ -1,0 +1,481 @@
+r"""``AcceleratedOptimizer`` and ``accelerate``: the functional core behind a torch.optim face.
+
+The wrapped ``torch.optim`` optimizer is the inner map :math:`g` of Anderson acceleration. A
+step snapshots the params :math:`x`, lets the torch optimizer step (params :math:`y = g(x)`),
+and hands both to :func:`aadl_func.anderson` through an internal inner optimizer whose update is
+the displacement :math:`y - x` the torch optimizer already took. The functional core then does
+everything else (window, mixing, safeguard, moving average), one window per param group as in
+AADL, and the result is written back into the params in place.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable
+from types import MethodType
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from aadl_func._src.anderson import anderson
+from aadl_func._src.state import AndersonState
+
+__all__ = ["AcceleratedOptimizer", "accelerate"]
+
+# Bumped if the layout of ``state_dict()["anderson"]`` changes.
+_FORMAT = 1
+# Options that fix the window's layout: a checkpoint saved with other values cannot be resumed.
+_LAYOUT_OPTIONS = ("history_depth", "mode", "history_dtype")
+# Attribute through which a torch optimizer patched by ``accelerate`` reaches its accelerator.
+_ACCELERATOR_ATTRIBUTE = "_aadl_func_accelerator"
+
+
+# A dtype in which the difference of two values of the key dtype is exact (up to exponent gaps
+# of 2^13 for half precision, 2^29 for float32): the displacement loses nothing.
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
+
+
+class _TakenStep:
+    """Inner optimizer whose step has already been taken by a ``torch.optim`` optimizer.
+
+    ``update(stepped, state, params)`` returns ``stepped - params``: the "gradient" argument
+    carries the params after the torch optimizer's step. The displacement is returned in a
+    wider dtype (float32 for half precision, float64 for float32), where it is exact, so the
+    core's in-place plain step ``params.add_(stepped - params)`` (rounded once to the params'
+    dtype) reproduces the torch optimizer's params bit for bit; float64 params get a float64
+    displacement (exact whenever ``stepped / 2 <= params <= 2 stepped``, by Sterbenz's lemma).
+    """
+
+    def init(self, params: Any) -> tuple:
+        return ()
+
+    def update(
+        self, updates: Any, state: tuple, params: Any = None, inplace: bool = False
+    ) -> tuple[Any, tuple]:
+        if params is None:
+            raise ValueError("the wrapped torch optimizer's step needs the params it started from")
+
+        def displacement(stepped: Tensor, start: Tensor) -> Tensor:
+            return stepped.to(_WIDER.get(stepped.dtype, stepped.dtype)).sub_(start)
+
+        return optree.tree_map(displacement, updates, params), state
+
+
+def _anderson_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with :func:`aadl_func.anderson`'s defaults filled in, in plain Python values
+    (devices and dtypes as strings) so they survive ``torch.load(weights_only=True)``."""
+    signature = inspect.signature(anderson)
+    try:
+        bound = signature.bind(None, **options)
+    except TypeError as err:
+        raise TypeError(f"AcceleratedOptimizer: {err}") from None
+    bound.apply_defaults()
+    resolved = dict(bound.arguments)
+    resolved.pop("inner")
+    return {
+        name: str(value) if isinstance(value, (torch.device, torch.dtype)) else value
+        for name, value in resolved.items()
+    }
+
+
+class AcceleratedOptimizer(Optimizer):
+    r"""Anderson acceleration (AADL) around a ``torch.optim`` optimizer.
+
+    Each call of :meth:`step` is one call of :func:`aadl_func.anderson`'s ``update`` per param
+    group, with the wrapped optimizer's step as the inner map :math:`y = g(x)`:
+
+    1. the params :math:`x` are snapshotted and ``torch_optimizer.step(closure)`` is taken
+       (all groups at once, with the usual gradients, LR schedules and clipping);
+    2. for each param group in turn, the functional core updates that group's window with
+       :math:`y` and returns its params (the mix, the window mean, or :math:`y`, by the rules
+       of :func:`aadl_func.anderson`), which are written back with ``param.copy_`` (dtype,
+       device and ``channels_last`` are kept).
+
+    With a ``closure`` the safeguard is on: ``loss_fn`` writes a candidate into the group's
+    params and evaluates ``closure()`` (grad enabled, as ``torch.optim`` does, so the closure
+    may call ``backward``; the ``.grad`` fields then hold the gradient at the last candidate).
+    Groups are decided one after the other, each with the groups before it at their kept
+    values and the ones after it at :math:`y`, as in AADL.
+
+    Attributes:
+      optimizer: the wrapped ``torch.optim`` optimizer; ``param_groups``, ``state`` and
+        ``defaults`` are its own, so LR schedulers, gradient clipping and ``GradScaler`` work on
+        the wrapper unchanged.
+      anderson_states: per param group, its :class:`aadl_func.AndersonState` (counters
+        ``num_mixed``, ``num_rejected``, ``num_averaged``, ...), or None before the first step.
+
+    Args:
+      optimizer: a ``torch.optim.Optimizer``; its ``step``, ``state_dict`` and
+        ``load_state_dict`` are captured now.
+      **anderson_options: keyword options of :func:`aadl_func.anderson` (``history_depth``,
+        ``relaxation``, ``reg``, ``wait_iterations``, ``store_each_nth``, ``frequency``,
+        ``mode``, ``average``, ``average_tol``, ``history_device``, ``compute_device``,
+        ``history_dtype``), validated here.
+    """
+
+    def __init__(self, optimizer: Optimizer, **anderson_options: Any) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                "AcceleratedOptimizer: `optimizer` must be a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
+        if isinstance(optimizer, AcceleratedOptimizer) or hasattr(
+            optimizer, _ACCELERATOR_ATTRIBUTE
+        ):
+            raise ValueError("AcceleratedOptimizer: `optimizer` is already accelerated")
+        self._options = _anderson_options(anderson_options)
+        self._anderson = anderson(_TakenStep(), **anderson_options)
+        self.optimizer = optimizer
+        self._windows: list[AndersonState | None] = [None] * len(optimizer.param_groups)
+        # The torch optimizer's own methods, captured before ``accelerate`` patches them.
+        self._plain_step: Callable[..., Any] = optimizer.step
+        self._plain_state_dict: Callable[[], dict[str, Any]] = optimizer.state_dict
+        self._plain_load_state_dict: Callable[[dict[str, Any]], None] = optimizer.load_state_dict
+        # torch.optim.Optimizer's bookkeeping (hooks, profiling of ``step``). Its ``__init__``
+        # is not called: it would build param_groups of its own instead of sharing the
+        # wrapped optimizer's.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    # -- the wrapped optimizer's view --------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def anderson_states(self) -> tuple[AndersonState | None, ...]:
+        return tuple(self._sync_windows())
+
+    @property
+    def anderson_options(self) -> dict[str, Any]:
+        """The options of :func:`aadl_func.anderson` in use, defaults filled in."""
+        return dict(self._options)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
+        return f"{type(self).__name__}({self.optimizer!r}, {options})"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group to the wrapped optimizer; its window starts empty at the next step."""
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _sync_windows(self) -> list[AndersonState | None]:
+        missing = len(self.param_groups) - len(self._windows)
+        if missing < 0:
+            raise RuntimeError(
+                "AcceleratedOptimizer: param groups were removed from the wrapped optimizer"
+            )
+        self._windows.extend([None] * missing)
+        return self._windows
+
+    # -- step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One accelerated step; see the class docstring.
+
+        Returns:
+          Without ``closure``: None. With it: the closure's loss at the params this step
+          returns when the safeguard evaluated them, else the wrapped optimizer's return value
+          (the closure's loss before the step, as ``torch.optim`` returns it).
+        """
+        groups = self.param_groups
+        windows = self._sync_windows()
+        starts = [
+            [p.detach().clone(memory_format=torch.preserve_format) for p in group["params"]]
+            for group in groups
+        ]
+        loss = self._plain_step() if closure is None else self._plain_step(closure)
+
+        kept_loss: Any = None
+        # Whether the params changed after the last closure evaluation (a later group averaged).
+        stale = False
+        for index, (group, start) in enumerate(zip(groups, starts)):
+            params = group["params"]
+            if not params:
+                continue
+            state = windows[index]
+            if state is None:
+                state = self._anderson.init(start)
+            losses: list[Any] = []
+            loss_fn = None if closure is None else _closure_loss(params, closure, losses)
+            mixed_before = int(state.num_mixed)
+            averaged_before = int(state.num_averaged)
+            stepped = [p.detach() for p in params]
+            out, state = self._anderson.update(state, start, stepped, inplace=True, loss_fn=loss_fn)
+            for p, value in zip(params, out):
+                p.copy_(value)
+            windows[index] = state
+            if losses:
+                # The safeguard evaluates loss_fn at the mix first, then at the plain step.
+                kept_loss = losses[0] if int(state.num_mixed) > mixed_before else losses[-1]
+                stale = False
+            elif kept_loss is not None and int(state.num_averaged) > averaged_before:
+                stale = True
+        if kept_loss is None:
+            return loss
+        if stale:
+            with torch.enable_grad():
+                kept_loss = closure()  # type: ignore[misc]
+        return kept_loss
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's ``state_dict()`` plus an ``"anderson"`` entry.
+
+        ``"anderson"`` holds the options and, per param group, the window
+        (:class:`aadl_func.AndersonState`, tensors only, counters included). The result loads
+        with ``torch.load(weights_only=True)``; like ``torch.optim``'s, it references the live
+        tensors (save it or copy it before stepping again).
+        """
+        saved = dict(self._plain_state_dict())
+        saved["anderson"] = {
+            "format": _FORMAT,
+            "options": dict(self._options),
+            "windows": list(self._sync_windows()),
+        }
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restores the wrapped optimizer and the windows, so the run continues bit for bit.
+
+        The windows are copied into buffers laid out for the current params (their devices,
+        dtypes and memory formats). A state dict without an ``"anderson"`` entry (a plain
+        ``torch.optim`` checkpoint) restores the optimizer and empties the windows.
+
+        Raises:
+          ValueError: the checkpoint's ``history_depth``, ``mode`` or ``history_dtype`` differ
+            from this optimizer's, or a window does not fit its param group (number, shapes or
+            dtypes of the params). Nothing is modified then.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                "AcceleratedOptimizer.load_state_dict: expected a dict, got "
+                f"{type(state_dict).__name__}"
+            )
+        plain = dict(state_dict)
+        saved = plain.pop("anderson", None)
+        windows: list[AndersonState | None] = [None] * len(self.param_groups)
+        if saved is not None:
+            windows = self._restore_windows(saved)
+        self._plain_load_state_dict(plain)
+        self._windows = windows
+
+    def _restore_windows(self, saved: Any) -> list[AndersonState | None]:
+        owner = "AcceleratedOptimizer.load_state_dict"
+        if not (isinstance(saved, dict) and saved.get("format") == _FORMAT):
+            raise ValueError(f"{owner}: unrecognised 'anderson' entry (format {_FORMAT} expected)")
+        options = saved.get("options", {})
+        differ = [
+            f"{name}={options.get(name)!r} (this optimizer: {self._options[name]!r})"
+            for name in _LAYOUT_OPTIONS
+            if options.get(name) != self._options[name]
+        ]
+        if differ:
+            raise ValueError(
+                f"{owner}: the checkpoint's windows were saved with "
+                + ", ".join(differ)
+                + "; make the optimizer with the same options to resume"
+            )
+        saved_windows = saved.get("windows")
+        groups = self.param_groups
+        if not isinstance(saved_windows, list) or len(saved_windows) != len(groups):
+            held = len(saved_windows) if isinstance(saved_windows, list) else "no"
+            raise ValueError(
+                f"{owner}: the checkpoint holds {held} windows for {len(groups)} param groups"
+            )
+        return [
+            None if window is None else self._restore_window(index, window)
+            for index, window in enumerate(saved_windows)
+        ]
+
+    def _restore_window(self, index: int, saved: Any) -> AndersonState:
+        owner = "AcceleratedOptimizer.load_state_dict"
+        where = f"param group {index}"
+        if not isinstance(saved, AndersonState):
+            raise ValueError(f"{owner}: the window of {where} is not an AndersonState")
+        params = [p.detach() for p in self.param_groups[index]["params"]]
+        if not params:
+            raise ValueError(f"{owner}: {where} has no params but the checkpoint has a window")
+        template = self._anderson.init(params)
+        template_leaves, template_spec = optree.tree_flatten(template)
+        saved_leaves, saved_spec = optree.tree_flatten(saved)
+        if template_spec != saved_spec:
+            raise ValueError(
+                f"{owner}: the window of {where} has another structure than its "
+                f"{len(params)} params with history_depth={self._options['history_depth']} "
+                "(different params or options?)"
+            )
+        for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
+            if not isinstance(saved_leaf, Tensor) or (
+                template_leaf.shape != saved_leaf.shape or template_leaf.dtype != saved_leaf.dtype
+            ):
+                got = (
+                    f"{saved_leaf.dtype} {tuple(saved_leaf.shape)}"
+                    if isinstance(saved_leaf, Tensor)
+                    else type(saved_leaf).__name__
+                )
+                raise ValueError(
+                    f"{owner}: the window of {where} holds a {got} tensor where its params need "
+                    f"{template_leaf.dtype} {tuple(template_leaf.shape)}"
+                )
+        for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
+            template_leaf.copy_(saved_leaf)
+        return template
+
+
+def _closure_loss(
+    params: list[Tensor], closure: Callable[[], Any], record: list[Any]
+) -> Callable[[list[Tensor]], Tensor]:
+    """``loss_fn`` for the safeguard: the closure's loss with ``params`` set to a candidate."""
+
+    def loss_fn(candidate: list[Tensor]) -> Tensor:
+        with torch.no_grad():
+            for p, value in zip(params, candidate):
+                p.copy_(value)
+        with torch.enable_grad():
+            loss = closure()
+        record.append(loss)
+        if isinstance(loss, Tensor):
+            return loss.detach().reshape(())
+        return torch.tensor(float(loss), dtype=torch.float64)
+
+    return loss_fn
+
+
+# -- AADL's migration path -------------------------------------------------------------------
+def accelerate(
+    optimizer: Optimizer,
+    acceleration_type: str = "anderson",
+    relaxation: float = 0.1,
+    wait_iterations: int = 1,
+    history_depth: int = 15,
+    store_each_nth: int = 1,
+    frequency: int = 1,
+    reg_acc: float = 0.0,
+    average: bool = False,
+    history_device: torch.device | str | None = None,
+    compute_device: torch.device | str | None = None,
+    **anderson_options: Any,
+) -> AcceleratedOptimizer:
+    r"""AADL's ``accelerate``: Anderson-accelerates ``optimizer`` in place.
+
+    Same positional order and defaults as AADL's ``AADL.accelerate``, so an AADL script only
+    changes its import. Like AADL it replaces ``optimizer.step`` on the instance (and
+    ``state_dict`` / ``load_state_dict``, which then carry the windows), so code that keeps
+    calling ``optimizer.step(closure)`` is accelerated; it also returns the
+    :class:`AcceleratedOptimizer` doing the work (counters in ``anderson_states``). Create LR
+    schedulers after calling ``accelerate`` (torch warns about a step replaced after the
+    scheduler was made).
+
+    Semantics are those of :func:`aadl_func.anderson` (``reg_acc`` is its ``reg``): the window
+    holds every ``store_each_nth``-th plain step, mixing happens every ``frequency`` calls
+    after ``wait_iterations`` once the window holds 3 entries, a ``closure`` turns on the loss
+    safeguard, and ``average=True`` the moving-average rule.
+
+    Args:
+      optimizer: the ``torch.optim.Optimizer`` to accelerate.
+      acceleration_type: ``"anderson"`` or ``"anderson_normal_equation"`` (case-insensitive).
+        Both use the one stable float64 solver (:func:`aadl_func.solve_weights`): AADL's
+        normal-equation variant squared the condition number in the params' precision, which
+        this library never does, so it is kept only as a name.
+      relaxation: mixing parameter (AADL's default 0.1).
+      wait_iterations: plain steps before the first mix (AADL's default 1).
+      history_depth: window entries (AADL's default 15).
+      store_each_nth: store every n-th plain step.
+      frequency: mix every ``frequency`` steps.
+      reg_acc: Tikhonov weight of the least-squares problem.
+      average: AADL's moving average of the window.
+      history_device: where the windows live. Default: each parameter's device (AADL
+        defaulted to ``"cpu"``; pass it to keep the windows off the accelerator).
+      compute_device: where the small least-squares problem is solved (default: the history
+        device).
+      **anderson_options: further keyword options of :func:`aadl_func.anderson`
+        (``average_tol``, ``mode``, ``history_dtype``).
+
+    Returns:
+      The :class:`AcceleratedOptimizer` now behind ``optimizer.step``.
+
+    Raises:
+      ValueError: unknown ``acceleration_type`` (AADL's ``"identity"`` included), an invalid
+        option, or an optimizer that is already accelerated.
+    """
+    if not isinstance(acceleration_type, str):
+        raise TypeError(
+            f"accelerate: `acceleration_type` must be a str, got {type(acceleration_type).__name__}"
+        )
+    kind = acceleration_type.lower()
+    if kind not in ("anderson", "anderson_normal_equation"):
+        raise ValueError(
+            "accelerate: `acceleration_type` must be 'anderson' or 'anderson_normal_equation', "
+            f"got {acceleration_type!r}"
+        )
+    accelerator = AcceleratedOptimizer(
+        optimizer,
+        relaxation=relaxation,
+        wait_iterations=wait_iterations,
+        history_depth=history_depth,
+        store_each_nth=store_each_nth,
+        frequency=frequency,
+        reg=reg_acc,
+        average=average,
+        history_device=history_device,
+        compute_device=compute_device,
+        **anderson_options,
+    )
+    setattr(optimizer, _ACCELERATOR_ATTRIBUTE, accelerator)
+    # Bound to ``optimizer`` itself (as AADL's MethodType): LR schedulers re-bind
+    # ``optimizer.step.__func__`` to the optimizer when they wrap it.
+    optimizer.step = MethodType(_accelerated_step, optimizer)  # type: ignore[method-assign]
+    optimizer.state_dict = MethodType(_accelerated_state_dict, optimizer)  # type: ignore[method-assign]
+    optimizer.load_state_dict = MethodType(_accelerated_load_state_dict, optimizer)  # type: ignore[method-assign]
+    return accelerator
+
+
+def _accelerated_step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    return getattr(optimizer, _ACCELERATOR_ATTRIBUTE).step(closure)
+
+
+def _accelerated_state_dict(optimizer: Optimizer) -> dict[str, Any]:
+    return getattr(optimizer, _ACCELERATOR_ATTRIBUTE).state_dict()
+
+
+def _accelerated_load_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    getattr(optimizer, _ACCELERATOR_ATTRIBUTE).load_state_dict(state_dict)

@@ -1,0 +1,361 @@
+r"""Time and memory of one accelerated step: aadl_func vs the obvious AADL-style step vs the bound.
+
+Three contenders, measured side by side in one process on the same data:
+
+* **aadl_func** -- ``aa.anderson(aa.sgd(0.01), history_depth=m, relaxation=0.5)``,
+  ``update(..., inplace=True)``: a ring of differences with an incremental float64 Gram
+  matrix, two streaming passes over the window per step.
+* **AADL-style** -- the step written the obvious way, as AADL does it: ``torch.optim.SGD``
+  steps, a ``collections.deque`` of flattened parameter vectors, ``torch.stack`` of the
+  window, ``DX``/``DR`` by ``torch.diff``, ``torch.linalg.lstsq``, and the relaxed formula
+  of ``docs/background.md``, written back with ``vector_to_parameters``.
+* **bound** -- what any Anderson step must at least do: two passes over an ``(m + 1) x n``
+  float32 matrix, ``torch.mv`` with the matrix and with its transpose (BLAS, no overhead).
+
+``m`` is ``history_depth``, the number of window entries, as in the issue; ``m = 2`` is
+replaced by 3, the smallest window that can mix. Every step mixes (``frequency=1``, the
+window is filled before timing). Times are medians over repeats after warm-up; the peak is
+the high-water mark of the memory allocated during one step (CPU: ``torch.profiler``
+allocation events; CUDA: ``torch.cuda.max_memory_allocated``), in units of one
+parameter-sized float32 buffer ``P = 4 n`` bytes, next to the bytes each keeps between steps.
+
+Usage::
+
+    python examples/benchmark.py                  # full table, n = 2^16..2^24 (< 15 min)
+    python examples/benchmark.py --quick          # a tiny configuration (seconds)
+    python examples/benchmark.py --device cuda --threads 16 --out bench_results/gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.profiler import ProfilerActivity, profile
+
+import aadl_func as aa
+
+LR, RELAXATION = 0.01, 0.5
+
+
+# -- the contenders ----------------------------------------------------------------------
+class AadlStyle:
+    """AADL's step written the obvious way (see the module docstring)."""
+
+    def __init__(self, params: list[torch.Tensor], history_depth: int) -> None:
+        self.params = params
+        self.optimizer = torch.optim.SGD(params, lr=LR)
+        self.history = collections.deque(maxlen=history_depth)
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self.optimizer.step()
+        with torch.no_grad():
+            self.history.append(parameters_to_vector(self.params))
+            if len(self.history) < 3:
+                return
+            X = torch.stack(list(self.history), dim=1)
+            DX = torch.diff(X, dim=1)
+            DR = torch.diff(DX, dim=1)
+            gamma = torch.linalg.lstsq(DR, DX[:, -1:]).solution[:, 0]
+            extr = X[:, -2] + DX[:, -1] - (DX[:, :-1] + DR) @ gamma
+            alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
+            relaxed = RELAXATION * extr + (1.0 - RELAXATION) * X[:, :-1] @ alpha
+            vector_to_parameters(relaxed, self.params)
+
+    def state_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.history)
+
+
+class AadlFunc:
+    def __init__(self, params: torch.Tensor, history_depth: int) -> None:
+        self.opt = aa.anderson(aa.sgd(LR), history_depth=history_depth, relaxation=RELAXATION)
+        self.params = params
+        self.state = self.opt.init(params)
+
+    def step(self, grads: torch.Tensor) -> None:
+        self.params, self.state = self.opt.update(self.state, self.params, grads, inplace=True)
+
+    def state_bytes(self) -> int:
+        storages = {}
+        for leaf in [self.state.anchor, *self.state.residuals]:
+            storages[leaf.untyped_storage().data_ptr()] = leaf.untyped_storage().nbytes()
+        return sum(storages.values())
+
+
+class Bound:
+    """Two BLAS passes over an (m + 1) x n float32 matrix: with it and with its transpose."""
+
+    def __init__(self, n: int, m: int, device: torch.device) -> None:
+        self.matrix = torch.randn(m + 1, n, device=device)
+        self.vector = torch.randn(n, device=device)
+        self.weights = torch.randn(m + 1, device=device)
+
+    def step(self) -> None:
+        torch.mv(self.matrix, self.vector)
+        torch.mv(self.matrix.mT, self.weights)
+
+
+# -- measurement -------------------------------------------------------------------------
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(step, device: torch.device, repeats: int, budget_s: float) -> float:
+    """Median seconds of ``step()`` over up to ``repeats`` calls (at least 3, within budget)."""
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < repeats and (len(times) < 3 or time.perf_counter() - started < budget_s):
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def step_peak_bytes(step, device: torch.device) -> int:
+    """High-water mark of the memory allocated while ``step()`` runs, above the start."""
+    if device.type == "cuda":
+        synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def measure(n: int, m: int, device: torch.device, args) -> dict:
+    generator = torch.Generator(device=device).manual_seed(n + m)
+    param_bytes = 4 * n
+    grads = [1e-2 * torch.randn(n, device=device, generator=generator) for _ in range(4)]
+    row = {"n": n, "log2_n": int(math.log2(n)), "m": m, "history_depth": m}
+
+    # aadl_func: fill the window with real steps, warm up, then time. inplace=True consumes
+    # the gradient buffer (the inner SGD scales it in place), so every step gets a fresh
+    # copy, made before the clock starts.
+    fresh = [grads[i % 4].clone() for i in range(m + 3 + args.repeats)]
+    ours = AadlFunc(torch.randn(n, device=device, generator=generator), m)
+    for _ in range(m + 1):
+        ours.step(fresh.pop())
+    peak = step_peak_bytes(lambda: ours.step(fresh.pop()), device)
+    ours.step(fresh.pop())
+    row["aadl_func_ms"] = 1e3 * median_time(
+        lambda: ours.step(fresh.pop()), device, args.repeats, args.budget
+    )
+    row["aadl_func_state_P"] = ours.state_bytes() / param_bytes
+    row["aadl_func_step_peak_P"] = peak / param_bytes
+    assert int(ours.state.num_mixed) > 0
+    ours = fresh = None  # free the window before the next contender
+
+    bound = Bound(n, m, device)
+    bound.step()
+    row["bound_ms"] = 1e3 * median_time(bound.step, device, args.repeats, args.budget)
+    del bound
+
+    # AADL-style: roughly stack + two diffs + lstsq's copies + the formula, ~6 window sizes.
+    need = 6 * m * param_bytes
+    if need > args.memory_fraction * available_bytes(device):
+        row["aadl_style_skipped"] = f"needs ~{need / 2**30:.1f} GiB"
+    else:
+        params = [torch.randn(n, device=device, generator=generator)]
+        style = AadlStyle(params, m)
+        for _ in range(m - 1):  # a full window without paying m slow steps
+            style.history.append(params[0].detach().clone() + 1e-2 * torch.randn_like(params[0]))
+        # torch.optim.SGD only reads p.grad: the same gradient tensors serve every step.
+        peak = step_peak_bytes(lambda: style.step([grads[0]]), device)
+        row["aadl_style_ms"] = 1e3 * median_time(
+            lambda: style.step([grads[1]]), device, args.style_repeats, args.budget
+        )
+        row["aadl_style_state_P"] = style.state_bytes() / param_bytes
+        row["aadl_style_step_peak_P"] = peak / param_bytes
+        row["speedup_vs_aadl_style"] = row["aadl_style_ms"] / row["aadl_func_ms"]
+        del style, params
+    row["ratio_to_bound"] = row["aadl_func_ms"] / row["bound_ms"]
+    return row
+
+
+def agreement(device: torch.device) -> float:
+    """Relative difference of aadl_func and AADL-style after the same 8 steps (n = 4096, m =
+    5): the two compute the same iteration (float64 vs float32 least squares)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    n, m = 4096, 5
+    x0 = torch.randn(n, device=device, generator=generator)
+    target = torch.randn(n, device=device, generator=generator)
+    ours = AadlFunc(x0.clone(), m)
+    params = [x0.clone()]
+    style = AadlStyle(params, m)
+    for _ in range(8):  # gradient of 0.5 ||x - target||^2 at the current point of each
+        ours.step(ours.params - target)
+        style.step([params[0].detach() - target])
+    return float((ours.params - params[0]).norm() / params[0].norm())
+
+
+# -- reporting ---------------------------------------------------------------------------
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'n':>6} {'m':>3} | {'aadl_func':>10} {'AADL-style':>11} {'bound':>9} | "
+        f"{'speedup':>8} {'/bound':>7} | {'state P':>7} {'peak P':>7} | "
+        f"{'style st.':>9} {'style pk':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        style_ms = r.get("aadl_style_ms")
+        lines.append(
+            f"{'2^' + str(r['log2_n']):>6} {r['m']:>3} | "
+            f"{r['aadl_func_ms']:>8.2f}ms "
+            + (f"{style_ms:>9.1f}ms " if style_ms is not None else f"{'skipped':>11} ")
+            + f"{r['bound_ms']:>7.2f}ms | "
+            f"{fmt(r.get('speedup_vs_aadl_style'), '>7.1f')}x {r['ratio_to_bound']:>6.2f}x | "
+            f"{r['aadl_func_state_P']:>7.1f} {r['aadl_func_step_peak_P']:>7.2f} | "
+            f"{fmt(r.get('aadl_style_state_P'), '>9.1f')} "
+            f"{fmt(r.get('aadl_style_step_peak_P'), '>8.2f')}"
+        )
+    lines.append(
+        "times: median per step; speedup = AADL-style / aadl_func; /bound = aadl_func / bound; "
+        "state/peak in parameter-sized float32 buffers P (kept between steps / allocated "
+        "during a step)"
+    )
+    skipped = [r for r in rows if "aadl_style_skipped" in r]
+    for r in skipped:
+        lines.append(
+            f"AADL-style skipped at n=2^{r['log2_n']}, m={r['m']}: {r['aadl_style_skipped']}"
+        )
+    return "\n".join(lines)
+
+
+def machine(device: torch.device) -> dict:
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+    }
+    try:
+        info["load_average"] = os.getloadavg()
+    except OSError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        try:
+            with open("/proc/cpuinfo") as f:
+                names = [line.split(":", 1)[1].strip() for line in f if "model name" in line]
+            info["cpu"] = names[0] if names else info["cpu"]
+        except OSError:
+            pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny configuration (seconds)")
+    parser.add_argument("--out", default="bench_results/benchmark.json", help="JSON output")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--sizes", default="16,18,20,22,24", help="log2 of n, comma-separated")
+    parser.add_argument("--depths", default="3,5,10,20", help="m = history_depth values")
+    parser.add_argument("--repeats", type=int, default=15, help="timed steps (at most)")
+    parser.add_argument("--style-repeats", type=int, default=5, help="timed AADL-style steps")
+    parser.add_argument("--budget", type=float, default=3.0, help="seconds per timing, soft")
+    parser.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.35,
+        help="skip AADL-style when it would need more than this fraction of free memory",
+    )
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.sizes, args.depths, args.repeats, args.style_repeats = "10,12", "3,5", 5, 3
+    device = torch.device(args.device)
+    sizes = [1 << int(s) for s in args.sizes.split(",")]
+    depths = [max(3, int(m)) for m in args.depths.split(",")]
+
+    info = machine(device)
+    print(f"# {info}", flush=True)
+    started = time.perf_counter()
+    rows = []
+    for n in sizes:
+        for m in depths:
+            rows.append(measure(n, m, device, args))
+            r = rows[-1]
+            print(
+                f"  n=2^{r['log2_n']} m={m}: aadl_func {r['aadl_func_ms']:.2f} ms, "
+                f"AADL-style {fmt(r.get('aadl_style_ms'), '.1f')} ms, "
+                f"bound {r['bound_ms']:.2f} ms",
+                flush=True,
+            )
+    relative_difference = agreement(device)
+    print()
+    print(table(rows))
+    print(f"aadl_func vs AADL-style after 8 steps: relative difference {relative_difference:.1e}")
+    result = {
+        "machine": info,
+        "settings": {
+            "inner": f"sgd(lr={LR})",
+            "relaxation": RELAXATION,
+            "dtype": "float32",
+            "m": "history_depth (window entries)",
+            "aadl_func": "update(..., inplace=True)",
+            "bound": "torch.mv with and with the transpose of an (m + 1) x n float32 matrix",
+            "units": "P = one parameter-sized float32 buffer (4 n bytes)",
+        },
+        "rows": rows,
+        "agreement_relative_difference": relative_difference,
+        "seconds": time.perf_counter() - started,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out} ({result['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

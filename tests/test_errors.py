@@ -1,0 +1,333 @@
+"""Every invalid input of the functional core raises a clear error, before any state changes.
+
+The table in ``docs/errors.md`` is the specification: each row names an id, the function, the
+argument, the condition, the exception type and an excerpt of the message. This file holds
+one triggering call per id and is parametrized from the parsed table, so the two cannot drift:
+a row without a case, or a case without a row, fails ``test_every_row_has_a_case``.
+
+For ``update`` the call is made with ``inplace=False`` and ``inplace=True`` on a state whose
+window already holds entries, and we check that nothing was computed or written: the inner
+optimizer was never called, and every tensor reachable from the state, the params and the
+grads is bitwise equal to a copy taken before the call and has the same version counter
+(``Tensor._version`` counts in-place writes, so even a write of identical values shows).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import aadl_func as aa
+from aadl_func._src.inner import sgd
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+EXCEPTIONS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    function: str
+    argument: str
+    condition: str
+    exception: str
+    excerpt: str
+
+
+def _unquote(cell: str) -> str:
+    cell = cell.strip()
+    for fence in ("`` ", "``", "`"):
+        if cell.startswith(fence) and cell.endswith(fence[::-1]) and len(cell) > 2 * len(fence):
+            return cell[len(fence) : len(cell) - len(fence)]
+    return cell
+
+
+def _doc_rows() -> list[Row]:
+    rows = []
+    for line in DOC.read_text().splitlines():
+        # Data rows start with the id as a code span; the header and the rule do not.
+        if not line.startswith("| `"):
+            continue
+        cells = [_unquote(c) for c in line.strip().strip("|").split("|")]
+        assert len(cells) == 6, f"malformed row in errors.md: {line}"
+        rows.append(Row(*cells))
+    return rows
+
+
+ROWS = _doc_rows()
+
+
+# -- the cases ------------------------------------------------------------------------------
+
+
+class Spy:
+    """An inner optimizer (aadl_func.sgd with momentum) that counts its ``update`` calls."""
+
+    def __init__(self) -> None:
+        self.inner = sgd(0.1, momentum=0.9)
+        self.calls = 0
+
+    def init(self, params):
+        return self.inner.init(params)
+
+    def update(self, updates, state, params=None, inplace=False):
+        self.calls += 1
+        return self.inner.update(updates, state, params=params, inplace=inplace)
+
+
+def _params(dtype=torch.float32) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "b": torch.randn(2, generator=gen, dtype=torch.float64).to(dtype),
+        "w": torch.randn(3, 2, generator=gen, dtype=torch.float64).to(dtype),
+    }
+
+
+def _grads_of(params: dict) -> dict:
+    return {k: 0.5 * v for k, v in params.items()}
+
+
+def _warm(opt: aa.Anderson, params: dict, steps: int = 4):
+    """A state whose window holds entries (so an in-place step would overwrite buffers)."""
+    state = opt.init(params)
+    for _ in range(steps):
+        params, state = opt.update(state, params, _grads_of(params))
+    return state, params
+
+
+@dataclass
+class Update:
+    """A failing ``update`` call: ``build()`` returns (opt, spy, state, params, grads, kwargs)."""
+
+    build: Callable[[], tuple]
+
+
+def _update_case(
+    *,
+    made_with: dict | None = None,
+    called_with: dict | None = None,
+    params: Callable[[dict], Any] = lambda p: p,
+    grads: Callable[[dict], Any] = _grads_of,
+    state: Callable[[aa.AndersonState], Any] = lambda s: s,
+    **kwargs: Any,
+) -> Update:
+    """``update`` of an optimizer built with ``called_with`` on a state warmed up by one built
+    with ``made_with``, the params/grads/state transformed by the given functions."""
+
+    def build() -> tuple:
+        made = {"history_depth": 4, **(made_with or {})}
+        called = made if called_with is None else {"history_depth": 4, **called_with}
+        warm_state, warm_params = _warm(aa.anderson(Spy(), **made), _params())
+        spy = Spy()
+        opt = aa.anderson(spy, **called)
+        p = params(warm_params)
+        return opt, spy, state(warm_state), p, grads(p), kwargs
+
+    return Update(build)
+
+
+def _rebuild(leaf_fn: Callable[[torch.Tensor], torch.Tensor], field: str):
+    """Replaces every tensor of one state field, e.g. to corrupt a loaded checkpoint."""
+    return lambda s: s._replace(**{field: optree.tree_map(leaf_fn, getattr(s, field))})
+
+
+def _requires_grad(p: dict) -> dict:
+    return {k: v.clone().requires_grad_(True) for k, v in p.items()}
+
+
+def _anderson(**options: Any) -> Callable[[], Any]:
+    return lambda: aa.anderson(sgd(0.1), **options)
+
+
+def _init(params: Any) -> Callable[[], Any]:
+    return lambda: aa.anderson(sgd(0.1)).init(params)
+
+
+WINDOW = torch.randn(5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+CASES: dict[str, Callable[[], Any] | Update] = {
+    # construction
+    "anderson-inner": lambda: aa.anderson(object()),
+    "anderson-history_depth-type": _anderson(history_depth=5.0),
+    "anderson-history_depth-bool": _anderson(history_depth=True),
+    "anderson-history_depth-range": _anderson(history_depth=2),
+    "anderson-relaxation-type": _anderson(relaxation="0.5"),
+    "anderson-relaxation-range": _anderson(relaxation=0.0),
+    "anderson-relaxation-nan": _anderson(relaxation=math.nan),
+    "anderson-reg-type": _anderson(reg=None),
+    "anderson-reg-range": _anderson(reg=-1e-8),
+    "anderson-reg-inf": _anderson(reg=math.inf),
+    "anderson-wait_iterations-type": _anderson(wait_iterations=1.5),
+    "anderson-wait_iterations-range": _anderson(wait_iterations=-1),
+    "anderson-store_each_nth-type": _anderson(store_each_nth="10"),
+    "anderson-store_each_nth-range": _anderson(store_each_nth=0),
+    "anderson-frequency-type": _anderson(frequency=2.0),
+    "anderson-frequency-range": _anderson(frequency=0),
+    "anderson-mode": _anderson(mode="type1"),
+    "anderson-average": _anderson(average=1),
+    "anderson-average_tol-type": _anderson(average_tol="0.1"),
+    "anderson-average_tol-range": _anderson(average_tol=0.0),
+    "anderson-history_device": _anderson(history_device="gpu0"),
+    "anderson-compute_device": _anderson(compute_device=3.5),
+    "anderson-history_dtype-int": _anderson(history_dtype=torch.int8),
+    "anderson-history_dtype-str": _anderson(history_dtype="float16"),
+    # init
+    "init-params-leaf": _init({"w": torch.zeros(2), "b": 1.0}),
+    "init-params-empty": _init({}),
+    "init-params-int": _init({"w": torch.arange(3)}),
+    "init-params-complex": _init(torch.zeros(3, dtype=torch.complex64)),
+    # update: the call itself
+    "update-state-type": _update_case(state=lambda s: tuple(s)),
+    "update-inplace-type": _update_case(inplace=1),
+    "update-loss_fn-type": _update_case(loss_fn="mse"),
+    "update-params-leaf": _update_case(params=lambda p: {**p, "b": 1.0}, grads=lambda p: p),
+    "update-params-int": _update_case(params=lambda p: {k: v.long() for k, v in p.items()}),
+    "update-params-requires_grad": _update_case(params=_requires_grad, inplace=True),
+    "update-grads-leaf": _update_case(grads=lambda p: {**p, "b": 0.5}),
+    "update-grads-structure": _update_case(grads=lambda p: (p["b"], p["w"])),
+    "update-grads-shape": _update_case(grads=lambda p: {**p, "w": p["w"].T.contiguous()}),
+    "update-grads-dtype": _update_case(grads=lambda p: {k: v.double() for k, v in p.items()}),
+    "update-grads-device": _update_case(grads=lambda p: {k: v.to("meta") for k, v in p.items()}),
+    # update: params that do not match the state
+    "update-params-structure": _update_case(params=lambda p: {"w": p["w"]}),
+    "update-params-shape": _update_case(params=lambda p: {**p, "b": torch.zeros(3)}),
+    "update-params-dtype": _update_case(params=lambda p: {k: v.double() for k, v in p.items()}),
+    "update-params-dtype-classic": _update_case(
+        made_with={"mode": "classic"}, params=lambda p: {k: v.double() for k, v in p.items()}
+    ),
+    "update-params-device": _update_case(
+        params=lambda p: {k: v.to("meta") for k, v in p.items()},
+        # A factory, not arithmetic: the first meta-tensor op loads torch's meta kernels (~3 s).
+        grads=lambda p: {k: torch.empty(v.shape, device="meta") for k, v in p.items()},
+    ),
+    # update: states made by other options (e.g. a checkpoint) or corrupted
+    "update-state-history_depth": _update_case(called_with={"history_depth": 6}),
+    "update-state-history_dtype": _update_case(
+        made_with={"history_dtype": torch.bfloat16}, called_with={}
+    ),
+    "update-state-mode-aadl": _update_case(
+        made_with={"mode": "classic", "history_depth": 3}, called_with={"history_depth": 4}
+    ),
+    "update-state-mode-classic": _update_case(
+        made_with={"history_depth": 4}, called_with={"mode": "classic", "history_depth": 3}
+    ),
+    "update-state-gram-device": _update_case(state=_rebuild(lambda t: t.to("meta"), "gram")),
+    "update-state-gram-shape": _update_case(state=lambda s: s._replace(gram=s.gram[:2, :2])),
+    "update-state-gram-dtype": _update_case(state=_rebuild(lambda t: t.float(), "gram")),
+    "update-state-counter": _update_case(state=lambda s: s._replace(count=3)),
+    "update-state-counter-dtype": _update_case(state=_rebuild(lambda t: t.float(), "head")),
+    "update-state-anchor-device": _update_case(state=_rebuild(lambda t: t.to("meta"), "anchor")),
+    "update-state-iterates-dtype": _update_case(
+        made_with={"mode": "classic"}, state=_rebuild(lambda t: t.double(), "iterates")
+    ),
+    # mix and mixing_weights
+    "mix-history-leaf": lambda: aa.mix([1.0, 2.0, 3.0]),
+    "mix-history-empty": lambda: aa.mix({}),
+    "mix-history-scalar": lambda: aa.mix(torch.tensor(1.0)),
+    "mix-history-window": lambda: aa.mix({"a": WINDOW, "b": WINDOW[:4]}),
+    "mix-history-short": lambda: aa.mix(WINDOW[:2]),
+    "mix-history-int": lambda: aa.mix(torch.zeros(4, 3, dtype=torch.int64)),
+    "mix-relaxation-type": lambda: aa.mix(WINDOW, relaxation=None),
+    "mix-relaxation-range": lambda: aa.mix(WINDOW, relaxation=-0.5),
+    "mix-reg-range": lambda: aa.mix(WINDOW, reg=-1.0),
+    "mixing_weights-reg-range": lambda: aa.mixing_weights(WINDOW, reg=math.nan),
+}
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    leaves = optree.tree_leaves(tree, none_is_leaf=True)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "meta" else t.detach().clone()
+
+
+def _assert_untouched(before: list[tuple], after: list[torch.Tensor]) -> None:
+    assert len(before) == len(after)
+    for (copy, version), t in zip(before, after):
+        assert t._version == version, "a tensor was written in place by a failing update"
+        assert t.dtype == copy.dtype and t.shape == copy.shape
+        if t.device.type != "meta":  # meta tensors hold no values
+            assert torch.equal(t, copy)
+
+
+def test_every_row_has_a_case():
+    ids = [row.id for row in ROWS]
+    assert len(ids) == len(set(ids)), "duplicate ids in errors.md"
+    assert set(ids) == set(CASES), (
+        f"errors.md rows without a case: {sorted(set(ids) - set(CASES))}; "
+        f"cases without a row: {sorted(set(CASES) - set(ids))}"
+    )
+
+
+def test_rows_are_well_formed():
+    assert len(ROWS) >= 40
+    for row in ROWS:
+        assert row.exception in EXCEPTIONS, row
+        assert row.function in {"anderson", "init", "update", "mix", "mixing_weights"}, row
+        # The message names the argument it rejects: the excerpt shows where.
+        assert f"`{row.argument}" in row.excerpt, row
+
+
+def _update_params(row: Row) -> list:
+    if not isinstance(CASES.get(row.id), Update):
+        return [pytest.param(row, None, id=row.id)]
+    return [pytest.param(row, inplace, id=f"{row.id}-inplace={inplace}") for inplace in (0, 1)]
+
+
+@pytest.mark.parametrize("row, inplace", [p for row in ROWS for p in _update_params(row)])
+def test_error_row(row: Row, inplace: int | None):
+    case = CASES[row.id]
+    expected = EXCEPTIONS[row.exception]
+    if not isinstance(case, Update):
+        with pytest.raises(expected, match=re.escape(row.excerpt)):
+            case()
+        return
+    opt, spy, state, params, grads, kwargs = case.build()
+    kwargs = {"inplace": bool(inplace), **kwargs}
+    watched = _tensors((state, params, grads))
+    before = [(_copy(t), t._version) for t in watched]
+    with pytest.raises(expected, match=re.escape(row.excerpt)) as info:
+        opt.update(state, params, grads, **kwargs)
+    assert spy.calls == 0, "the inner optimizer ran before the error"
+    _assert_untouched(before, _tensors((state, params, grads)))
+    assert f"`{row.argument}" in str(info.value)
+
+
+def test_valid_calls_pass_the_checks():
+    """The checks reject nothing valid: every option at its boundary, both modes, in place,
+    index-less devices ("cpu" vs cpu:0 is not a mismatch), a low-precision window."""
+    params = _params()
+    for options in (
+        {"history_depth": 3, "relaxation": 1e-12, "reg": 0.0, "wait_iterations": 0},
+        {"mode": "classic", "history_depth": 3, "store_each_nth": 1, "frequency": 1},
+        {"history_device": "cpu", "compute_device": torch.device("cpu")},
+        {"history_dtype": torch.bfloat16, "average_tol": 1e-9},
+    ):
+        opt = aa.anderson(sgd(0.1), **options)
+        state = opt.init(params)
+        p = params
+        for inplace in (False, True, False, True):
+            p, state = opt.update(
+                state, p, _grads_of(p), inplace=inplace, loss_fn=lambda q: q["w"].sum()
+            )
+        assert all(torch.isfinite(t).all() for t in p.values())
+    with torch.no_grad():  # in place on leaves requiring grad is fine without autograd
+        p = _requires_grad(params)
+        opt = aa.anderson(sgd(0.1))
+        opt.update(opt.init(p), p, _grads_of(params), inplace=True)

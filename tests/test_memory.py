@@ -1,0 +1,160 @@
+"""Memory of ``anderson``: what the state keeps and what a step allocates, measured on CPU.
+
+* Storage: the bytes of the distinct storages behind the state's window tensors (views of
+  one buffer count once), after the window is full: mode "aadl" keeps the newest entry plus
+  ``history_depth - 1`` differences, at most ``history_depth + 1`` parameter-sized buffers;
+  a bf16 history halves the differences.
+* Temporaries: every CPU allocation and free during one steady-state step, recorded by
+  ``torch.profiler`` (``profile_memory=True`` reports each allocator call with its size and
+  time). The peak of the running sum is the step's high-water mark above what existed
+  before it; the largest single allocation shows that nothing window-sized (a stack of the
+  window, a float64 copy of it) is ever built.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import aadl_func as aa
+from aadl_func._src.inner import sgd
+
+N = 1 << 20  # the issue's size: 4 MiB of float32 per parameter-sized buffer
+DEPTH = 10  # history_depth = m
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Allocations do not depend on the thread count; one thread keeps these steps quick on
+    a busy machine (many short parallel regions stall when the cores are oversubscribed)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def allocation_profile(fn) -> tuple[int, int, int]:
+    """``(peak, total, largest)`` bytes allocated on the CPU while ``fn()`` runs.
+
+    ``peak``: maximum over time of (bytes allocated - bytes freed) since the start;
+    ``total``: sum of all allocations; ``largest``: the biggest single allocation.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = total = largest = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+        if nbytes > 0:
+            total += nbytes
+            largest = max(largest, nbytes)
+    return peak, total, largest
+
+
+def test_allocation_profile_sees_known_allocations():
+    """Calibration: the tracker reports what a plain torch program allocates."""
+    size = N * 4
+
+    def program():
+        a = torch.empty(N)
+        b = torch.empty(2 * N)
+        del a
+        c = torch.empty(N)
+        del b, c
+
+    peak, total, largest = allocation_profile(program)
+    assert peak == 3 * size
+    assert total == 4 * size
+    assert largest == 2 * size
+
+
+def window_bytes(state: aa.AndersonState, fields=("anchor", "residuals", "iterates")) -> int:
+    """Bytes of the distinct storages behind the given state fields."""
+    storages = {}
+    for name in fields:
+        for leaf in optree.tree_leaves(getattr(state, name)):
+            storage = leaf.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def run(opt, params, steps: int, inplace: bool):
+    generator = torch.Generator().manual_seed(0)
+    state = opt.init(params)
+    for _ in range(steps):
+        grads = optree.tree_map(
+            lambda p: 1e-2 * torch.randn(p.shape, generator=generator, dtype=p.dtype), params
+        )
+        params, state = opt.update(state, params, grads, inplace=inplace)
+    return params, state
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+@pytest.mark.parametrize("history_dtype", [None, torch.bfloat16, torch.float16], ids=str)
+def test_steady_state_window_storage(history_dtype, inplace):
+    n = 1 << 12
+    params = {"w": torch.zeros(n // 4, 4), "b": torch.zeros(n // 2)}
+    numel = sum(p.numel() for p in params.values())
+    opt = aa.anderson(sgd(0.1), history_depth=DEPTH, history_dtype=history_dtype)
+    _, state = run(opt, params, 2 * DEPTH + 3, inplace)
+    slot_size = torch.empty((), dtype=history_dtype or torch.float32).element_size()
+    anchor = window_bytes(state, ("anchor",))
+    ring = window_bytes(state, ("residuals",))
+    assert anchor == numel * 4  # the newest entry keeps the params' dtype
+    assert ring == (DEPTH - 1) * numel * slot_size
+    assert anchor + ring <= (DEPTH + 1) * numel * slot_size
+    assert window_bytes(state, ("iterates",)) == 0
+    assert state.gram.numel() == (DEPTH - 1) ** 2
+
+
+def test_bf16_history_halves_the_stored_differences():
+    params = torch.zeros(1 << 12)
+    states = {
+        dtype: run(aa.anderson(sgd(0.1), history_dtype=dtype), params.clone(), 15, True)[1]
+        for dtype in (None, torch.bfloat16)
+    }
+    full = window_bytes(states[None], ("residuals",))
+    half = window_bytes(states[torch.bfloat16], ("residuals",))
+    assert 2 * half == full
+    assert states[torch.bfloat16].gram.dtype == torch.float64
+
+
+@pytest.mark.parametrize("history_dtype", [None, torch.bfloat16], ids=str)
+def test_inplace_step_allocates_at_most_six_parameter_sized_buffers(history_dtype):
+    """n = 2^20, m = 10, float32 params, SGD inner optimizer, a step that mixes."""
+    opt = aa.anderson(sgd(0.01), history_depth=DEPTH, relaxation=0.5, history_dtype=history_dtype)
+    params, state = run(opt, torch.randn(N), 2 * DEPTH, inplace=True)
+    grads = 1e-2 * torch.randn(N)
+    before = int(state.num_mixed)
+    result = {}
+
+    def step():
+        result["out"] = opt.update(state, params, grads, inplace=True)
+
+    peak, total, largest = allocation_profile(step)
+    assert int(result["out"][1].num_mixed) == before + 1  # the measured step did mix
+    param_bytes = N * 4
+    assert peak <= 6 * param_bytes, peak / param_bytes
+    assert total <= 6 * param_bytes, total / param_bytes
+    assert largest <= param_bytes, largest / param_bytes
+
+
+def test_pure_step_copies_one_slot_not_the_window():
+    """inplace=False may not mutate the state, so it allocates the new slot, the new anchor,
+    the step and the mix -- a handful of parameter-sized buffers, never the window."""
+    n = N
+    opt = aa.anderson(sgd(0.01), history_depth=DEPTH, relaxation=0.5)
+    params, state = run(opt, torch.randn(n), 2 * DEPTH, inplace=False)
+    grads = 1e-2 * torch.randn(n)
+    peak, total, largest = allocation_profile(lambda: opt.update(state, params, grads))
+    param_bytes = n * 4
+    assert largest <= param_bytes
+    assert total <= 8 * param_bytes < (DEPTH - 1) * param_bytes, total / param_bytes
+    assert peak <= total

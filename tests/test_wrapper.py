@@ -1,0 +1,694 @@
+"""``AcceleratedOptimizer`` and ``accelerate``: the functional core behind torch.optim.
+
+References: the functional core driven by hand with the built-in inner optimizers (which
+match torch.optim step for step), plain torch.optim runs, and a float64 NumPy implementation
+of spec.md's rules written here from background.md's formulas.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import aadl_func as aa
+from aadl_func._src.inner import adam, sgd
+from aadl_func._src.wrapper import AcceleratedOptimizer, accelerate
+
+# -- models and helpers ----------------------------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.head = nn.Linear(3 * 4 * 4, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+def make_cnn(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    model = SmallCNN().to(dtype)
+    model.conv.weight.data = model.conv.weight.data.contiguous(memory_format=torch.channels_last)
+    generator = torch.Generator().manual_seed(100 + seed)
+    X = torch.randn(8, 2, 6, 6, generator=generator).to(dtype)
+    Y = torch.randn(8, 1, generator=generator).to(dtype)
+    return model, X, Y
+
+
+def groups_of(model, lrs=(0.05, 0.02)):
+    return [
+        {"params": list(model.conv.parameters()), "lr": lrs[0]},
+        {"params": list(model.head.parameters()), "lr": lrs[1]},
+    ]
+
+
+def mse(model, X, Y):
+    return (model(X) - Y).square().mean()
+
+
+NAMES = (("conv.weight", "conv.bias"), ("head.weight", "head.bias"))
+
+
+def functional_loss(model, X, Y, group_values):
+    params = {
+        name: v for names, values in zip(NAMES, group_values) for name, v in zip(names, values)
+    }
+    return (torch.func.functional_call(model, params, (X,)) - Y).square().mean()
+
+
+def assert_same_params(a, b, **tol):
+    for p, q in zip(a.parameters(), b.parameters()):
+        if tol:
+            torch.testing.assert_close(p, q, **tol)
+        else:
+            assert torch.equal(p, q)
+
+
+OPTIONS = dict(history_depth=4, relaxation=0.6, frequency=2, reg=1e-12)
+
+
+# -- wrapper == functional core --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "classic"])
+def test_wrapper_matches_functional_core(kind):
+    """Two param groups, a channels_last conv weight: the wrapper's trajectory is the core's,
+    run by hand with one window per group and the matching built-in inner optimizer."""
+    model_a, X, Y = make_cnn()
+    model_b, _, _ = make_cnn()
+    options = dict(OPTIONS, mode="classic") if kind == "classic" else OPTIONS
+    if kind in ("sgd", "classic"):
+        torch_opt = torch.optim.SGD(groups_of(model_a), momentum=0.9)
+        inners = [sgd(0.05, momentum=0.9), sgd(0.02, momentum=0.9)]
+    else:
+        torch_opt = torch.optim.Adam(groups_of(model_a, (1e-2, 5e-3)))
+        inners = [adam(1e-2), adam(5e-3)]
+    opt = AcceleratedOptimizer(torch_opt, **options)
+    cores = [aa.anderson(inner, **options) for inner in inners]
+    groups_b = [list(model_b.conv.parameters()), list(model_b.head.parameters())]
+    states = [core.init([p.detach() for p in g]) for core, g in zip(cores, groups_b)]
+
+    for _ in range(12):
+        opt.zero_grad()
+        mse(model_a, X, Y).backward()
+        assert opt.step() is None
+
+        model_b.zero_grad()
+        mse(model_b, X, Y).backward()
+        with torch.no_grad():
+            for i, (core, params) in enumerate(zip(cores, groups_b)):
+                out, states[i] = core.update(
+                    states[i], [p.detach().clone() for p in params], [p.grad for p in params]
+                )
+                for p, v in zip(params, out):
+                    p.copy_(v)
+        # Classic residuals are y - x from torch.optim's y against the inner's own update: they
+        # differ in the last bit, which its less damped mixes amplify more.
+        tolerance = (
+            dict(rtol=1e-7, atol=1e-9) if kind == "classic" else dict(rtol=1e-10, atol=1e-12)
+        )
+        assert_same_params(model_a, model_b, **tolerance)
+    for mine, theirs in zip(opt.anderson_states, states):
+        assert int(mine.num_mixed) == int(theirs.num_mixed) >= 4
+    assert model_a.conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_wrapper_safeguard_matches_functional_core_two_groups():
+    """With a closure each group is safeguarded in turn (earlier groups at their kept params,
+    later ones at their plain step) and step() returns the loss at the kept params."""
+    options = dict(history_depth=4, relaxation=1.5)
+    model_a, X, Y = make_cnn(seed=1)
+    model_b, _, _ = make_cnn(seed=1)
+    opt = AcceleratedOptimizer(torch.optim.SGD(groups_of(model_a, (0.3, 0.1))), **options)
+    inners = [sgd(0.3), sgd(0.1)]
+    cores = [aa.anderson(inner, **options) for inner in inners]
+    groups_b = [list(model_b.conv.parameters()), list(model_b.head.parameters())]
+    states = [core.init([p.detach() for p in g]) for core, g in zip(cores, groups_b)]
+
+    def closure():
+        opt.zero_grad()
+        loss = mse(model_a, X, Y)
+        loss.backward()
+        return loss
+
+    evaluated_steps = 0
+    for _ in range(12):
+        with torch.no_grad():
+            loss_before = mse(model_a, X, Y)
+        decided = sum(int(s.num_mixed) + int(s.num_rejected) for s in states)
+        returned = opt.step(closure)
+
+        model_b.zero_grad()
+        mse(model_b, X, Y).backward()
+        with torch.no_grad():
+            starts = [[p.detach().clone() for p in g] for g in groups_b]
+            grads = [[p.grad.clone() for p in g] for g in groups_b]
+            # The plain step of group 1, which group 0's safeguard sees (inner update is pure).
+            u1, _ = inners[1].update(
+                grads[1], states[1].inner_state, params=starts[1], inplace=False
+            )
+            plain1 = [x + u for x, u in zip(starts[1], u1)]
+            out0, states[0] = cores[0].update(
+                states[0],
+                starts[0],
+                grads[0],
+                loss_fn=lambda c, others=plain1: functional_loss(model_b, X, Y, [c, others]),
+            )
+            out1, states[1] = cores[1].update(
+                states[1],
+                starts[1],
+                grads[1],
+                loss_fn=lambda c, others=out0: functional_loss(model_b, X, Y, [others, c]),
+            )
+            for params, out in zip(groups_b, (out0, out1)):
+                for p, v in zip(params, out):
+                    p.copy_(v)
+        assert_same_params(model_a, model_b, rtol=1e-10, atol=1e-12)
+        if sum(int(s.num_mixed) + int(s.num_rejected) for s in states) > decided:
+            # The safeguard evaluated the closure: the loss at the params the step kept.
+            evaluated_steps += 1
+            with torch.no_grad():
+                expected = mse(model_a, X, Y)
+        else:
+            expected = loss_before  # torch.optim's convention: the loss before the step
+        torch.testing.assert_close(returned.detach(), expected, rtol=1e-12, atol=0)
+    assert evaluated_steps >= 8
+    mixed = [int(s.num_mixed) for s in opt.anderson_states]
+    rejected = [int(s.num_rejected) for s in opt.anderson_states]
+    assert mixed == [int(s.num_mixed) for s in states]
+    assert rejected == [int(s.num_rejected) for s in states]
+    assert sum(mixed) > 0 and sum(rejected) > 0
+
+
+def test_returned_loss_without_safeguard_evaluation_is_the_inner_loss():
+    model, X, Y = make_cnn()
+    opt = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), wait_iterations=5)
+    with torch.no_grad():
+        before = mse(model, X, Y)
+
+    def closure():
+        opt.zero_grad()
+        loss = mse(model, X, Y)
+        loss.backward()
+        return loss
+
+    torch.testing.assert_close(opt.step(closure).detach(), before)
+
+
+# -- dtypes, layouts, in-place ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_without_mixing_equals_the_torch_optimizer_bitwise(dtype):
+    """The plain step through the core reproduces torch.optim exactly (float64: to a rounding
+    of the displacement, which has no wider dtype), and the params are updated in place (same
+    storage, channels_last kept)."""
+    model_a, X, Y = make_cnn(dtype)
+    model_b, _, _ = make_cnn(dtype)
+    opt_a = AcceleratedOptimizer(
+        torch.optim.SGD(groups_of(model_a), momentum=0.9), wait_iterations=10**9
+    )
+    opt_b = torch.optim.SGD(groups_of(model_b), momentum=0.9)
+    pointers = [p.data_ptr() for p in model_a.parameters()]
+    for _ in range(6):
+        for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+            opt.zero_grad()
+            mse(model, X, Y).float().backward()
+            opt.step()
+        if dtype == torch.float64:
+            assert_same_params(model_a, model_b, rtol=1e-14, atol=1e-16)
+        else:
+            assert_same_params(model_a, model_b)
+    assert [p.data_ptr() for p in model_a.parameters()] == pointers
+    assert model_a.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(p.dtype == dtype for p in model_a.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_params_keep_dtype_layout_and_storage(dtype):
+    model, X, Y = make_cnn(dtype)
+    opt = AcceleratedOptimizer(torch.optim.Adam(groups_of(model, (1e-2, 1e-2))), history_depth=3)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    for _ in range(5):
+        opt.zero_grad()
+        mse(model, X, Y).float().backward()
+        opt.step()
+    assert all(int(s.num_mixed) == 3 for s in opt.anderson_states)
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(p.dtype == dtype and torch.isfinite(p).all() for p in model.parameters())
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def _train(model, opt, X, Y, steps, closure_every=2):
+    trajectory = []
+    for k in range(steps):
+
+        def closure():
+            opt.zero_grad()
+            loss = mse(model, X, Y)
+            loss.backward()
+            return loss
+
+        if k % closure_every == 0:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        trajectory.append([p.detach().clone() for p in model.parameters()])
+    return trajectory
+
+
+def _roundtrip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+CHECKPOINT_OPTIONS = dict(
+    history_depth=4, relaxation=0.5, store_each_nth=2, frequency=2, average=True, average_tol=0.2
+)
+
+
+def test_checkpoint_resume_is_bit_identical():
+    model, X, Y = make_cnn(torch.float32)
+    opt = AcceleratedOptimizer(
+        torch.optim.Adam(groups_of(model, (3e-2, 1e-2))), **CHECKPOINT_OPTIONS
+    )
+    first = _train(model, opt, X, Y, 7)
+    model_ckpt = _roundtrip(model.state_dict())
+    opt_ckpt = _roundtrip(opt.state_dict())
+    rest = _train(model, opt, X, Y, 8)
+
+    resumed, _, _ = make_cnn(torch.float32, seed=5)
+    resumed.load_state_dict(model_ckpt)
+    resumed.conv.weight.data = resumed.conv.weight.data.contiguous(
+        memory_format=torch.channels_last
+    )
+    opt2 = AcceleratedOptimizer(
+        torch.optim.Adam(groups_of(resumed, (0.5, 0.5))), **CHECKPOINT_OPTIONS
+    )
+    opt2.load_state_dict(opt_ckpt)
+    assert [g["lr"] for g in opt2.param_groups] == [3e-2, 1e-2]
+    rest2 = _train(resumed, opt2, X, Y, 8)
+    for a, b in zip(rest, rest2):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+    for s, t in zip(opt.anderson_states, opt2.anderson_states):
+        for name in ("count", "num_mixed", "num_rejected", "num_averaged", "window_size"):
+            assert int(getattr(s, name)) == int(getattr(t, name))
+        assert torch.equal(s.gram, t.gram)
+    counts = opt.anderson_states[0]
+    assert int(counts.num_mixed) > 0 and int(counts.num_averaged) > 0
+    assert len(first) == 7
+
+
+def _trained_optimizer(**options):
+    model, X, Y = make_cnn()
+    opt = AcceleratedOptimizer(torch.optim.SGD(groups_of(model)), **options)
+    _train(model, opt, X, Y, 5)
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "other, match",
+    [
+        (dict(history_depth=5), "history_depth"),
+        (dict(history_depth=4, mode="classic"), "mode"),
+        (dict(history_depth=4, history_dtype=torch.float32), "history_dtype"),
+    ],
+)
+def test_load_state_dict_with_other_layout_options_raises(other, match):
+    _, opt = _trained_optimizer(history_depth=4)
+    saved = _roundtrip(opt.state_dict())
+    model, _, _ = make_cnn()
+    fresh = AcceleratedOptimizer(torch.optim.SGD(groups_of(model)), **other)
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(saved)
+    assert fresh.anderson_states == (None, None)
+    assert len(fresh.state) == 0
+
+
+def test_load_state_dict_for_other_params_raises():
+    _, opt = _trained_optimizer(history_depth=4)
+    saved = _roundtrip(opt.state_dict())
+    torch.manual_seed(0)
+    conv, head = nn.Conv2d(2, 3, 3).double(), nn.Linear(48, 2).double()  # another head shape
+    fresh = AcceleratedOptimizer(
+        torch.optim.SGD([{"params": conv.parameters()}, {"params": head.parameters()}], lr=0.1),
+        history_depth=4,
+    )
+    with pytest.raises(ValueError, match="param group 1"):
+        fresh.load_state_dict(saved)
+    one_group = AcceleratedOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), history_depth=4)
+    with pytest.raises(ValueError, match="2 windows for 1 param groups"):
+        one_group.load_state_dict(saved)
+
+
+def test_plain_torch_checkpoints_interoperate():
+    """A torch.optim checkpoint loads (windows restart); ours loads into torch.optim."""
+    model, opt = _trained_optimizer(history_depth=4)
+    plain = torch.optim.SGD(groups_of(model))
+    plain.load_state_dict(opt.state_dict())
+    opt.load_state_dict(plain.state_dict())
+    assert opt.anderson_states == (None, None)
+
+
+def test_hyperparameters_may_change_on_resume():
+    _, opt = _trained_optimizer(history_depth=4, relaxation=0.5)
+    saved = _roundtrip(opt.state_dict())
+    model, _, _ = make_cnn()
+    fresh = AcceleratedOptimizer(torch.optim.SGD(groups_of(model)), history_depth=4, relaxation=1.0)
+    fresh.load_state_dict(saved)
+    assert int(fresh.anderson_states[0].count) == 5
+
+
+# -- accelerate(): AADL's migration path -----------------------------------------------------
+
+
+def np_mix(window, relaxation):
+    X = np.stack(window, axis=1)
+    DX = np.diff(X, axis=1)
+    DR = np.diff(DX, axis=1)
+    gamma = np.linalg.lstsq(DR, DX[:, -1], rcond=None)[0]
+    extr = X[:, -2] + DX[:, -1] - (DX[:, :-1] + DR) @ gamma
+    alpha = np.concatenate([gamma[:1], np.diff(gamma), 1.0 - gamma[-1:]])
+    return relaxation * extr + (1.0 - relaxation) * X[:, :-1] @ alpha
+
+
+def np_aadl(x0, grad, lr, steps, *, relaxation, wait, depth, store, freq, loss=None):
+    """spec.md steps 1-4 with plain gradient descent as the inner map."""
+    window, x, out = [], np.array(x0, dtype=np.float64), []
+    for k in range(1, steps + 1):
+        y = x - lr * grad(x)
+        if k % store == 0:
+            window = (window + [y.copy()])[-depth:]
+        x = y
+        if k > wait and k % freq == 0 and len(window) >= 3:
+            xm = np_mix(window, relaxation)
+            if loss is None or (np.isfinite(loss(xm)) and loss(xm) < loss(y)):
+                x = xm
+                if loss is not None:
+                    window[-1] = xm.copy()
+        out.append(x.copy())
+    return out
+
+
+def least_squares(n=10, m=30, seed=0):
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((m, n)) * np.geomspace(1.0, 0.1, n)
+    b = rng.standard_normal(m)
+    return A, b
+
+
+@pytest.mark.parametrize("acceleration_type", ["anderson", "Anderson_Normal_Equation"])
+@pytest.mark.parametrize("safeguard", [False, True])
+def test_accelerate_reproduces_spec_with_aadl_argument_order(acceleration_type, safeguard):
+    A, b = least_squares()
+    n, lr, steps = A.shape[1], 0.02, 12
+    expected = np_aadl(
+        np.zeros(n),
+        lambda x: A.T @ (A @ x - b),
+        lr,
+        steps,
+        relaxation=0.7,
+        wait=2,
+        depth=5,
+        store=1,
+        freq=2,
+        loss=(lambda x: 0.5 * np.sum((A @ x - b) ** 2)) if safeguard else None,
+    )
+    At, bt = torch.tensor(A), torch.tensor(b)
+    w = nn.Parameter(torch.zeros(n, dtype=torch.float64))
+    optimizer = torch.optim.SGD([w], lr=lr)
+    # AADL's positional order: type, relaxation, wait_iterations, history_depth,
+    # store_each_nth, frequency, reg_acc, average.
+    accelerator = accelerate(optimizer, acceleration_type, 0.7, 2, 5, 1, 2, 0.0, False)
+    assert isinstance(accelerator, AcceleratedOptimizer)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = 0.5 * (At @ w - bt).square().sum()
+        loss.backward()
+        return loss
+
+    for k in range(steps):
+        if safeguard:
+            optimizer.step(closure)  # the patched torch optimizer, as AADL users call it
+        else:
+            closure()
+            optimizer.step()
+        # Each mix of a nearly converged window amplifies rounding differences (about 1e-16
+        # at the first mix, ~1e-10 after 12 calls); a wrong argument order is off by O(1).
+        np.testing.assert_allclose(w.detach().numpy(), expected[k], rtol=1e-7, atol=1e-10)
+    assert int(accelerator.anderson_states[0].num_mixed) > 0
+
+
+def test_accelerate_defaults_and_errors():
+    w = nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    accelerator = accelerate(optimizer)
+    options = accelerator.anderson_options
+    # AADL's defaults.
+    assert (options["relaxation"], options["wait_iterations"], options["history_depth"]) == (
+        0.1,
+        1,
+        15,
+    )
+    assert (options["store_each_nth"], options["frequency"], options["reg"]) == (1, 1, 0.0)
+    assert options["average"] is False
+    with pytest.raises(ValueError, match="already accelerated"):
+        accelerate(optimizer)
+    for bad in ("identity", "rna", "anderson_lstsq"):
+        with pytest.raises(ValueError, match="acceleration_type"):
+            accelerate(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1), bad)
+    with pytest.raises(TypeError, match="acceleration_type"):
+        accelerate(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1), None)
+    with pytest.raises(ValueError, match="history_depth"):
+        accelerate(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1), history_depth=2)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        AcceleratedOptimizer(object())
+    with pytest.raises(TypeError, match="bogus"):
+        AcceleratedOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1), bogus=1)
+
+
+def test_accelerated_optimizer_checkpoints_through_its_own_methods():
+    """After accelerate(), optimizer.state_dict()/load_state_dict() carry the windows."""
+    model, X, Y = make_cnn()
+    optimizer = torch.optim.SGD(groups_of(model), momentum=0.5)
+    accelerator = accelerate(optimizer, "anderson", 0.5, 0, 4)
+    _train(model, optimizer, X, Y, 4, closure_every=10**9)
+    saved = _roundtrip(optimizer.state_dict())
+    assert "anderson" in saved
+    model2, _, _ = make_cnn()
+    model2.load_state_dict(model.state_dict())
+    optimizer2 = torch.optim.SGD(groups_of(model2), momentum=0.5)
+    accelerator2 = accelerate(optimizer2, "anderson", 0.5, 0, 4)
+    optimizer2.load_state_dict(saved)
+    a = _train(model, optimizer, X, Y, 3, closure_every=10**9)
+    b = _train(model2, optimizer2, X, Y, 3, closure_every=10**9)
+    for pa, pb in zip(a, b):
+        for p, q in zip(pa, pb):
+            assert torch.equal(p, q)
+    assert int(accelerator2.anderson_states[0].count) == int(accelerator.anderson_states[0].count)
+
+
+# -- LR schedulers, gradient clipping, GradScaler --------------------------------------------
+
+
+class ScheduledSgd:
+    """Test stand-in for SGD under StepLR(step_size, gamma): lr_k = lr * gamma^(k // size)."""
+
+    def __init__(self, lr, step_size, gamma):
+        self.lr, self.step_size, self.gamma = lr, step_size, gamma
+
+    def init(self, params):
+        return torch.zeros((), dtype=torch.int64)
+
+    def update(self, updates, count, params=None, inplace=False):
+        lr = self.lr * self.gamma ** (int(count) // self.step_size)
+        return [-lr * g for g in updates], count + 1
+
+
+@pytest.mark.parametrize("via_accelerate", [False, True])
+def test_step_lr_schedule(via_accelerate):
+    model_a, X, Y = make_cnn()
+    model_b, _, _ = make_cnn()
+    torch_opt = torch.optim.SGD(groups_of(model_a, (0.1, 0.1)))
+    if via_accelerate:
+        accelerate(torch_opt, "anderson", 0.6, 0, 4, 1, 2, 1e-12)
+        opt = torch_opt
+    else:
+        opt = AcceleratedOptimizer(torch_opt, **OPTIONS)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    core = aa.anderson(ScheduledSgd(0.1, 3, 0.5), **OPTIONS)
+    params_b = list(model_b.parameters())
+    groups_b = [params_b[:2], params_b[2:]]
+    states = [core.init([p.detach() for p in g]) for g in groups_b]
+    for _ in range(10):
+        opt.zero_grad()
+        mse(model_a, X, Y).backward()
+        opt.step()
+        scheduler.step()
+        model_b.zero_grad()
+        mse(model_b, X, Y).backward()
+        with torch.no_grad():
+            for i, params in enumerate(groups_b):
+                out, states[i] = core.update(
+                    states[i], [p.detach().clone() for p in params], [p.grad for p in params]
+                )
+                for p, v in zip(params, out):
+                    p.copy_(v)
+        assert_same_params(model_a, model_b, rtol=1e-10, atol=1e-12)
+    assert torch_opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+def test_gradient_clipping():
+    max_norm = 0.05
+    model_a, X, Y = make_cnn()
+    model_b, _, _ = make_cnn()
+    opt = AcceleratedOptimizer(torch.optim.SGD(model_a.parameters(), lr=0.5), **OPTIONS)
+    core = aa.anderson(sgd(0.5), **OPTIONS)
+    params_b = list(model_b.parameters())
+    state = core.init([p.detach() for p in params_b])
+    clipped_steps = 0
+    for _ in range(10):
+        opt.zero_grad()
+        mse(model_a, X, Y).backward()
+        nn.utils.clip_grad_norm_(model_a.parameters(), max_norm)
+        opt.step()
+
+        model_b.zero_grad()
+        mse(model_b, X, Y).backward()
+        grads = [p.grad for p in params_b]
+        total = torch.sqrt(sum(g.square().sum() for g in grads))
+        scale = min(1.0, max_norm / (float(total) + 1e-6))
+        clipped_steps += scale < 1.0
+        with torch.no_grad():
+            out, state = core.update(
+                state, [p.detach().clone() for p in params_b], [g * scale for g in grads]
+            )
+            for p, v in zip(params_b, out):
+                p.copy_(v)
+        # torch computes the total norm in another order: rounding, amplified by the mixes.
+        assert_same_params(model_a, model_b, rtol=1e-8, atol=1e-10)
+    assert clipped_steps >= 5 and int(state.num_mixed) > 0
+
+
+def test_grad_scaler_steps_and_skips_on_inf():
+    """scaler.step(opt) runs the accelerated step; a step with an Inf gradient is skipped
+    whole (params, windows and counters untouched), and training then continues exactly as
+    a run that never saw that batch."""
+
+    def run(with_scaler, bad_steps):
+        model, X, Y = make_cnn(torch.float32)
+        opt = AcceleratedOptimizer(torch.optim.Adam(groups_of(model, (1e-2, 1e-2))), **OPTIONS)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if with_scaler else None
+        history = []
+        for k in range(12):
+            if k in bad_steps and not with_scaler:
+                continue  # the reference never sees the bad batch
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = mse(model, X, Y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                if k in bad_steps:
+                    model.head.bias.grad.fill_(float("inf"))
+                before = [p.detach().clone() for p in model.parameters()]
+                count = int(opt.anderson_states[0].count) if opt.anderson_states[0] else 0
+                scaler.step(opt)
+                scaler.update()
+                if k in bad_steps:
+                    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+                    state = opt.anderson_states[0]
+                    assert (int(state.count) if state else 0) == count
+                    continue
+            history.append([p.detach().clone() for p in model.parameters()])
+        return history, opt
+
+    reference, _ = run(False, {4, 9})
+    scaled, opt = run(True, {4, 9})
+    assert len(reference) == len(scaled) == 10
+    for a, b in zip(reference, scaled):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+    assert int(opt.anderson_states[0].num_mixed) > 0
+
+
+# -- torch.optim plumbing --------------------------------------------------------------------
+
+
+def test_shares_the_wrapped_optimizers_groups_and_state():
+    model, X, Y = make_cnn()
+    inner = torch.optim.Adam(groups_of(model))
+    opt = AcceleratedOptimizer(inner, history_depth=3)
+    assert opt.param_groups is inner.param_groups
+    assert opt.defaults is inner.defaults
+    opt.zero_grad()
+    mse(model, X, Y).backward()
+    opt.step()
+    assert opt.state is inner.state and len(opt.state) == 4
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    extra = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt.add_param_group({"params": [extra], "lr": 0.1})
+    assert len(inner.param_groups) == 3
+    (mse(model, X, Y) + extra.square().sum()).backward()
+    opt.step()
+    states = opt.anderson_states
+    assert int(states[2].count) == 1 and int(states[0].count) == 2
+    hooked = []
+    opt.register_step_post_hook(lambda *args: hooked.append(1))
+    opt.step()
+    assert hooked == [1]
+
+
+def test_returned_loss_is_at_the_kept_params_when_a_later_group_averages():
+    """Group 0's safeguard measures the loss with group 1 at its plain step; when group 1 then
+    averages, the measured loss is stale and the closure is evaluated once more."""
+    model, X, Y = make_cnn(seed=3)
+    opt = AcceleratedOptimizer(
+        torch.optim.SGD(groups_of(model, (0.2, 0.5))),
+        history_depth=3,
+        average=True,
+        average_tol=0.3,
+    )
+
+    def closure():
+        opt.zero_grad()
+        loss = mse(model, X, Y)
+        loss.backward()
+        return loss
+
+    def counters():
+        states = [s for s in opt.anderson_states if s is not None]
+        decided = sum(int(s.num_mixed + s.num_rejected) for s in states)
+        return decided, int(states[1].num_averaged) if len(states) == 2 else 0
+
+    stale_steps = 0
+    for k in range(12):
+        with torch.no_grad():
+            if k % 4 == 3:  # jolt the head so that its window scatters and group 1 averages
+                model.head.weight.neg_()
+            loss_before = mse(model, X, Y)
+        decided, averaged = counters()
+        returned = opt.step(closure)
+        evaluated = counters()[0] > decided
+        with torch.no_grad():
+            expected = mse(model, X, Y) if evaluated else loss_before
+        torch.testing.assert_close(returned.detach(), expected, rtol=1e-12, atol=0)
+        stale_steps += evaluated and counters()[1] > averaged
+    assert stale_steps >= 1
