@@ -12,7 +12,7 @@ from torch import Tensor
 from aadl_func._src import distributed, tree
 from aadl_func._src.average import window_average
 from aadl_func._src.mix import aadl_coefficients
-from aadl_func._src.solve import solve_weights
+from aadl_func._src.solve import solve_differences
 from aadl_func._src.state import AndersonState
 from aadl_func._src.validation import (
     check_bool,
@@ -28,7 +28,7 @@ from aadl_func._src.validation import (
 )
 from aadl_func._src.window import (
     combine,
-    gram_row,
+    difference_rows,
     new_ring,
     select,
     set_gram_row,
@@ -251,6 +251,8 @@ def _init(config: _Config, params: Params) -> AndersonState:
         residuals=ring(),
         iterates=iterates,
         gram=torch.zeros(q, q, dtype=torch.float64, device=device),
+        dr_gram=torch.zeros(q, q, dtype=torch.float64, device=device),
+        dr_rhs=torch.zeros(q, dtype=torch.float64, device=device),
         head=torch.full((), q - 1, dtype=torch.int64),
         window_size=_counter(),
         num_mixed=_counter(),
@@ -364,23 +366,24 @@ def _check_state(config: _Config, state: AndersonState, p_leaves: list[Tensor], 
             )
         check_window("state.residuals", state.residuals[0])
         check_window("state.iterates", state.iterates[0])
-    gram = state.gram
     compute_device = config.compute_device_of(p_leaves)
-    if not (
-        isinstance(gram, Tensor)
-        and tuple(gram.shape) == (q, q)
-        and gram.dtype == torch.float64
-        and same_device(gram.device, compute_device)
-    ):
-        got = (
-            f"{gram.dtype} tensor of shape {tuple(gram.shape)} on {gram.device}"
-            if isinstance(gram, Tensor)
-            else type(gram).__name__
-        )
-        raise ValueError(
-            f"{owner}: `state.gram` must be a ({q}, {q}) float64 tensor on {compute_device}, "
-            f"got {got}; {hint}"
-        )
+    for name, shape in (("gram", (q, q)), ("dr_gram", (q, q)), ("dr_rhs", (q,))):
+        value = getattr(state, name)
+        if not (
+            isinstance(value, Tensor)
+            and tuple(value.shape) == shape
+            and value.dtype == torch.float64
+            and same_device(value.device, compute_device)
+        ):
+            got = (
+                f"{value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+                if isinstance(value, Tensor)
+                else type(value).__name__
+            )
+            raise ValueError(
+                f"{owner}: `state.{name}` must be a {shape} float64 tensor on {compute_device}, "
+                f"got {got}; {hint}"
+            )
 
 
 _COUNTERS = (
@@ -459,7 +462,7 @@ class _Step:
         # Sharded params only: the Gram row of the newest residual summed over ranks, the
         # mixing weights and the bounds of the finiteness certificate (see distributed.py).
         self.shards = shards
-        self.summed_head_row: Tensor | None = None
+        self.summed_rows: tuple | None = None
         self.base_bound: Tensor | None = None
         self.weights: Any = None
         self.chrono_norms: Tensor | None = None
@@ -512,50 +515,72 @@ class _Step:
         return (head + 1 + torch.arange(self.q)) % self.q
 
     def append(
-        self, ring: tuple, gram: Tensor, head: Tensor, num_residuals: Tensor, residual: list[Tensor]
-    ) -> tuple[tuple, Tensor, Tensor, Tensor, Tensor]:
-        """Writes ``residual`` into the next slot and its Gram row.
+        self, ring: tuple, grams: tuple, head: Tensor, num_residuals: Tensor, residual: list[Tensor]
+    ) -> tuple[tuple, tuple, Tensor, Tensor, Tensor]:
+        """Writes ``residual`` into the next slot and updates ``grams = (gram, dr_gram, dr_rhs)``.
 
-        A residual whose Gram row is not finite (an Inf/NaN iterate) is zeroed and the window
+        A residual whose Gram rows are not finite (an Inf/NaN iterate) is zeroed and the window
         restarts from the newest entry, so poisoned data never reaches a later mix.
 
-        Returns ``(ring, gram, head, num_residuals, poisoned)``.
+        Returns ``(ring, grams, head, num_residuals, poisoned)``.
         """
         slot = (head + 1) % self.q
         ring = write_slot(ring, slot, residual, self.inplace)
-        row = gram_row(ring, residual, self.compute_device)
-        local_row = row
+        rows = local_rows = difference_rows(ring, slot, self.compute_device, grams[0])
         if self.shards is not None:
-            # The state keeps the newest row as this rank's partial sums; the decisions below
+            # The state keeps the newest rows as this rank's partial sums; the decisions below
             # use the sums over ranks.
-            gram, row = self.reduce_rows(gram, head, row)
+            grams, rows = self.reduce_rows(grams, head, rows)
         grown = torch.clamp(num_residuals + 1, max=self.q)
-        valid = self.slot_valid(slot, grown).to(row.device)
-        poisoned = ~torch.isfinite(torch.where(valid, row, 0.0)).all().cpu()
+        valid = self.slot_valid(slot, grown).to(rows[0].device)
+        finite = torch.ones((), dtype=torch.bool, device=valid.device)
+        for row in rows:
+            finite = finite & torch.isfinite(torch.where(valid, row, 0.0)).all()
+        poisoned = ~finite.cpu()
 
         def restart() -> tuple:
             zeros = [torch.zeros_like(r) for r in residual]
-            return write_slot(ring, slot, zeros, self.inplace), torch.zeros_like(gram)
+            return write_slot(ring, slot, zeros, self.inplace), tuple(map(torch.zeros_like, grams))
 
-        ring, new_gram = select(poisoned, restart, (ring, set_gram_row(gram, slot, local_row)))
+        g, h, c = local_rows
+        updated = (set_gram_row(grams[0], slot, g), set_gram_row(grams[1], slot, h), c)
+        ring, grams = select(poisoned, restart, (ring, updated))
         num_residuals = torch.where(poisoned, torch.zeros_like(grown), grown)
         if self.shards is not None:
-            self.summed_head_row = select(poisoned, lambda: torch.zeros_like(row), row)
-        return ring, new_gram, slot, num_residuals, poisoned
+            self.summed_rows = select(poisoned, lambda: tuple(map(torch.zeros_like, rows)), rows)
+        return ring, grams, slot, num_residuals, poisoned
 
-    def solve(self, gram: Tensor, head: Tensor, num_residuals: Tensor):
+    def replace_newest(self, ring: tuple, grams: tuple, head: Tensor, residual: list[Tensor]):
+        """``ring[head] = residual`` (the safeguard moved the newest entry) and its Gram rows.
+
+        Only the newest residual changed, so the rows of ``head`` and ``dr_rhs`` are recomputed;
+        the difference it forms with its successor belongs to the oldest slot, which is unused.
+        """
+        ring = write_slot(ring, head, residual, self.inplace)
+        g, h, c = difference_rows(ring, head, self.compute_device, grams[0])
+        return ring, (set_gram_row(grams[0], head, g), set_gram_row(grams[1], head, h), c)
+
+    def solve(self, grams: tuple, head: Tensor, num_residuals: Tensor):
+        gram, dr_gram, dr_rhs = grams
         if self.shards is not None:
-            if self.summed_head_row is None:
-                gram, self.summed_head_row = self.reduce_rows(gram, head)
-            gram = set_gram_row(gram, head, self.summed_head_row)
-        order = self.chronological(head)
-        order_c = order.to(self.compute_device)
-        chrono = gram[order_c][:, order_c]
-        weights = solve_weights(chrono, num_residuals.to(self.compute_device), self.config.reg)
+            if self.summed_rows is None:
+                (gram, dr_gram, _), self.summed_rows = self.reduce_rows(grams, head)
+            g, h, dr_rhs = self.summed_rows
+            gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
+        order = self.chronological(head).to(self.compute_device)
+        chrono = gram[order][:, order]
+        later = order[1:]  # d at chronological position j + 1 is the column of gamma_j
+        weights = solve_differences(
+            dr_gram[later][:, later],
+            dr_rhs[later],
+            torch.diagonal(chrono),
+            num_residuals.to(self.compute_device),
+            self.config.reg,
+        )
         if self.shards is not None:
             self.weights = weights
             self.chrono_norms = torch.diagonal(chrono).clamp(min=0.0).sqrt()
-        return weights, order_c
+        return weights, order
 
     def to_ring_order(self, chrono_values: Tensor, order: Tensor) -> Tensor:
         return torch.zeros_like(chrono_values).index_copy(0, order, chrono_values)
@@ -617,26 +642,35 @@ class _Step:
 
     # -- sharded params (DTensor / FSDP2; see distributed.py) ------------------------------
     def reduce_rows(
-        self, gram: Tensor, head: Tensor, new_row: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
+        self, grams: tuple, head: Tensor, new_rows: tuple | None = None
+    ) -> tuple[tuple, tuple]:
         """The step's one all_reduce over the shard group.
 
-        Sums ``[gram[head], new_row, base bound]`` over ranks: the row of the previous newest
-        residual (kept as this rank's partial sums because the safeguard may have replaced
-        that residual after the previous reduction), the partial row of the residual appended
-        now, and this rank's bound for :meth:`certified_finite`.
+        Sums over ranks, in one float64 vector: the rows ``gram[head]`` and ``dr_gram[head]`` of
+        the previous newest residual (kept as this rank's partial sums because the safeguard
+        may have replaced that residual after the previous reduction), then either the three
+        partial rows of the residual appended now (``new_rows``) or the partial ``dr_rhs``,
+        and this rank's bound for :meth:`certified_finite`.
 
-        Returns ``(gram with row head summed, the summed new row, or the summed row head)``.
+        Returns ``(grams with the head rows summed, the summed (g, h, c) of the newest
+        residual)``.
         """
         q = self.q
-        parts = [gram[head.to(gram.device)]]
-        if new_row is not None:
-            parts.append(new_row.to(gram.device))
-        parts.append(self.local_base_bound().to(gram.device).reshape(1))
+        gram, dr_gram, dr_rhs = grams
+        device = gram.device
+        at = head.to(device)
+        tail = list(new_rows) if new_rows is not None else [dr_rhs]
+        parts = [gram[at], dr_gram[at], *(t.to(device) for t in tail)]
+        parts.append(self.local_base_bound().to(device).reshape(1))
         total = self.shards.all_sum(torch.cat(parts))
         self.base_bound = total[-1]
         gram = set_gram_row(gram, head, total[:q])
-        return gram, (total[q:-1] if new_row is not None else total[:q])
+        dr_gram = set_gram_row(dr_gram, head, total[q : 2 * q])
+        if new_rows is not None:
+            summed = (total[2 * q : 3 * q], total[3 * q : 4 * q], total[4 * q : 5 * q])
+        else:
+            summed = (total[:q], total[q : 2 * q], total[2 * q : 3 * q])
+        return (gram, dr_gram, dr_rhs), summed
 
     def local_base_bound(self) -> Tensor:
         """This rank's largest magnitude of the combination's base (0 if no mix can happen).
@@ -707,16 +741,17 @@ class _AadlStep(_Step):
                     (yh - a).to(config.history_dtype_of(a)) for yh, a in zip(y_hist, anchor)
                 ]
                 residual = self.to_history(residual, self.ring[0])
-            return self.append(self.ring, state.gram, state.head, num_residuals, residual)
+            return self.append(self.ring, grams, state.head, num_residuals, residual)
 
+        grams = (state.gram, state.dr_gram, state.dr_rhs)
         no_append = (
             self.ring,
-            state.gram,
+            grams,
             state.head,
             num_residuals,
             torch.zeros((), dtype=torch.bool),
         )
-        ring, gram, head, num_residuals, poisoned = select(
+        ring, grams, head, num_residuals, poisoned = select(
             store & ~empty, append_residual, no_append
         )
 
@@ -744,7 +779,7 @@ class _AadlStep(_Step):
                 return window_average(
                     anchor,
                     ring,
-                    gram,
+                    grams[0],
                     head,
                     window_size,
                     tol=config.average_tol,
@@ -777,7 +812,7 @@ class _AadlStep(_Step):
             return self.params
 
         def extrapolate() -> tuple[list[Tensor], Tensor]:
-            weights, order = self.solve(gram, head, num_residuals)
+            weights, order = self.solve(grams, head, num_residuals)
             coefficients = aadl_coefficients(weights.alpha, config.relaxation)
             into = mix_into_params()
             x_hist = combine(
@@ -813,17 +848,16 @@ class _AadlStep(_Step):
                     (r.to(c) + (xa - a).to(c)).to(r.dtype)
                     for r, xa, a, c in zip(newest, x_anchor, anchor, self.compute_dtypes)
                 ]
-                new_ring = write_slot(ring, head, residual, self.inplace)
-                row = gram_row(new_ring, residual, self.compute_device)
+                ring_moved, new_grams = self.replace_newest(ring, grams, head, residual)
                 if self.inplace:
                     for a, xa in zip(anchor, x_anchor):
                         a.copy_(xa)
                     x_anchor = anchor
                 else:
                     x_anchor = self.owned(x_anchor, x)
-                return new_ring, set_gram_row(gram, head, row), x_anchor
+                return ring_moved, new_grams, x_anchor
 
-            ring, gram, anchor = select(use_mix, replace_newest, (ring, gram, anchor))
+            ring, grams, anchor = select(use_mix, replace_newest, (ring, grams, anchor))
 
         if config.average:
             x = select(averaged, lambda: self.to_params(mean_hist), x)
@@ -831,7 +865,9 @@ class _AadlStep(_Step):
         new_state = self.new_state(
             anchor=tree.unflatten(self.spec, list(anchor)),
             residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
-            gram=gram,
+            gram=grams[0],
+            dr_gram=grams[1],
+            dr_rhs=grams[2],
             head=head,
             window_size=window_size,
             num_mixed=state.num_mixed + use_mix.long(),
@@ -858,20 +894,24 @@ class _ClassicStep(_Step):
             point = self.owned(self.to_history(self.params, iterates[0]), self.params)
             new_iterates = write_slot(iterates, slot, point, self.inplace)
             residual = self.owned(self.to_history(self.updates, self.ring[0]), self.updates)
-            ring, gram, head, size, poisoned = self.append(
-                self.ring, state.gram, state.head, state.window_size, residual
+            ring, grams, head, size, poisoned = self.append(
+                self.ring,
+                (state.gram, state.dr_gram, state.dr_rhs),
+                state.head,
+                state.window_size,
+                residual,
             )
-            return new_iterates, ring, gram, head, size, poisoned
+            return new_iterates, ring, grams, head, size, poisoned
 
         unchanged = (
             iterates,
             self.ring,
-            state.gram,
+            (state.gram, state.dr_gram, state.dr_rhs),
             state.head,
             state.window_size,
             torch.zeros((), dtype=torch.bool),
         )
-        iterates, ring, gram, head, window_size, poisoned = select(store, append_pair, unchanged)
+        iterates, ring, grams, head, window_size, poisoned = select(store, append_pair, unchanged)
 
         y = self.inner_step()
 
@@ -882,7 +922,7 @@ class _ClassicStep(_Step):
         )
 
         def extrapolate() -> tuple[list[Tensor], Tensor]:
-            weights, order = self.solve(gram, head, window_size)
+            weights, order = self.solve(grams, head, window_size)
             alpha = self.to_ring_order(weights.alpha, order)
             x_hist = combine(
                 None,
@@ -906,7 +946,9 @@ class _ClassicStep(_Step):
         new_state = self.new_state(
             residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
             iterates=tuple(tree.unflatten(self.spec, list(r)) for r in iterates),
-            gram=gram,
+            gram=grams[0],
+            dr_gram=grams[1],
+            dr_rhs=grams[2],
             head=head,
             window_size=window_size,
             num_mixed=state.num_mixed + use_mix.long(),

@@ -21,9 +21,11 @@ keeps the shards of one logical parameter vector consistent.
 One all_reduce a step. The safeguard may replace the newest residual *after* the reduction
 (once ``loss_fn`` has accepted the mix). Instead of a second reduction for the new Gram row,
 the state keeps the row of the newest residual as this rank's partial sums and the next step
-adds it up together with its own new row: a step reduces ``[row of the previous newest
-residual (Q), row of the new residual (Q), base bound (1)]``, i.e. ``2 Q + 1`` float64 values.
-So in a sharded state ``gram[head]`` (row and column) holds this rank's partial sums and every
+adds them up together with its own new rows: a step that appends reduces ``[rows of the
+previous newest residual in gram and dr_gram (2 Q), the new residual's rows g, h and its
+dr_rhs c (3 Q), base bound (1)]``, i.e. ``5 Q + 1`` float64 values (``3 Q + 1`` for a mix
+without an append: the two head rows and ``dr_rhs``). So in a sharded state ``gram[head]`` and
+``dr_gram[head]`` (rows and columns) and ``dr_rhs`` hold this rank's partial sums and every
 other entry the global inner products.
 
 Finiteness without a second reduction. Whether the mixed point :math:`x` is finite is decided

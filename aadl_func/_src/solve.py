@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["MixingWeights", "solve_weights", "solve_coefficients", "RTOL"]
+__all__ = ["MixingWeights", "solve_weights", "solve_coefficients", "solve_differences", "RTOL"]
 
 # Eigenvalues of the projected Gram below RTOL * (largest residual norm squared) are treated
 # as zero. Gram entries carry float64 rounding of order eps64 * ||f_i|| ||f_j||, so anything
@@ -160,3 +160,51 @@ def solve_coefficients(
     # Inputs at the edge of the float64 range can still round to Inf/NaN: fall back to
     # gamma = 0, the plain newest iterate, rather than let them reach the parameters.
     return torch.where(torch.isfinite(gamma).all(), gamma, 0.0)
+
+
+def solve_differences(
+    dr_gram: Tensor,
+    dr_rhs: Tensor,
+    residual_sq: Tensor,
+    num_valid: Tensor | int,
+    reg: float = 0.0,
+) -> MixingWeights:
+    r"""Solves the mixing problem from the inner products of the residual differences.
+
+    The incremental window keeps, in float64, :math:`H = \Delta F^\top \Delta F`,
+    :math:`c = \Delta F^\top f_{q-1}` and :math:`\|f_i\|^2`, each entry computed from the
+    differences :math:`f_{j+1} - f_j` formed element by element (exact in float64 for float32
+    data). Unlike differencing :math:`F^\top F` (:func:`solve_weights`), nothing cancels when
+    the residuals change little across the window, so the weights agree with
+    :func:`aadl_func.mix` to :math:`\epsilon\, \mathrm{cond}(\Delta F)^2`.
+
+    Args:
+      dr_gram: ``(q - 1, q - 1)`` float64 :math:`H`, chronological.
+      dr_rhs: ``(q - 1,)`` float64 :math:`c`, chronological.
+      residual_sq: ``(q,)`` float64 :math:`\|f_i\|^2`, chronological.
+      num_valid: how many of the newest residuals are valid (0-d tensor or int).
+      reg: absolute Tikhonov weight on :math:`\gamma`, ``>= 0``.
+
+    Returns:
+      :class:`MixingWeights`; ``residual_norm`` is
+      :math:`(\|f_{q-1}\|^2 - 2 \gamma^\top c + \gamma^\top H \gamma)^{1/2}`.
+    """
+    q = residual_sq.shape[-1]
+    dev = residual_sq.device
+    num_valid = torch.as_tensor(num_valid, device=dev)
+    valid = torch.arange(q, device=dev) >= q - num_valid
+    gamma_valid = valid[:-1]
+    pair = gamma_valid[:, None] & gamma_valid[None, :]
+    h = torch.where(pair, dr_gram, 0.0)
+    c = torch.where(gamma_valid, dr_rhs, 0.0)
+    norms = torch.where(valid, residual_sq, 0.0)
+    ok = torch.isfinite(h).all() & torch.isfinite(c).all() & torch.isfinite(norms).all()
+    h, c, norms = (torch.where(ok, t, 0.0) for t in (h, c, norms))
+    # Scaled to max_i ||f_i||^2 = 1, as in solve_weights: O(1) entries whatever the scale.
+    unit = norms.max()
+    unit = torch.where(unit > 0, unit, torch.ones_like(unit))
+    h, c = h / unit, c / unit
+    gamma = solve_coefficients(h, c, torch.ones_like(unit), reg / unit, valid=gamma_valid)
+    alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
+    mixed_sq = norms[-1] / unit - 2.0 * (gamma @ c) + gamma @ h @ gamma
+    return MixingWeights(gamma, alpha, (mixed_sq.clamp(min=0.0) * unit).sqrt(), ok)

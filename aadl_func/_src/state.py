@@ -26,6 +26,11 @@ class AndersonState(NamedTuple):
         Mode "classic": ``Q = history_depth`` residuals ``g(x_i) - x_i``.
       iterates: mode "classic": ring of the ``Q`` points ``x_i``; mode "aadl": ``()``.
       gram: ``(Q, Q)`` float64 Gram matrix of ``residuals`` in ring order (compute device).
+      dr_gram: ``(Q, Q)`` float64 Gram matrix of the consecutive differences
+        ``d_t = residuals[t] - residuals[t - 1]`` (ring order; the oldest slot's entry is
+        unused). Kept from differences formed element by element, so it does not cancel
+        when consecutive residuals are nearly equal, as ``D^T gram D`` would.
+      dr_rhs: ``(Q,)`` float64, ``<d_t, residuals[head]>`` in ring order.
       head: 0-d int64, ring slot of the newest residual.
       window_size: 0-d int64, entries in the window (aadl: iterates, classic: pairs).
       num_mixed: 0-d int64, calls whose returned params came from the mixing.
@@ -41,6 +46,8 @@ class AndersonState(NamedTuple):
     residuals: tuple
     iterates: tuple
     gram: Tensor
+    dr_gram: Tensor
+    dr_rhs: Tensor
     head: Tensor
     window_size: Tensor
     num_mixed: Tensor
