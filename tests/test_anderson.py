@@ -592,13 +592,14 @@ def test_valid_options_are_accepted():
         wait_iterations=0,
         store_each_nth=1,
         frequency=1,
-        mode="classic",
+        mode="aadl",
         average=True,
         average_tol=0.5,
         history_device="cpu",
         compute_device=torch.device("cpu"),
         history_dtype=torch.float16,
     )
+    aa.anderson(GradientDescent(0.1), history_depth=3, mode="classic", average=False)
 
 
 def _bad_grads(params):

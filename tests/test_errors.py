@@ -176,6 +176,7 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "anderson-frequency-range": _anderson(frequency=0),
     "anderson-mode": _anderson(mode="type1"),
     "anderson-average": _anderson(average=1),
+    "anderson-average-classic": _anderson(average=True, mode="classic"),
     "anderson-average_tol-type": _anderson(average_tol="0.1"),
     "anderson-average_tol-range": _anderson(average_tol=0.0),
     "anderson-history_device": _anderson(history_device="gpu0"),

@@ -14,6 +14,7 @@ import numpy as np
 import optree
 import pytest
 import torch
+from reference import aadl_extrapolate
 
 import aadl_func as aa
 from aadl_func._src.inner import AdamState, SgdState, adam, sgd
@@ -21,15 +22,11 @@ from aadl_func._src.inner import AdamState, SgdState, adam, sgd
 # -- independent references -------------------------------------------------------------------
 
 
-def aadl_reference(window: list[np.ndarray], relaxation: float) -> np.ndarray:
-    """AADL's extrapolation (background.md) of iterates ``window`` (oldest first), float64."""
-    X = np.stack(window, axis=1)
-    DX = np.diff(X, axis=1)
-    DR = np.diff(DX, axis=1)
-    gamma = np.linalg.lstsq(DR, DX[:, -1], rcond=None)[0]
-    extr = X[:, -2] + DX[:, -1] - (DX[:, :-1] + DR) @ gamma
-    alpha = np.concatenate([gamma[:1], np.diff(gamma), 1.0 - gamma[-1:]])
-    return relaxation * extr + (1.0 - relaxation) * X[:, :-1] @ alpha
+def aadl_reference(window, relaxation):
+    """AADL's extrapolation of the iterates ``window`` (oldest first): tests/reference.py."""
+    return aadl_extrapolate(
+        np.stack([np.asarray(w, dtype=np.float64) for w in window], axis=1), relaxation
+    )
 
 
 def classic_reference(pairs: list[tuple[np.ndarray, np.ndarray]], relaxation: float):

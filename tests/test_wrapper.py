@@ -12,6 +12,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from reference import aadl_extrapolate
 from torch import nn
 
 import aadl_func as aa
@@ -376,13 +377,10 @@ def test_hyperparameters_may_change_on_resume():
 
 
 def np_mix(window, relaxation):
-    X = np.stack(window, axis=1)
-    DX = np.diff(X, axis=1)
-    DR = np.diff(DX, axis=1)
-    gamma = np.linalg.lstsq(DR, DX[:, -1], rcond=None)[0]
-    extr = X[:, -2] + DX[:, -1] - (DX[:, :-1] + DR) @ gamma
-    alpha = np.concatenate([gamma[:1], np.diff(gamma), 1.0 - gamma[-1:]])
-    return relaxation * extr + (1.0 - relaxation) * X[:, :-1] @ alpha
+    """AADL's extrapolation of the iterates ``window`` (oldest first): tests/reference.py."""
+    return aadl_extrapolate(
+        np.stack([np.asarray(w, dtype=np.float64) for w in window], axis=1), relaxation
+    )
 
 
 def np_aadl(x0, grad, lr, steps, *, relaxation, wait, depth, store, freq, loss=None):

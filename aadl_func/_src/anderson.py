@@ -110,6 +110,10 @@ def anderson(
        (window, ``relaxation``, ``reg``), else :math:`y`;
     4. with ``loss_fn``, :math:`x` is kept only if ``loss_fn(x) < loss_fn(y)``, and then also
        replaces the newest window entry; a non-finite :math:`x` is never returned.
+    5. with ``average=True``, AADL's moving average, decided before step 3: when the window's
+       spread :math:`\|s\|_2` (per-coordinate sample standard deviation) exceeds
+       ``average_tol`` :math:`\|\bar x\|_2`, the params become the window mean :math:`\bar x`
+       and no mix is formed on that call (see ``aadl_func._src.average``).
 
     Mode ``"classic"``: textbook type-II Anderson acceleration on the pairs
     :math:`(x_i, g(x_i))` of the last ``history_depth`` calls,
@@ -156,6 +160,10 @@ def anderson(
         )
     if not isinstance(average, bool):
         raise TypeError(f"{owner}: `average` must be a bool, got {type(average).__name__}")
+    if average and mode == "classic":
+        # The rule averages a window of plain iterates; mode "classic" stores pairs
+        # (x_i, g(x_i) - x_i) whose Gram does not give the spread of the g(x_i).
+        raise ValueError(f"{owner}: `average=True` is defined for mode='aadl' only")
     config = _Config(
         inner=inner,
         history_depth=check_int(owner, "history_depth", history_depth, 3),
@@ -881,10 +889,6 @@ class _AadlStep(_Step):
 class _ClassicStep(_Step):
     def run(self) -> tuple[Params, AndersonState]:
         config, state = self.config, self.state
-        if config.average:
-            # The rule averages a window of plain iterates; mode "classic" stores pairs
-            # (x_i, g(x_i) - x_i) whose Gram does not give the spread of the g(x_i).
-            raise ValueError("anderson: `average=True` is defined for mode='aadl' only")
         iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
         store = self.count % config.store_each_nth == 0
 
