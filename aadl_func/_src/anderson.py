@@ -122,10 +122,11 @@ def anderson(
     gated by ``wait_iterations`` and ``frequency`` (and at least 2 pairs); on a linear map with
     full history and :math:`\beta = 1` it is equivalent to GMRES (Walker & Ni, 2011).
 
-    The window is a ring of differences with an incrementally updated float64 Gram matrix: a
-    step costs two passes over the window (:math:`O(m n)`), solves an :math:`m \times m`
-    problem in float64 (:func:`aadl_func.solve_weights`) and stores, in mode "aadl", the newest
-    entry plus ``history_depth - 1`` differences.
+    The window is a ring of residuals with float64 Gram matrices (of the residuals and of their
+    consecutive differences) updated one row per stored entry: a step costs two passes over
+    the window (:math:`O(m n)`), solves an :math:`m \times m` problem in float64
+    (``aadl_func._src.solve.solve_differences``) and stores, in mode "aadl", the newest entry
+    plus ``history_depth - 1`` differences.
 
     Args:
       inner: the inner optimizer, e.g. :func:`aadl_func.adam`, or any object with torchopt-style

@@ -1,13 +1,13 @@
-"""The small least-squares problem of Anderson acceleration, solved once, in float64.
+r"""The small least-squares problem of Anderson acceleration, solved once, in float64.
 
-Every mixing path (the pure :func:`aadl_func.mix` reference, the incremental window of
-:func:`aadl_func.anderson`, the sharded window) reduces the window to a few float64 inner
-products and solves the small problem with :func:`solve_coefficients`, either directly (from
-the residual differences, as ``mix`` does) or through :func:`solve_weights` (from the Gram
-matrix of the residuals, as the incremental window does). Keeping this in one place is what
-makes CPU and GPU agree: AADL's users got different answers from ``torch.linalg.lstsq`` on the two
-devices (pivoted QR on CPU, unpivoted QR on CUDA) exactly when the window was rank deficient.
-"""
+Every mixing path reduces the window to a few float64 inner products and solves the small
+problem with :func:`solve_coefficients`: the pure :func:`aadl_func.mix` forms
+:math:`\Delta F^\top \Delta F` from an explicit window, the incremental window of
+:func:`aadl_func.anderson` (sharded or not) keeps it row by row and calls
+:func:`solve_differences`, and :func:`solve_weights` starts from a residual Gram matrix alone.
+Keeping this in one place is what makes CPU and GPU agree: AADL's users got different answers
+from ``torch.linalg.lstsq`` on the two devices (pivoted QR on CPU, unpivoted QR on CUDA)
+exactly when the window was rank deficient."""
 
 from __future__ import annotations
 
