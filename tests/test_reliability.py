@@ -14,6 +14,7 @@ import numpy as np
 import optree
 import pytest
 import torch
+from conftest import GradientDescent
 from reference import aadl_extrapolate
 
 import aadl_func as aa
@@ -38,19 +39,6 @@ def classic_reference(pairs: list[tuple[np.ndarray, np.ndarray]], relaxation: fl
     a = np.linalg.lstsq(F[:, :-1] - F[:, -1:], -F[:, -1], rcond=None)[0]
     alpha = np.concatenate([a, [1.0 - a.sum()]])
     return ((1.0 - relaxation) * xs + relaxation * gs) @ alpha
-
-
-class GradientDescent:
-    """``updates = -lr * grads`` in the torchopt protocol, pure (a stand-in for the inner)."""
-
-    def __init__(self, lr: float) -> None:
-        self.lr = lr
-
-    def init(self, params):
-        return ()
-
-    def update(self, updates, state, params=None, inplace=False):
-        return optree.tree_map(lambda g: -self.lr * g, updates), state
 
 
 class Shift:
