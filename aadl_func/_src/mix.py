@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
-from aadl_func._src.solve import MixingWeights, solve_coefficients
+from aadl_func._src.solve import MixingWeights, solve_differences
 from aadl_func._src.validation import check_float
 
 __all__ = ["mix", "mixing_weights", "aadl_coefficients"]
@@ -55,20 +55,15 @@ def _solve(leaves: list[Tensor], window: int, reg: float) -> tuple[MixingWeights
         c = c + (dr @ dx[-1]).to(solve_device)
         residual_sq = residual_sq + (dx * dx).sum(-1).to(solve_device)
         per_leaf.append((x, dx, dr))
-    ok = torch.isfinite(h).all() & torch.isfinite(c).all() & torch.isfinite(residual_sq).all()
-    # Non-finite sums (an overflowing window) give gamma = 0: the plain newest iterate.
-    h = torch.where(ok, h, 0.0)
-    c = torch.where(ok, c, 0.0)
-    residual_sq = torch.where(ok, residual_sq, 0.0)
-    gamma = solve_coefficients(h, c, residual_sq.max(), reg)
-    alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
+    # Non-finite sums (an overflowing window) give ok = False and gamma = 0: the newest iterate.
+    weights = solve_differences(h, c, residual_sq, window - 1, reg)
     # ||DX[:, -1] - DR gamma|| from the data, not from the (cancelling) quadratic form.
     mixed_sq = torch.zeros((), dtype=torch.float64, device=solve_device)
     for _, dx, dr in per_leaf:
-        r = dx[-1] - gamma.to(dr.device) @ dr
+        r = dx[-1] - weights.gamma.to(dr.device) @ dr
         mixed_sq = mixed_sq + (r * r).sum().to(solve_device)
-    mixed_sq = torch.where(ok, mixed_sq, residual_sq[-1])
-    return MixingWeights(gamma, alpha, mixed_sq.sqrt(), ok), per_leaf
+    residual_norm = torch.where(weights.ok, mixed_sq, 0.0).sqrt()
+    return weights._replace(residual_norm=residual_norm), per_leaf
 
 
 def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:
@@ -117,7 +112,7 @@ def mix(history: Any, *, relaxation: float = 1.0, reg: float = 0.0) -> Any:
     with :math:`\beta` = ``relaxation``. The differences, the normal equations
     :math:`\Delta R^\top \Delta R` and :math:`\Delta R^\top \Delta X[:, -1]` and the combination
     are all formed in float64 and the small problem is solved by
-    :func:`aadl_func._src.solve.solve_coefficients` (eigen-decomposition pseudo-inverse, one
+    :func:`aadl_func._src.solve.solve_differences` (eigen-decomposition pseudo-inverse, one
     algorithm on every device); the result is cast back to each leaf's dtype. Finite input
     gives finite output: should the float64 sums or the combination overflow, the newest
     iterate is returned instead.

@@ -66,7 +66,7 @@ def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> Mi
     :math:`\epsilon \max_i \|f_i\|^2`, so :math:`\gamma` is accurate to about
     :math:`\epsilon\, (\max_i \|f_i\| / \sigma_{\min}(\Delta F))^2` rather than
     :math:`\epsilon\, \mathrm{cond}(\Delta F)^2`. Callers holding the differences should
-    use :func:`solve_coefficients` directly.
+    use :func:`solve_differences`, as :func:`aadl_func.mix` and the incremental window do.
 
     Only the last ``num_valid`` residuals take part (the window may not be full yet); the
     others get zero weight. Written without data-dependent Python control flow, so it runs
@@ -103,10 +103,8 @@ def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> Mi
     h = g_cols[1:, :] - g_cols[:-1, :]
     b = g[1:, -1] - g[:-1, -1]
 
-    gamma = solve_coefficients(h, b, torch.ones_like(unit), reg / unit, valid=valid[:-1])
-    alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
-    residual_sq = (alpha @ g @ alpha).clamp(min=0.0) * unit
-    return MixingWeights(gamma, alpha, residual_sq.sqrt(), ok)
+    weights = solve_differences(h, b, torch.diagonal(g), num_valid, reg / unit)
+    return weights._replace(residual_norm=weights.residual_norm * unit.sqrt(), ok=ok & weights.ok)
 
 
 def solve_coefficients(
@@ -125,11 +123,10 @@ def solve_coefficients(
     differences at the rounding level of the residuals never produce huge coefficients; a
     rank-deficient problem gets its minimum-norm solution).
 
-    This is the single place where the small problem is solved. :func:`solve_weights` reaches it
-    from a residual Gram matrix :math:`F^\top F` by differencing; a caller that holds the
-    differences themselves (:func:`aadl_func.mix`) forms :math:`H` and :math:`c` directly,
-    which avoids the cancellation of differencing :math:`F^\top F` when the residuals change
-    little across the window (:math:`\|\Delta F\| \ll \|F\|`).
+    This is the single place where the small problem is solved; :func:`solve_differences`
+    (validity masks, scaling, the affine weights) is its one caller, reached from explicit
+    differences (:func:`aadl_func.mix`, the incremental window) or from a residual Gram matrix
+    (:func:`solve_weights`).
 
     Args:
       dr_gram: ``(m, m)`` float64 :math:`H`.
