@@ -145,3 +145,8 @@ def rng() -> np.random.Generator:
 @pytest.fixture(scope="session")
 def logistic() -> LogisticProblem:
     return LogisticProblem.make()
+
+
+def config_id(config: dict) -> str:
+    """A readable pytest id for a dict of options."""
+    return ",".join(f"{k}={v}" for k, v in config.items())

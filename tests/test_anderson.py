@@ -20,6 +20,7 @@ from conftest import (
     LogisticProblem,
     MomentumDescent,
     assert_tree_equal,
+    config_id,
     relative_error,
     snapshot,
     tree_to_vector,
@@ -45,10 +46,6 @@ CONFIGS = [
     dict(history_depth=10, relaxation=0.3, wait_iterations=7, reg=1e-4),
     dict(history_depth=10, store_each_nth=3, frequency=2),
 ]
-
-
-def config_id(config: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in config.items())
 
 
 def run_anderson(problem, opt, x0, steps, dtype=torch.float64, safeguard=False):

@@ -12,7 +12,7 @@ import numpy as np
 import optree
 import pytest
 import torch
-from conftest import GradientDescent, relative_error, tree_to_vector, vector_to_tree
+from conftest import GradientDescent, config_id, relative_error, tree_to_vector, vector_to_tree
 from reference import ClassicReference, gmres_iterate, type2_anderson
 
 import aadl_func as aa
@@ -26,10 +26,6 @@ CONFIGS = [
     dict(history_depth=8, relaxation=0.7, frequency=3),
     dict(history_depth=7, wait_iterations=6),
 ]
-
-
-def config_id(config: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in config.items())
 
 
 def run_classic(problem, opt, x0, steps, dtype=torch.float64, safeguard=False):
