@@ -24,6 +24,7 @@ from aadl_func._src.validation import (
 )
 from aadl_func._src.window import (
     combine,
+    append_difference,
     difference_rows,
     new_ring,
     select,
@@ -385,9 +386,17 @@ class _Step:
         return (head + 1 + torch.arange(self.q)) % self.q
 
     def append(
-        self, ring: tuple, grams: tuple, head: Tensor, num_residuals: Tensor, residual: list[Tensor]
+        self,
+        ring: tuple,
+        grams: tuple,
+        head: Tensor,
+        num_residuals: Tensor,
+        residual: list[Tensor],
+        g: Tensor | None = None,
     ) -> tuple[tuple, tuple, Tensor, Tensor, Tensor]:
         """Writes ``residual`` into the next slot and updates ``grams = (gram, dr_gram, dr_rhs)``.
+
+        ``g``: the residual's Gram row when :func:`append_difference` already computed it.
 
         A residual whose Gram rows are not finite (an Inf/NaN iterate) is zeroed and the window
         restarts from the newest entry, so poisoned data never reaches a later mix.
@@ -396,7 +405,7 @@ class _Step:
         """
         slot = (head + 1) % self.q
         ring = write_slot(ring, slot, residual, self.inplace)
-        rows = local_rows = difference_rows(ring, slot, self.compute_device, grams[0])
+        rows = local_rows = difference_rows(ring, slot, self.compute_device, grams[0], g=g)
         if self.shards is not None:
             # The state keeps the newest rows as this rank's partial sums; the decisions below
             # use the sums over ranks.
@@ -598,20 +607,28 @@ class _AadlStep(_Step):
         empty = state.window_size == 0
         num_residuals = torch.clamp(state.window_size - 1, min=0)
 
+        anchor_stored = False  # set when the append below already copied y into the anchor
+
         def append_residual() -> tuple:
+            nonlocal anchor_stored
             slot = tree.static_value((state.head + 1) % self.q) if self.inplace else None
+            g = None
             if slot is not None:
                 # In place the difference goes straight into its ring slot (rounded to the
-                # history dtype once): appending allocates nothing parameter-sized.
-                residual = [
-                    torch.sub(yh, a, out=r) for yh, a, r in zip(y_hist, anchor, self.ring[slot])
-                ]
+                # history dtype once): appending allocates nothing parameter-sized. A float32
+                # window on the CPU does it in one pass with the anchor copy and the Gram row.
+                g = append_difference(self.ring, slot, y_hist, anchor, self.compute_device)
+                anchor_stored = g is not None
+                if g is None:
+                    for yh, a, r in zip(y_hist, anchor, self.ring[slot]):
+                        torch.sub(yh, a, out=r)
+                residual = self.ring[slot]
             else:
                 residual = [
                     (yh - a).to(config.history_dtype_of(a)) for yh, a in zip(y_hist, anchor)
                 ]
                 residual = self.to_history(residual, self.ring[0])
-            return self.append(self.ring, grams, state.head, num_residuals, residual)
+            return self.append(self.ring, grams, state.head, num_residuals, residual, g=g)
 
         grams = (state.gram, state.dr_gram, state.dr_rhs)
         no_append = (
@@ -627,8 +644,9 @@ class _AadlStep(_Step):
 
         def store_anchor() -> list[Tensor]:
             if self.inplace:
-                for a, v in zip(anchor, y_hist):
-                    a.copy_(v)
+                if not anchor_stored:
+                    for a, v in zip(anchor, y_hist):
+                        a.copy_(v)
                 return anchor
             return self.owned(y_hist, y)
 
@@ -677,7 +695,7 @@ class _AadlStep(_Step):
             if self.shards is not None or tree.static_value(store) is not True:
                 return None
             for p, a, c in zip(self.params, anchor, self.compute_dtypes):
-                if (p.dtype, p.device, p.stride()) != (c, a.device, a.stride()):
+                if (p.dtype, p.dtype, p.device, p.stride()) != (c, a.dtype, a.device, a.stride()):
                     return None
             return self.params
 
@@ -686,7 +704,9 @@ class _AadlStep(_Step):
             coefficients = aadl_coefficients(weights.alpha, config.relaxation)
             into = mix_into_params()
             x_hist = combine(
-                anchor,
+                # Mixing into the params, which hold y = the anchor bit for bit: accumulating
+                # there reads one parameter-sized buffer fewer than anchor -> params.
+                anchor if into is None else into,
                 [ring],
                 -self.to_ring_order(coefficients, order),
                 self.compute_dtypes,

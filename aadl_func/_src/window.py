@@ -38,7 +38,7 @@ import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import tree
+from aadl_func._src import native, tree
 
 __all__ = [
     "chunk_size",
@@ -49,6 +49,7 @@ __all__ = [
     "select",
     "set_gram_row",
     "difference_rows",
+    "append_difference",
 ]
 
 T = TypeVar("T")
@@ -206,6 +207,9 @@ def _gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
         for first, block in runs:
             torch.mv(block, v, out=partial[first : first + block.shape[0]])
         return partial
+    dots = native.float64_dots(flats, v)
+    if dots is not None:
+        return dots
     step = _buffer_width(q, numel, v.device)
     buffer = torch.empty(q, step, dtype=f64, device=v.device)
     # Chunk views made in one call per run (cheaper than slicing chunk by chunk).
@@ -270,7 +274,8 @@ def combine(
       compute_dtypes: per leaf, the dtype of the accumulation (float32 or float64).
       like: per leaf, a tensor whose layout the result takes (on the slots' device).
       out: per leaf, a tensor to write the result into instead (laid out like ``like``, in
-        the compute dtype, on the slots' device, overlapping none of the inputs).
+        the compute dtype, on the slots' device, overlapping none of the inputs; it may be
+        ``base`` itself, which then accumulates the sum in place).
     """
     slots = [slot for ring in rings for slot in ring]
     results = []
@@ -308,6 +313,9 @@ def _combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, resul
     if numel == 0:
         return
     runs = _runs(flats)
+    # ``base`` may be ``result`` itself: the sum is then accumulated in place, which reads
+    # and writes one buffer instead of reading one and writing another.
+    in_place = base is not None and _same(base, result)
     if all(block.dtype == cdt for _, block in runs) and (base is None or base.dtype == cdt):
         # Matching dtypes: BLAS reads the slots in place. One run is one product over the
         # whole vector; several runs go chunk by chunk so the result chunk stays in cache.
@@ -318,7 +326,7 @@ def _combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, resul
             for index, (first, block) in enumerate(runs):
                 wk = w[first : first + block.shape[0]]
                 matrix = block[:, start:stop].mT
-                if index > 0:
+                if index > 0 or in_place:
                     out.addmv_(matrix, wk)
                 elif base is None:
                     torch.mv(matrix, wk, out=out)
@@ -336,6 +344,8 @@ def _combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, resul
             b[first : first + block.shape[0]].copy_(block[:, start:stop])
         if base is None:
             torch.mv(b.mT, w, out=result[start:stop])
+        elif in_place:
+            result[start:stop].addmv_(b.mT, w)
         else:
             torch.addmv(base[start:stop].to(cdt), b.mT, w, out=result[start:stop])
 
@@ -425,8 +435,44 @@ def select(gate: Tensor, compute: Callable[[], T], otherwise: T | Callable[[], T
     )
 
 
+def append_difference(
+    ring: Sequence[Sequence[Tensor]],
+    slot: int,
+    newest: Sequence[Tensor],
+    anchor: Sequence[Tensor],
+    device: torch.device,
+) -> Tensor | None:
+    r"""In place, in one pass per leaf: ``ring[slot] = newest - anchor``, ``anchor = newest``,
+    and the Gram row :math:`g_t = \langle f_t, f_s \rangle` of the new residual (float64,
+    summed over leaves, on ``device``), which :func:`difference_rows` then takes as ``g``.
+
+    The in-place append of a float32 window on the CPU with the native kernel
+    (:func:`aadl_func._src.native.append_difference`): it replaces a subtraction, a copy and
+    the Gram-row pass. Returns None, having written nothing, unless every leaf qualifies
+    (float32 throughout, ``newest``, ``anchor`` and the slots laid out alike).
+    """
+    leaves = []
+    for leaf_index, (y, a) in enumerate(zip(newest, anchor)):
+        slots = [entry[leaf_index] for entry in ring]
+        if not (y.stride() == a.stride() == slots[slot].stride()):
+            return None
+        flats = [tree.flat_view(t) for t in slots]
+        y_flat, a_flat = tree.flat_view(y), tree.flat_view(a)
+        if not native.can_append(flats, slot, y_flat, a_flat):
+            return None
+        leaves.append((flats, y_flat, a_flat))
+    row = torch.zeros(len(ring), dtype=torch.float64, device=device)
+    for flats, y_flat, a_flat in leaves:
+        row = row + native.append_difference(flats, slot, y_flat, a_flat).to(device)
+    return row
+
+
 def difference_rows(
-    slots: Sequence[Sequence[Tensor]], slot: Tensor, device: torch.device, gram: Tensor
+    slots: Sequence[Sequence[Tensor]],
+    slot: Tensor,
+    device: torch.device,
+    gram: Tensor,
+    g: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""The new Gram rows after residual ``f_s`` was written in slot ``s``, in one pass.
 
@@ -453,16 +499,21 @@ def difference_rows(
       slot: 0-d int64, the slot just written (its predecessor is the previous newest).
       device: where the three ``(Q,)`` float64 results go.
       gram: ``(Q, Q)`` float64 :math:`G` before the write (row ``s - 1`` is used).
+      g: the row :math:`g` if already computed (by :func:`append_difference`; float32,
+        bf16 or fp16 windows only), which saves the pass.
 
     Returns:
       ``(g, h, c)``.
     """
     q = len(slots)
-    g = torch.zeros(q, dtype=torch.float64, device=device)
     p = torch.zeros(q, dtype=torch.float64, device=device)
     exact = all(s.dtype == torch.float64 for s in slots[0])
+    if g is not None and exact:
+        raise ValueError("difference_rows: a precomputed `g` needs a float32/bf16/fp16 window")
+    leaves = [] if g is not None else range(len(slots[0]))
+    g = torch.zeros(q, dtype=torch.float64, device=device) if g is None else g.to(device)
     index = tree.static_value(slot)
-    for leaf_index in range(len(slots[0])):
+    for leaf_index in leaves:
         flats = [tree.flat_view(s[leaf_index]) for s in slots]
         if index is None or any(tree.is_transformed(f) for f in flats):
             parts = _difference_rows_transformed(flats, slot, exact)
@@ -488,6 +539,10 @@ def _difference_rows_leaf(
     q, numel = len(flats), flats[0].shape[0]
     if numel == 0:
         return None
+    if not exact:
+        g = native.float64_dots(flats, flats[s])
+        if g is not None:
+            return g, None
     f64, dev = torch.float64, flats[0].device
     runs = _runs(flats)
     step = _buffer_width(q, numel, dev)

@@ -1,0 +1,184 @@
+/* Float64 dot products of float32 / bfloat16 rows with one vector, in one streaming pass.
+ *
+ * This is the Gram-row pass of aadl_func's window (aadl_func/_src/window.py) without the
+ * float64 copy that torch needs to widen the data first: every element is widened in a
+ * register and multiplied there. A product of two float32 (or bf16) numbers is exact in
+ * float64 (24 + 24 significant bits <= 53), so the only rounding is float64 summation, the
+ * same as converting the window to float64 and calling BLAS.
+ *
+ * The vector is split into blocks of `block` elements, shared among OpenMP threads (the
+ * runtime torch already loaded, so the pass uses torch's thread pool); each block's dot
+ * products are summed in a fixed order (eight lanes, then the tail) and the blocks are
+ * added in order, so the result does not depend on the number of threads. Plain C11 with
+ * GCC/Clang vector extensions, no target-specific flags: two float64 lanes per operation,
+ * which keeps up with memory.
+ *
+ * The Python side (aadl_func/_src/native.py) compiles this file on first use and checks
+ * every argument; nothing here allocates or keeps state.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define AADL_MAX_BLOCK 4096
+/* How far ahead (elements) to prefetch a row: a block's rows are separate streams that
+ * the hardware prefetcher picks up late on its own. */
+#define AADL_PREFETCH 512
+
+typedef float f32x2 __attribute__((vector_size(8)));
+typedef uint16_t u16x2 __attribute__((vector_size(4)));
+typedef uint32_t u32x2 __attribute__((vector_size(8)));
+typedef double f64x2 __attribute__((vector_size(16)));
+
+static inline f64x2 widen_f32(const float *p) {
+    f32x2 x;
+    memcpy(&x, p, sizeof x); /* unaligned load */
+    return __builtin_convertvector(x, f64x2);
+}
+
+static inline f64x2 widen_bf16(const uint16_t *p) {
+    /* bfloat16 is the upper half of a float32. */
+    u16x2 x;
+    memcpy(&x, p, sizeof x);
+    u32x2 bits = __builtin_convertvector(x, u32x2) << 16;
+    f32x2 f;
+    memcpy(&f, &bits, sizeof f);
+    return __builtin_convertvector(f, f64x2);
+}
+
+static inline f64x2 load_f64(const double *p) {
+    f64x2 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline double bf16_to_double(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return (double)f;
+}
+
+/* Rows are read AADL_GROUP at a time: several streams in flight keep the memory system busy
+ * (one row at a time reaches about two thirds of a BLAS pass) and each float64 vector load
+ * serves every row of the group. */
+#define AADL_GROUP 4
+
+/* out[g] = sum_i widen(rows[g][start + i]) * v[i], i < len, g < G (G a constant after
+ * inlining). Four accumulators per row hide the add latency; they are combined in a fixed
+ * order. */
+#define AADL_DOT_GROUP(NAME, T, WIDEN, SCALAR)                                               \
+    static inline __attribute__((always_inline)) void NAME(                                 \
+        const T *const *rows, int G, int64_t start, const double *v, int64_t len, double *out) { \
+        f64x2 s[AADL_GROUP][4];                                                              \
+        for (int g = 0; g < G; g++)                                                          \
+            for (int k = 0; k < 4; k++) s[g][k] = (f64x2){0.0, 0.0};                         \
+        int64_t i = 0;                                                                       \
+        for (; i + 8 <= len; i += 8) {                                                       \
+            f64x2 v0 = load_f64(v + i), v1 = load_f64(v + i + 2);                            \
+            f64x2 v2 = load_f64(v + i + 4), v3 = load_f64(v + i + 6);                        \
+            for (int g = 0; g < G; g++) {                                                    \
+                const T *a = rows[g] + start + i;                                            \
+                __builtin_prefetch(a + AADL_PREFETCH);                                       \
+                s[g][0] += WIDEN(a) * v0;                                                    \
+                s[g][1] += WIDEN(a + 2) * v1;                                                \
+                s[g][2] += WIDEN(a + 4) * v2;                                                \
+                s[g][3] += WIDEN(a + 6) * v3;                                                \
+            }                                                                                \
+        }                                                                                    \
+        for (int g = 0; g < G; g++) {                                                        \
+            const T *a = rows[g] + start;                                                    \
+            f64x2 t = (s[g][0] + s[g][1]) + (s[g][2] + s[g][3]);                             \
+            double total = t[0] + t[1];                                                      \
+            for (int64_t j = i; j < len; j++) total += SCALAR(a[j]) * v[j];                  \
+            out[g] = total;                                                                  \
+        }                                                                                    \
+    }
+
+#define AADL_AS_DOUBLE(x) ((double)(x))
+AADL_DOT_GROUP(dot_group_f32, float, widen_f32, AADL_AS_DOUBLE)
+AADL_DOT_GROUP(dot_group_bf16, uint16_t, widen_bf16, bf16_to_double)
+
+/* sums[r] = the dot products of rows r < q with the float64 block v over [start, start + len). */
+#define AADL_BLOCK_DOTS(NAME, T, GROUP)                                                      \
+    static void NAME(const T *const *rows, int64_t q, int64_t start, const double *v,       \
+                     int64_t len, double *sums) {                                            \
+        for (int64_t r = 0; r < q; r += AADL_GROUP) {                                        \
+            /* constant group sizes, so that each call is unrolled for its size */           \
+            switch (q - r < AADL_GROUP ? (int)(q - r) : AADL_GROUP) {                        \
+                case 4: GROUP(rows + r, 4, start, v, len, sums + r); break;                  \
+                case 3: GROUP(rows + r, 3, start, v, len, sums + r); break;                  \
+                case 2: GROUP(rows + r, 2, start, v, len, sums + r); break;                  \
+                default: GROUP(rows + r, 1, start, v, len, sums + r); break;                 \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+AADL_BLOCK_DOTS(block_dots_f32, float, dot_group_f32)
+AADL_BLOCK_DOTS(block_dots_bf16, uint16_t, dot_group_bf16)
+
+/* out[r] = sum_b partial[b * q + r], blocks in order. */
+static void sum_blocks(const double *partial, int64_t num_blocks, int64_t q, double *out) {
+    for (int64_t r = 0; r < q; r++) out[r] = 0.0;
+    for (int64_t b = 0; b < num_blocks; b++)
+        for (int64_t r = 0; r < q; r++) out[r] += partial[b * q + r];
+}
+
+/* out[r] = sum_i widen(rows[r][i]) * widen(vector[i]) for r < q, i < n.
+ *
+ * Blocks of `block` elements are shared among `threads` OpenMP threads; partial (num_blocks
+ * x q doubles, caller-provided) holds each block's sums, which are then added in block
+ * order. Returns 0, or -1 if block is out of range. */
+#define AADL_DOTS(NAME, T, BLOCK_DOTS, SCALAR)                                               \
+    int64_t NAME(const T *const *rows, int64_t q, const T *vector, int64_t n, int64_t block, \
+                 int64_t threads, double *partial, double *out) {                            \
+        if (block < 1 || block > AADL_MAX_BLOCK) return -1;                                  \
+        int64_t num_blocks = (n + block - 1) / block;                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                    \
+        for (int64_t b = 0; b < num_blocks; b++) {                                           \
+            double v[AADL_MAX_BLOCK];                                                        \
+            int64_t start = b * block;                                                       \
+            int64_t len = n - start < block ? n - start : block;                             \
+            for (int64_t i = 0; i < len; i++) v[i] = SCALAR(vector[start + i]);              \
+            BLOCK_DOTS(rows, q, start, v, len, partial + b * q);                             \
+        }                                                                                    \
+        sum_blocks(partial, num_blocks, q, out);                                             \
+        return 0;                                                                            \
+    }
+
+AADL_DOTS(aadl_dots_f32, float, block_dots_f32, AADL_AS_DOUBLE)
+AADL_DOTS(aadl_dots_bf16, uint16_t, block_dots_bf16, bf16_to_double)
+
+/* The window's append step for float32 data, fused with its Gram row:
+ *
+ *   rows[slot] = newest - anchor   (float32 subtraction, rounded as torch.sub rounds it)
+ *   anchor     = newest
+ *   out[r]     = sum_i f64(rows[r][i]) * f64(rows[slot][i])
+ *
+ * one pass instead of a subtraction, a copy and the Gram-row pass. The caller guarantees
+ * that newest, anchor and rows[slot] do not overlap. Arguments as aadl_dots_f32. */
+int64_t aadl_append_f32(float *const *rows, int64_t q, int64_t slot, const float *newest,
+                        float *anchor, int64_t n, int64_t block, int64_t threads,
+                        double *partial, double *out) {
+    if (block < 1 || block > AADL_MAX_BLOCK || slot < 0 || slot >= q) return -1;
+    int64_t num_blocks = (n + block - 1) / block;
+    float *residual = rows[slot];
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        double v[AADL_MAX_BLOCK];
+        int64_t start = b * block;
+        int64_t len = n - start < block ? n - start : block;
+        for (int64_t i = start; i < start + len; i++) {
+            float f = newest[i] - anchor[i];
+            residual[i] = f;
+            anchor[i] = newest[i];
+            v[i - start] = (double)f;
+        }
+        block_dots_f32((const float *const *)rows, q, start, v, len, partial + b * q);
+    }
+    sum_blocks(partial, num_blocks, q, out);
+    return 0;
+}
+
+/* Lets the loader check that it got this file's build (bumped with any change of API). */
+int64_t aadl_dots_version(void) { return 3; }
