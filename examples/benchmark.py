@@ -3,8 +3,10 @@ r"""Time and memory of one accelerated step: aadl_func vs the obvious AADL-style
 Three contenders, measured side by side in one process on the same data:
 
 * **aadl_func** -- ``aa.anderson(aa.sgd(0.01), history_depth=m, relaxation=0.5)``,
-  ``update(..., inplace=True)``: a ring of differences with an incremental float64 Gram
-  matrix, two streaming passes over the window per step.
+  ``update(..., inplace=True)``: a ring of residuals with incremental float64 Gram matrices,
+  two streaming passes over the window per step (on the CPU the first is the native kernel
+  of ``aadl_func/_src/_dots.c`` when it could be built; ``--no-native`` measures the torch
+  pass instead; the JSON's ``machine.gram_kernel`` says which ran).
 * **AADL-style** -- the step written the obvious way, as AADL does it: ``torch.optim.SGD``
   steps, a ``collections.deque`` of flattened parameter vectors, ``torch.stack`` of the
   window, ``DX``/``DR`` by ``torch.diff``, ``torch.linalg.lstsq``, and the relaxed formula
@@ -44,6 +46,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.profiler import ProfilerActivity, profile
 
 import aadl_func as aa
+from aadl_func._src import native
 
 LR, RELAXATION = 0.01, 0.5
 
@@ -274,6 +277,7 @@ def machine(device: torch.device) -> dict:
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
+        "gram_kernel": native.status(),
     }
     try:
         info["load_average"] = os.getloadavg()
@@ -308,7 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         default=0.35,
         help="skip AADL-style when it would need more than this fraction of free memory",
     )
+    parser.add_argument(
+        "--no-native",
+        action="store_true",
+        help="use the torch Gram-row pass instead of the native kernel (for comparison)",
+    )
     args = parser.parse_args(argv)
+    if args.no_native:
+        native.set_enabled(False)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.quick:

@@ -150,3 +150,15 @@ def logistic() -> LogisticProblem:
 def config_id(config: dict) -> str:
     """A readable pytest id for a dict of options."""
     return ",".join(f"{k}={v}" for k, v in config.items())
+
+
+@pytest.fixture(params=["native", "torch"])
+def gram_path(request):
+    """Runs a test on the native Gram-row kernel and on the torch path it replaces."""
+    from aadl_func._src import native
+
+    if request.param == "native" and not native.available():
+        pytest.skip(native.status())
+    previous = native.set_enabled(request.param == "native")
+    yield request.param
+    native.set_enabled(previous)

@@ -90,7 +90,7 @@ CASES = [
 @pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
 @pytest.mark.parametrize("dtype,history_dtype,rtol", CASES, ids=lambda c: str(c))
 def test_incremental_window_matches_reference_over_many_steps(
-    small_chunks, dtype, history_dtype, rtol, inplace
+    small_chunks, gram_path, dtype, history_dtype, rtol, inplace
 ):
     history_depth, relaxation, steps = 5, 0.7, 23
     generator = torch.Generator().manual_seed(7)
@@ -139,7 +139,7 @@ def test_incremental_window_matches_reference_over_many_steps(
     assert int(state.num_mixed) == steps - 2
 
 
-def test_window_wider_than_the_default_chunk():
+def test_window_wider_than_the_default_chunk(gram_path):
     """Default chunk sizes, an odd-sized float32 leaf spanning several chunks."""
     history_depth = 5
     n = 3 * window.chunk_size(history_depth - 1) + 5
@@ -185,7 +185,7 @@ def layouts(like: torch.Tensor, q: int, dtype: torch.dtype, generator: torch.Gen
     "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str
 )
 @pytest.mark.parametrize("shape", [(3, 4, 5, 7), (1237,)], ids=["channels_last", "odd"])
-def test_gram_row_and_combine_on_every_layout(request, chunks, dtype, shape):
+def test_gram_row_and_combine_on_every_layout(request, gram_path, chunks, dtype, shape):
     if chunks == "small":
         request.getfixturevalue("small_chunks")
     generator = torch.Generator().manual_seed(11)

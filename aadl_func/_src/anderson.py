@@ -23,8 +23,8 @@ from aadl_func._src.validation import (
     check_int,
 )
 from aadl_func._src.window import (
-    combine,
     append_difference,
+    combine,
     difference_rows,
     new_ring,
     select,

@@ -90,11 +90,13 @@ def status() -> str:
     return _status
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the build may go, in order of preference (the first writable one is used)."""
     if os.environ.get("AADL_FUNC_CACHE_DIR"):
-        return Path(os.environ["AADL_FUNC_CACHE_DIR"])
+        return [Path(os.environ["AADL_FUNC_CACHE_DIR"])]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "aadl_func"
+    user = getattr(os, "getuid", lambda: "user")()
+    return [Path(base) / "aadl_func", Path(tempfile.gettempdir()) / f"aadl_func-{user}"]
 
 
 def _compiler() -> list[str] | None:
@@ -133,23 +135,20 @@ def _build_and_load() -> ctypes.CDLL:
     key = hashlib.sha256(
         b"\0".join([source, " ".join(compiler + _FLAGS).encode(), sys.platform.encode()])
     ).hexdigest()[:16]
-    directory = _cache_dir()
-    target = directory / f"dots-{key}.so"
-    if not target.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        # Built under a private name and renamed: processes compiling at once (e.g. the ranks
-        # of a distributed job) never load a half-written file.
-        handle, partial = tempfile.mkstemp(suffix=".so", dir=directory)
-        os.close(handle)
+    errors = []
+    for directory in _cache_dirs():
+        target = directory / f"dots-{key}.so"
         try:
-            command = [*compiler, *_FLAGS, str(_SOURCE), "-o", partial]
-            built = subprocess.run([*command, _OPENMP], capture_output=True, timeout=120)
-            if built.returncode != 0:  # no OpenMP support: one thread
-                subprocess.run(command, check=True, capture_output=True, timeout=120)
-            os.replace(partial, target)
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
+            if not target.exists():
+                _compile(compiler, directory, target)
+            if hasattr(os, "getuid") and target.stat().st_uid != os.getuid():
+                # Never load code another user could have placed (e.g. in a shared /tmp).
+                raise OSError(f"{target} belongs to another user")
+            break
+        except OSError as error:  # e.g. a read-only home directory: try the next place
+            errors.append(f"{directory}: {error}")
+    else:
+        raise OSError("; ".join(errors))
     library = ctypes.CDLL(str(target))
     library.aadl_dots_version.restype = ctypes.c_int64
     if library.aadl_dots_version() != _VERSION:
@@ -162,6 +161,24 @@ def _build_and_load() -> ctypes.CDLL:
     library.aadl_append_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr]
     library.aadl_append_f32.restype = i64
     return library
+
+
+def _compile(compiler: list[str], directory: Path, target: Path) -> None:
+    """Builds ``_dots.c`` into ``target``, with OpenMP if the compiler has it."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Built under a private name and renamed: processes compiling at once (e.g. the ranks of
+    # a distributed job) never load a half-written file.
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(handle)
+    try:
+        command = [*compiler, *_FLAGS, str(_SOURCE), "-o", partial]
+        built = subprocess.run([*command, _OPENMP], capture_output=True, timeout=120)
+        if built.returncode != 0:  # no OpenMP support: one thread
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def _plain_vectors(tensors: Sequence[Tensor], dtype: torch.dtype, n: int) -> bool:
@@ -262,6 +279,8 @@ def append_difference(
         return None
     q, n = len(rows), newest.shape[0]
     out = torch.zeros(q, dtype=torch.float64)
+    # Written behind torch's back: bump the version counters as an in-place op would.
+    torch.autograd.graph.increment_version([rows[slot], anchor])
     if n == 0:
         return out
     num_blocks = -(-n // BLOCK)
@@ -280,6 +299,4 @@ def append_difference(
     )
     if code != 0:
         raise RuntimeError(f"aadl_func native kernel failed with code {code}")
-    # Written behind torch's back: bump the version counters as an in-place op would.
-    torch.autograd.graph.increment_version([rows[slot], anchor])
     return out

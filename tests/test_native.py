@@ -1,0 +1,267 @@
+"""The native Gram-row kernel (aadl_func/_src/_dots.c) against float64 NumPy references.
+
+The kernel replaces, on the CPU, the torch pass that widens a float32/bf16 window to float64
+before multiplying; it must give the exact products summed in float64 (so NumPy's float64
+dot of the widened data, to summation rounding), the same result for any thread count, the
+same residual bits as ``torch.sub``, and must fall back to the torch path -- not fail --
+when it cannot be built or does not apply.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import optree
+import pytest
+import torch
+
+import aadl_func as aa
+from aadl_func._src import native
+
+HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+needs_kernel = pytest.mark.skipif(not native.available(), reason=native.status())
+
+# Lengths around the block size and the 8-element inner step; row counts around the group of 4.
+LENGTHS = [
+    0,
+    1,
+    7,
+    8,
+    9,
+    15,
+    17,
+    native.BLOCK - 1,
+    native.BLOCK,
+    native.BLOCK + 1,
+    3 * native.BLOCK + 5,
+]
+ROWS = [1, 2, 3, 4, 5, 8, 9]
+
+
+def reference_dots(rows: list[torch.Tensor], vector: torch.Tensor) -> np.ndarray:
+    """float64 NumPy dot products of the widened data (exact products, float64 sums)."""
+    matrix = np.stack([r.to(torch.float64).numpy() for r in rows]) if rows else np.zeros((0, 0))
+    return matrix @ vector.to(torch.float64).numpy()
+
+
+def random_rows(q: int, n: int, dtype: torch.dtype, seed: int, offset: int = 0) -> list:
+    """``q`` rows of one buffer starting ``offset`` elements in (unaligned for odd offsets),
+    with magnitudes spread over many binades so that the summation order matters."""
+    generator = torch.Generator().manual_seed(seed)
+    scale = torch.exp(4 * torch.randn(q * n + offset, generator=generator, dtype=torch.float64))
+    data = (torch.randn(q * n + offset, generator=generator, dtype=torch.float64) * scale).to(dtype)
+    return [data[offset + j * n : offset + (j + 1) * n] for j in range(q)]
+
+
+def assert_dots_close(got: torch.Tensor, rows: list, vector: torch.Tensor) -> None:
+    expected = reference_dots(rows, vector)
+    # Summation rounding: each partial sum is off by at most n eps sum_i |r_i v_i|.
+    magnitude = reference_dots([r.abs() for r in rows], vector.abs())
+    n = max(vector.shape[0], 1)
+    assert got.dtype == torch.float64 and got.shape == (len(rows),)
+    np.testing.assert_array_less(
+        np.abs(got.numpy() - expected), 4 * n * 2.0**-53 * magnitude + 1e-300
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("q", ROWS)
+def test_dots_match_numpy_float64(dtype, n, q):
+    rows = random_rows(q, n, dtype, seed=q * 1000 + n, offset=q % 3)
+    vector = rows[q // 2]
+    assert_dots_close(native.float64_dots(rows, vector), rows, vector)
+    other = random_rows(1, n, dtype, seed=n + 17)[0]
+    assert_dots_close(native.float64_dots(rows, other), rows, other)
+
+
+@needs_kernel
+def test_dots_are_exact_where_float32_products_would_round():
+    # 1 + 2^-23 squared = 1 + 2^-22 + 2^-46: a float32 product drops the 2^-46 term, a
+    # float32 sum of (2^24 + 1) ones drops the last one; float64 keeps both.
+    a = torch.tensor([1 + 2.0**-23], dtype=torch.float32)
+    assert native.float64_dots([a], a).item() == (1 + 2.0**-23) ** 2
+    ones = torch.ones(2**24 + 1, dtype=torch.float32)
+    assert native.float64_dots([ones], ones).item() == 2**24 + 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dots_do_not_depend_on_thread_count(dtype):
+    rows = random_rows(6, 300_001, dtype, seed=3)
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(native.float64_dots(rows, rows[2]))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [0, 5, native.BLOCK + 3, 50_001])
+def test_append_difference_writes_torch_sub_bits_and_returns_the_row(n):
+    q, slot = 5, 3
+    rows = [r.clone() for r in random_rows(q, n, torch.float32, seed=n)]
+    newest, anchor = random_rows(2, n, torch.float32, seed=n + 1)
+    newest, anchor = newest.clone(), anchor.clone()
+    expected_residual = torch.sub(newest, anchor)
+    others = [r.clone() for r in rows]
+    versions = (rows[slot]._version, anchor._version)
+
+    row = native.append_difference(rows, slot, newest, anchor)
+
+    assert torch.equal(rows[slot], expected_residual)  # bit for bit
+    assert torch.equal(anchor, newest)
+    assert all(torch.equal(rows[j], others[j]) for j in range(q) if j != slot)
+    assert_dots_close(row, rows, rows[slot])
+    assert rows[slot]._version > versions[0] and anchor._version > versions[1]
+
+
+@needs_kernel
+def test_append_difference_refuses_overlaps_and_other_dtypes_without_writing():
+    q, n = 3, 100
+    buffer = torch.randn(q * n)
+    rows = [buffer[j * n : (j + 1) * n] for j in range(q)]
+    newest, anchor = torch.randn(n), torch.randn(n)
+    before = buffer.clone(), newest.clone(), anchor.clone()
+    refused = [
+        (rows, 1, rows[1], anchor),  # newest is the slot
+        (rows, 1, newest, buffer[n + 50 : 2 * n + 50]),  # anchor overlaps the slot
+        (rows, 1, newest, newest),  # anchor is newest
+        (rows, 3, newest, anchor),  # no such slot
+        (rows, 1, newest.double(), anchor.double()),  # not float32
+        (rows, 1, newest[::2], anchor[::2]),  # not stride 1, wrong length
+    ]
+    for args in refused:
+        assert not native.can_append(*args)
+        assert native.append_difference(*args) is None
+    assert torch.equal(buffer, before[0]) and torch.equal(newest, before[1])
+    assert torch.equal(anchor, before[2])
+
+
+@needs_kernel
+def test_dots_decline_what_they_do_not_handle():
+    x = torch.randn(10)
+    assert native.float64_dots([x.double()], x.double()) is None  # float64: BLAS does it
+    assert native.float64_dots([x.half()], x.half()) is None  # fp16: torch path
+    assert native.float64_dots([x[::2]], x[::2]) is None  # strided
+    assert native.float64_dots([x.reshape(2, 5)], x.reshape(2, 5)) is None  # not 1-d
+    assert native.float64_dots([x.bfloat16()], x) is None  # mixed dtypes
+    assert native.float64_dots([], x) is None
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+def test_kernel_is_built_where_a_compiler_exists():
+    # Guards against a silent fallback (e.g. a broken build) making every run slow.
+    assert native.available(), native.status()
+
+
+def params_and_grads(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    params = {
+        "conv": torch.randn(4, 3, 5, 5, generator=generator).contiguous(
+            memory_format=torch.channels_last
+        ),
+        "bias": torch.randn(4099, generator=generator),
+    }
+    grads = [
+        optree.tree_map(lambda p: torch.randn(p.shape, generator=generator).to(p), params)
+        for _ in range(12)
+    ]
+    return params, grads
+
+
+@needs_kernel
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+@pytest.mark.parametrize("history_dtype", [None, torch.bfloat16], ids=["f32", "bf16"])
+def test_anderson_with_and_without_kernel_agree(inplace, history_dtype):
+    """The whole step on the kernel and on the torch path: Gram matrices equal to float64
+    summation rounding, params equal to a float32 rounding of the mix."""
+    runs = []
+    for enabled in (True, False):
+        previous = native.set_enabled(enabled)
+        try:
+            opt = aa.anderson(
+                aa.sgd(0.05), history_depth=4, relaxation=0.5, history_dtype=history_dtype
+            )
+            params, grads = params_and_grads(0)
+            params = optree.tree_map(lambda p: p.clone(), params)
+            state = opt.init(params)
+            for g in grads:
+                g = optree.tree_map(lambda t: t.clone(), g)
+                params, state = opt.update(state, params, g, inplace=inplace)
+            runs.append((params, state))
+        finally:
+            native.set_enabled(previous)
+    (p_on, s_on), (p_off, s_off) = runs
+    assert int(s_on.num_mixed) == int(s_off.num_mixed) > 0
+    for name in ("gram", "dr_gram", "dr_rhs"):
+        a, b = getattr(s_on, name), getattr(s_off, name)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * float(s_off.gram.abs().max()))
+    for a, b in zip(optree.tree_leaves(p_on), optree.tree_leaves(p_off)):
+        assert a.stride() == b.stride()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def run_fresh_python(code: str, env: dict) -> str:
+    """Runs ``code`` in a new interpreter (a fresh kernel loader) and returns its stdout."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+FALLBACK_RUN = """
+    import torch, aadl_func as aa
+    from aadl_func._src import native
+    params = torch.randn(5000)
+    opt = aa.anderson(aa.sgd(0.1), history_depth=4)
+    state = opt.init(params)
+    for _ in range(8):
+        params, state = opt.update(state, params, params.clone(), inplace=True)
+    print(native.available(), int(state.num_mixed), bool(torch.isfinite(params).all()))
+    print(native.status())
+"""
+
+
+@pytest.mark.parametrize(
+    "env,reason",
+    [
+        ({"AADL_FUNC_NATIVE": "0"}, "disabled"),
+        ({"CC": "/nonexistent/cc", "PATH": "/nonexistent"}, "unavailable"),
+    ],
+    ids=["disabled", "no-compiler"],
+)
+def test_without_the_kernel_the_torch_path_runs(tmp_path, env, reason):
+    out = run_fresh_python(FALLBACK_RUN, {"AADL_FUNC_CACHE_DIR": str(tmp_path), **env})
+    first, second = out.strip().splitlines()
+    assert first == "False 6 True"
+    assert reason in second
+    assert not list(tmp_path.iterdir())  # nothing built
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+def test_first_use_builds_into_the_cache_dir(tmp_path):
+    out = run_fresh_python(FALLBACK_RUN, {"AADL_FUNC_CACHE_DIR": str(tmp_path)})
+    first, second = out.strip().splitlines()
+    assert first == "True 6 True"
+    built = list(tmp_path.glob("dots-*.so"))
+    assert len(built) == 1 and str(built[0]) in second
+    # A second process loads the same file instead of building again.
+    stamp = built[0].stat().st_mtime_ns
+    run_fresh_python(FALLBACK_RUN, {"AADL_FUNC_CACHE_DIR": str(tmp_path)})
+    assert [p.stat().st_mtime_ns for p in tmp_path.glob("dots-*.so")] == [stamp]
