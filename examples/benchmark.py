@@ -234,7 +234,10 @@ def agreement(device: torch.device) -> float:
 
 # -- reporting ---------------------------------------------------------------------------
 def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    """``value`` formatted by ``spec``; a missing value is a dash of the same width."""
+    if value is None:
+        return format("-", spec.split(".")[0])
+    return format(value, spec)
 
 
 def table(rows: list[dict]) -> str:
