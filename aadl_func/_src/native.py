@@ -38,8 +38,9 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -211,6 +212,21 @@ def _pointers(rows: Sequence[Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(rows))(*[r.data_ptr() for r in rows])
 
 
+def _call(kernel: Callable, q: int, n: int, *leading: Any) -> Tensor:
+    """Runs a kernel whose arguments end in ``(n, block, threads, partial, out)``; returns
+    ``out``, the ``(q,)`` float64 sums."""
+    out = torch.zeros(q, dtype=torch.float64)
+    if n == 0:
+        return out
+    num_blocks = -(-n // BLOCK)
+    partial = torch.empty(num_blocks, q, dtype=torch.float64)
+    threads = _threads(q, n, num_blocks)
+    code = kernel(*leading, n, BLOCK, threads, partial.data_ptr(), out.data_ptr())
+    if code != 0:
+        raise RuntimeError(f"aadl_func native kernel failed with code {code}")
+    return out
+
+
 def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
     r"""``out[j] = sum_i f64(rows[j][i]) * f64(vector[i])`` as a ``(len(rows),)`` float64 tensor.
 
@@ -227,25 +243,8 @@ def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
     library = _load()
     if library is None:
         return None
-    out = torch.zeros(q, dtype=torch.float64)
-    if n == 0:
-        return out
-    num_blocks = -(-n // BLOCK)
-    partial = torch.empty(num_blocks, q, dtype=torch.float64)
     kernel = getattr(library, _KERNELS[vector.dtype])
-    code = kernel(
-        _pointers(rows),
-        q,
-        vector.data_ptr(),
-        n,
-        BLOCK,
-        _threads(q, n, num_blocks),
-        partial.data_ptr(),
-        out.data_ptr(),
-    )
-    if code != 0:
-        raise RuntimeError(f"aadl_func native kernel failed with code {code}")
-    return out
+    return _call(kernel, q, n, _pointers(rows), q, vector.data_ptr())
 
 
 def can_append(rows: Sequence[Tensor], slot: int, newest: Tensor, anchor: Tensor) -> bool:
@@ -278,25 +277,9 @@ def append_difference(
     if not can_append(rows, slot, newest, anchor):
         return None
     q, n = len(rows), newest.shape[0]
-    out = torch.zeros(q, dtype=torch.float64)
     # Written behind torch's back: bump the version counters as an in-place op would.
     torch.autograd.graph.increment_version([rows[slot], anchor])
-    if n == 0:
-        return out
-    num_blocks = -(-n // BLOCK)
-    partial = torch.empty(num_blocks, q, dtype=torch.float64)
-    code = _library.aadl_append_f32(
-        _pointers(rows),
-        q,
-        slot,
-        newest.data_ptr(),
-        anchor.data_ptr(),
-        n,
-        BLOCK,
-        _threads(q, n, num_blocks),
-        partial.data_ptr(),
-        out.data_ptr(),
+    pointers = _pointers(rows)
+    return _call(
+        _library.aadl_append_f32, q, n, pointers, q, slot, newest.data_ptr(), anchor.data_ptr()
     )
-    if code != 0:
-        raise RuntimeError(f"aadl_func native kernel failed with code {code}")
-    return out
