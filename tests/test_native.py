@@ -265,3 +265,16 @@ def test_first_use_builds_into_the_cache_dir(tmp_path):
     stamp = built[0].stat().st_mtime_ns
     run_fresh_python(FALLBACK_RUN, {"AADL_FUNC_CACHE_DIR": str(tmp_path)})
     assert [p.stat().st_mtime_ns for p in tmp_path.glob("dots-*.so")] == [stamp]
+
+
+@needs_kernel
+def test_fused_append_under_inference_mode():
+    # Inference tensors keep no version counter; the kernel's version bump must cope.
+    with torch.inference_mode():
+        params, grads = params_and_grads(1)
+        opt = aa.anderson(aa.sgd(0.05), history_depth=4)
+        state = opt.init(params)
+        for g in grads[:6]:
+            params, state = opt.update(state, params, g, inplace=True)
+    assert int(state.num_mixed) == 4
+    assert all(torch.isfinite(p).all() for p in optree.tree_leaves(params))
