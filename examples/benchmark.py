@@ -23,7 +23,7 @@ parameter-sized float32 buffer ``P = 4 n`` bytes, next to the bytes each keeps b
 
 Usage::
 
-    python examples/benchmark.py                  # full table, n = 2^16..2^24 (< 15 min)
+    python examples/benchmark.py                  # full table, n = 2^16..2^24 (~2 min)
     python examples/benchmark.py --quick          # a tiny configuration (seconds)
     python examples/benchmark.py --device cuda --threads 16 --out bench_results/gpu.json
 """
