@@ -22,8 +22,8 @@ is built with ``-fopenmp`` and loaded after torch, so it binds to the OpenMP run
 already loaded (the same ``libgomp.so.1``) and runs on torch's own threads, which would
 otherwise spin idle right after torch's previous operation and slow a second pool down (a
 torch built on another OpenMP runtime leaves the kernel its own libgomp pool: the same
-results, some thread contention). A compiler without OpenMP gives a single-threaded build. ctypes releases the GIL during the
-call.
+results, some thread contention). A compiler without OpenMP gives a single-threaded build.
+ctypes releases the GIL during the call.
 """
 
 from __future__ import annotations
