@@ -108,7 +108,7 @@ def test_dots_do_not_depend_on_thread_count(dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("n", [0, 5, native.BLOCK + 3, 50_001])
-def test_append_difference_writes_torch_sub_bits_and_returns_the_row(n):
+def test_append_differences_writes_torch_sub_bits_and_returns_the_row(n):
     q, slot = 5, 3
     rows = [r.clone() for r in random_rows(q, n, torch.float32, seed=n)]
     newest, anchor = random_rows(2, n, torch.float32, seed=n + 1)
@@ -117,7 +117,7 @@ def test_append_difference_writes_torch_sub_bits_and_returns_the_row(n):
     others = [r.clone() for r in rows]
     versions = (rows[slot]._version, anchor._version)
 
-    row = native.append_difference(rows, slot, newest, anchor)
+    (row,) = native.append_differences([(rows, newest, anchor)], slot)
 
     assert torch.equal(rows[slot], expected_residual)  # bit for bit
     assert torch.equal(anchor, newest)
@@ -127,7 +127,7 @@ def test_append_difference_writes_torch_sub_bits_and_returns_the_row(n):
 
 
 @needs_kernel
-def test_append_difference_refuses_overlaps_and_other_dtypes_without_writing():
+def test_append_differences_refuses_overlaps_and_other_dtypes_without_writing():
     q, n = 3, 100
     buffer = torch.randn(q * n)
     rows = [buffer[j * n : (j + 1) * n] for j in range(q)]
@@ -141,9 +141,14 @@ def test_append_difference_refuses_overlaps_and_other_dtypes_without_writing():
         (rows, 1, newest.double(), anchor.double()),  # not float32
         (rows, 1, newest[::2], anchor[::2]),  # not stride 1, wrong length
     ]
-    for args in refused:
-        assert not native.can_append(*args)
-        assert native.append_difference(*args) is None
+    for rows_, slot, newest_, anchor_ in refused:
+        assert not native.can_append(rows_, slot, newest_, anchor_)
+        assert native.append_differences([(rows_, newest_, anchor_)], slot) is None
+    # All or nothing: one refused leaf keeps the other, valid one from being written.
+    fine = ([torch.zeros(n) for _ in range(q)], torch.randn(n), torch.randn(n))
+    fine_before = [t.clone() for t in (*fine[0], fine[1], fine[2])]
+    assert native.append_differences([fine, (rows, rows[1], anchor)], 1) is None
+    assert all(torch.equal(a, b) for a, b in zip((*fine[0], fine[1], fine[2]), fine_before))
     assert torch.equal(buffer, before[0]) and torch.equal(newest, before[1])
     assert torch.equal(anchor, before[2])
 

@@ -695,7 +695,10 @@ class _AadlStep(_Step):
             if self.shards is not None or tree.static_value(store) is not True:
                 return None
             for p, a, c in zip(self.params, anchor, self.compute_dtypes):
-                if (p.dtype, p.dtype, p.device, p.stride()) != (c, a.dtype, a.device, a.stride()):
+                if not (p.dtype == a.dtype == c) or (p.device, p.stride()) != (
+                    a.device,
+                    a.stride(),
+                ):
                     return None
             return self.params
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["append_difference", "available", "can_append", "float64_dots", "set_enabled", "status"]
+__all__ = ["append_differences", "available", "can_append", "float64_dots", "set_enabled", "status"]
 
 _LOG = logging.getLogger("aadl_func")
 _SOURCE = Path(__file__).with_name("_dots.c")
@@ -63,6 +63,7 @@ _PARALLEL_MIN = 1 << 18
 _KERNELS = {torch.float32: "aadl_dots_f32", torch.bfloat16: "aadl_dots_bf16"}
 
 _lock = threading.Lock()
+_attempted = False  # whether _load has tried to build/load the kernel (once per process)
 _library: ctypes.CDLL | None = None
 _status = "not loaded yet"
 _enabled = os.environ.get("AADL_FUNC_NATIVE", "1") != "0"
@@ -112,12 +113,13 @@ def _compiler() -> list[str] | None:
 
 def _load() -> ctypes.CDLL | None:
     """The compiled kernel (built on first use), or None with the reason in ``_status``."""
-    global _library, _status
-    if _library is not None or _status != "not loaded yet":
+    global _attempted, _library, _status
+    if _attempted:
         return _library
     with _lock:
-        if _library is not None or _status != "not loaded yet":
+        if _attempted:
             return _library
+        _attempted = True
         try:
             _library = _build_and_load()
             _status = f"native kernel: {_library._name}"
@@ -249,9 +251,9 @@ def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
 
 
 def can_append(rows: Sequence[Tensor], slot: int, newest: Tensor, anchor: Tensor) -> bool:
-    """Whether :func:`append_difference` applies: float32 vectors as :func:`float64_dots`
-    takes them, the slot overlapping neither ``newest`` nor ``anchor`` nor these each other,
-    and the kernel available."""
+    """Whether :func:`append_differences` applies to one leaf: float32 vectors as
+    :func:`float64_dots` takes them, the slot overlapping neither ``newest`` nor ``anchor``
+    nor these each other, and the kernel available."""
     if not _enabled or not rows or newest.dim() != 1 or not 0 <= slot < len(rows):
         return False
     n = newest.shape[0]
@@ -264,23 +266,36 @@ def can_append(rows: Sequence[Tensor], slot: int, newest: Tensor, anchor: Tensor
     return _load() is not None
 
 
-def append_difference(
-    rows: Sequence[Tensor], slot: int, newest: Tensor, anchor: Tensor
-) -> Tensor | None:
-    r"""In one pass: ``rows[slot] = newest - anchor``, ``anchor = newest`` (in place) and the
-    float64 dots of every row with the new ``rows[slot]``, as :func:`float64_dots` returns
-    them.
+def append_differences(
+    leaves: Sequence[tuple[Sequence[Tensor], Tensor, Tensor]], slot: int
+) -> list[Tensor] | None:
+    r"""For every leaf ``(rows, newest, anchor)``, in one pass: ``rows[slot] = newest -
+    anchor``, ``anchor = newest`` (in place) and the float64 dots of every row with the new
+    ``rows[slot]``, as :func:`float64_dots` returns them (one ``(q,)`` tensor per leaf).
 
     The window's append step (a subtraction into the ring slot, the anchor copy and the
     Gram-row pass) fused for float32 windows; the subtraction rounds as ``torch.sub`` does.
-    Returns None, having written nothing, unless :func:`can_append`.
+    All or nothing: returns None, having written nothing, unless :func:`can_append` holds for
+    every leaf.
     """
-    if not can_append(rows, slot, newest, anchor):
+    if not all(can_append(rows, slot, newest, anchor) for rows, newest, anchor in leaves):
         return None
-    q, n = len(rows), newest.shape[0]
-    # Written behind torch's back: bump the version counters as an in-place op would.
-    torch.autograd.graph.increment_version([rows[slot], anchor])
-    pointers = _pointers(rows)
-    return _call(
-        _library.aadl_append_f32, q, n, pointers, q, slot, newest.data_ptr(), anchor.data_ptr()
-    )
+    results = []
+    for rows, newest, anchor in leaves:
+        q, n = len(rows), newest.shape[0]
+        # Written behind torch's back: bump the version counters as an in-place op would.
+        torch.autograd.graph.increment_version([rows[slot], anchor])
+        pointers = _pointers(rows)
+        results.append(
+            _call(
+                _library.aadl_append_f32,
+                q,
+                n,
+                pointers,
+                q,
+                slot,
+                newest.data_ptr(),
+                anchor.data_ptr(),
+            )
+        )
+    return results

@@ -447,7 +447,7 @@ def append_difference(
     summed over leaves, on ``device``), which :func:`difference_rows` then takes as ``g``.
 
     The in-place append of a float32 window on the CPU with the native kernel
-    (:func:`aadl_func._src.native.append_difference`): it replaces a subtraction, a copy and
+    (:func:`aadl_func._src.native.append_differences`): it replaces a subtraction, a copy and
     the Gram-row pass. Returns None, having written nothing, unless every leaf qualifies
     (float32 throughout, ``newest``, ``anchor`` and the slots laid out alike).
     """
@@ -456,14 +456,13 @@ def append_difference(
         slots = [entry[leaf_index] for entry in ring]
         if not (y.stride() == a.stride() == slots[slot].stride()):
             return None
-        flats = [tree.flat_view(t) for t in slots]
-        y_flat, a_flat = tree.flat_view(y), tree.flat_view(a)
-        if not native.can_append(flats, slot, y_flat, a_flat):
-            return None
-        leaves.append((flats, y_flat, a_flat))
+        leaves.append(([tree.flat_view(t) for t in slots], tree.flat_view(y), tree.flat_view(a)))
+    rows = native.append_differences(leaves, slot)
+    if rows is None:
+        return None
     row = torch.zeros(len(ring), dtype=torch.float64, device=device)
-    for flats, y_flat, a_flat in leaves:
-        row = row + native.append_difference(flats, slot, y_flat, a_flat).to(device)
+    for leaf_row in rows:
+        row = row + leaf_row.to(device)
     return row
 
 
