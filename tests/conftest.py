@@ -137,6 +137,28 @@ class LogisticProblem:
         return self.features.T @ (sigma - self.labels) / len(z) + self.l2 * x
 
 
+def run_problem(problem, opt, x0, steps, dtype=torch.float64, safeguard=False):
+    """Runs ``opt`` on ``problem`` with pytree params (with the loss as ``loss_fn`` if
+    ``safeguard``); returns the outputs, per-call mix and rejection flags, and the state."""
+    params = vector_to_tree(x0, dtype)
+    state = opt.init(params)
+    loss_fn = None
+    if safeguard:
+
+        def loss_fn(tree):
+            return torch.tensor(problem.loss(tree_to_vector(tree)), dtype=torch.float64)
+
+    outputs, mixed, rejected = [], [], []
+    for _ in range(steps):
+        grads = vector_to_tree(problem.grad(tree_to_vector(params)), dtype)
+        before = (int(state.num_mixed), int(state.num_rejected))
+        params, state = opt.update(state, params, grads, loss_fn=loss_fn)
+        outputs.append(tree_to_vector(params))
+        mixed.append(int(state.num_mixed) > before[0])
+        rejected.append(int(state.num_rejected) > before[1])
+    return outputs, mixed, rejected, state
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)

@@ -22,8 +22,8 @@ from conftest import (
     assert_tree_equal,
     config_id,
     relative_error,
+    run_problem,
     snapshot,
-    tree_to_vector,
     vector_to_tree,
 )
 from reference import AadlReference, aadl_extrapolate
@@ -48,32 +48,11 @@ CONFIGS = [
 ]
 
 
-def run_anderson(problem, opt, x0, steps, dtype=torch.float64, safeguard=False):
-    """Runs ``opt`` on ``problem`` with pytree params; returns outputs, mix flags and state."""
-    params = vector_to_tree(x0, dtype)
-    state = opt.init(params)
-    loss_fn = None
-    if safeguard:
-
-        def loss_fn(tree):
-            return torch.tensor(problem.loss(tree_to_vector(tree)), dtype=torch.float64)
-
-    outputs, mixed, rejected = [], [], []
-    for _ in range(steps):
-        grads = vector_to_tree(problem.grad(tree_to_vector(params)), dtype)
-        before = (int(state.num_mixed), int(state.num_rejected))
-        params, state = opt.update(state, params, grads, loss_fn=loss_fn)
-        outputs.append(tree_to_vector(params))
-        mixed.append(int(state.num_mixed) > before[0])
-        rejected.append(int(state.num_rejected) > before[1])
-    return outputs, mixed, rejected, state
-
-
 def check_against_reference(problem, config, history_dtype, dtype, safeguard, rtol):
     lr = 1.0 / problem.smoothness
     x0 = np.random.default_rng(0).standard_normal(problem.dim)
     opt = aa.anderson(GradientDescent(lr), history_dtype=history_dtype, **config)
-    outputs, mixed, _, state = run_anderson(problem, opt, x0, STEPS, dtype, safeguard)
+    outputs, mixed, _, state = run_problem(problem, opt, x0, STEPS, dtype, safeguard)
     loss = problem.loss if safeguard else None
     reference = AadlReference(problem.grad, lr, **config)
     expected, expected_mixed = reference.run(x0, STEPS, loss, inputs=outputs)
@@ -135,7 +114,7 @@ def test_free_running_trajectory_matches_reference(logistic):
     x0 = np.random.default_rng(1).standard_normal(logistic.dim)
     for config, safeguard in [(CONFIGS[1], True), (CONFIGS[3], False), (CONFIGS[5], True)]:
         opt = aa.anderson(GradientDescent(lr), **config)
-        outputs, mixed, _, _ = run_anderson(logistic, opt, x0, STEPS, safeguard=safeguard)
+        outputs, mixed, _, _ = run_problem(logistic, opt, x0, STEPS, safeguard=safeguard)
         loss = logistic.loss if safeguard else None
         expected, expected_mixed = AadlReference(logistic.grad, lr, **config).run(x0, STEPS, loss)
         assert mixed == expected_mixed
@@ -146,7 +125,7 @@ def test_safeguard_rejections_are_counted(logistic):
     lr = 1.0 / logistic.smoothness
     x0 = np.random.default_rng(0).standard_normal(logistic.dim)
     opt = aa.anderson(GradientDescent(lr), history_depth=5)
-    _, mixed, rejected, state = run_anderson(logistic, opt, x0, STEPS, safeguard=True)
+    _, mixed, rejected, state = run_problem(logistic, opt, x0, STEPS, safeguard=True)
     # Every call from the third one mixes; the safeguard keeps some and rejects the others.
     assert [m or r for m, r in zip(mixed, rejected)] == [False, False] + [True] * (STEPS - 2)
     assert any(rejected) and any(mixed)
@@ -158,7 +137,7 @@ def test_safeguard_keeps_the_loss_below_plain_steps(logistic):
     lr = 1.0 / logistic.smoothness
     x0 = np.random.default_rng(2).standard_normal(logistic.dim)
     opt = aa.anderson(GradientDescent(lr), history_depth=6, relaxation=1.3)
-    outputs, *_ = run_anderson(logistic, opt, x0, STEPS, safeguard=True)
+    outputs, *_ = run_problem(logistic, opt, x0, STEPS, safeguard=True)
     for x_in, x_out in zip([x0, *outputs[:-1]], outputs):
         assert logistic.loss(x_out) <= logistic.loss(x_in - lr * logistic.grad(x_in))
 

@@ -12,7 +12,7 @@ import numpy as np
 import optree
 import pytest
 import torch
-from conftest import GradientDescent, config_id, relative_error, tree_to_vector, vector_to_tree
+from conftest import GradientDescent, config_id, relative_error, run_problem
 from reference import ClassicReference, gmres_iterate, type2_anderson
 
 import aadl_func as aa
@@ -28,32 +28,13 @@ CONFIGS = [
 ]
 
 
-def run_classic(problem, opt, x0, steps, dtype=torch.float64, safeguard=False):
-    params = vector_to_tree(x0, dtype)
-    state = opt.init(params)
-    loss_fn = None
-    if safeguard:
-
-        def loss_fn(tree):
-            return torch.tensor(problem.loss(tree_to_vector(tree)), dtype=torch.float64)
-
-    outputs, mixed = [], []
-    for _ in range(steps):
-        grads = vector_to_tree(problem.grad(tree_to_vector(params)), dtype)
-        before = int(state.num_mixed)
-        params, state = opt.update(state, params, grads, loss_fn=loss_fn)
-        outputs.append(tree_to_vector(params))
-        mixed.append(int(state.num_mixed) > before)
-    return outputs, mixed, state
-
-
 @pytest.mark.parametrize("safeguard", [False, True], ids=["plain", "safeguard"])
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_matches_textbook_type2(logistic, config, safeguard):
     lr = 1.0 / logistic.smoothness
     x0 = np.random.default_rng(0).standard_normal(logistic.dim)
     opt = aa.anderson(GradientDescent(lr), mode="classic", **config)
-    outputs, mixed, state = run_classic(logistic, opt, x0, STEPS, safeguard=safeguard)
+    outputs, mixed, _, state = run_problem(logistic, opt, x0, STEPS, safeguard=safeguard)
     loss = logistic.loss if safeguard else None
     expected, expected_mixed = ClassicReference(logistic.grad, lr, **config).run(
         x0, STEPS, loss, inputs=outputs
@@ -72,7 +53,7 @@ def test_float32_params_match_textbook_type2(logistic, config):
     lr = 1.0 / logistic.smoothness
     x0 = np.random.default_rng(1).standard_normal(logistic.dim)
     opt = aa.anderson(GradientDescent(lr), mode="classic", **config)
-    outputs, mixed, _ = run_classic(logistic, opt, x0, STEPS, dtype=torch.float32)
+    outputs, mixed, _, _ = run_problem(logistic, opt, x0, STEPS, dtype=torch.float32)
     expected, expected_mixed = ClassicReference(logistic.grad, lr, **config).run(
         x0, STEPS, inputs=outputs
     )
