@@ -138,18 +138,31 @@ def step_peak_bytes(step, device: torch.device) -> int:
         step()
         synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
+    return allocation_profile(step)[0]
+
+
+def allocation_profile(fn) -> tuple[int, int, int]:
+    """``(peak, total, largest)`` bytes allocated on the CPU while ``fn()`` runs.
+
+    ``peak``: maximum over time of (bytes allocated - bytes freed) since the start;
+    ``total``: sum of all allocations; ``largest``: the biggest single allocation. From
+    ``torch.profiler``'s allocator events (``tests/test_memory.py`` calibrates it).
+    """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+        fn()
     events = sorted(
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]"
     )
-    live = peak = 0
+    live = peak = total = largest = 0
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    return peak
+        if nbytes > 0:
+            total += nbytes
+            largest = max(largest, nbytes)
+    return peak, total, largest
 
 
 def available_bytes(device: torch.device) -> int:

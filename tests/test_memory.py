@@ -20,7 +20,6 @@ from pathlib import Path
 import optree
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import aadl_func as aa
 from aadl_func._src.inner import sgd
@@ -39,27 +38,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def allocation_profile(fn) -> tuple[int, int, int]:
-    """``(peak, total, largest)`` bytes allocated on the CPU while ``fn()`` runs.
+def load_benchmark():
+    """``examples/benchmark.py`` as a module (``examples/`` is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "benchmark.py"
+    spec = importlib.util.spec_from_file_location("aadl_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    ``peak``: maximum over time of (bytes allocated - bytes freed) since the start;
-    ``total``: sum of all allocations; ``largest``: the biggest single allocation.
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = total = largest = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-        if nbytes > 0:
-            total += nbytes
-            largest = max(largest, nbytes)
-    return peak, total, largest
+
+# The benchmark's allocation tracker, so that the calibration below also vouches for the
+# peaks the benchmark reports.
+allocation_profile = load_benchmark().allocation_profile
 
 
 def test_allocation_profile_sees_known_allocations():
@@ -165,10 +155,7 @@ def test_pure_step_copies_one_slot_not_the_window():
 
 def test_benchmark_quick_configuration(tmp_path, capsys):
     """examples/benchmark.py --quick: the table's numbers come out and are self-consistent."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "benchmark.py"
-    spec = importlib.util.spec_from_file_location("aadl_benchmark", path)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark()
     out = tmp_path / "bench.json"
     assert benchmark.main(["--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
