@@ -81,12 +81,9 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
     for name in _COUNTERS:
         value = getattr(state, name)
         if not (isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.int64):
-            got = (
-                f"{value.dtype} tensor of shape {tuple(value.shape)}"
-                if isinstance(value, Tensor)
-                else type(value).__name__
+            raise TypeError(
+                f"{owner}: `state.{name}` must be a 0-d int64 tensor, got {_describe(value)}"
             )
-            raise TypeError(f"{owner}: `state.{name}` must be a 0-d int64 tensor, got {got}")
     q = config.num_slots
     hint = "was it made by another configuration?"
     if not isinstance(state.residuals, tuple) or len(state.residuals) != q:
@@ -142,14 +139,9 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
             and value.dtype == torch.float64
             and same_device(value.device, compute_device)
         ):
-            got = (
-                f"{value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-                if isinstance(value, Tensor)
-                else type(value).__name__
-            )
             raise ValueError(
                 f"{owner}: `state.{name}` must be a {shape} float64 tensor on {compute_device}, "
-                f"got {got}; {hint}"
+                f"got {_describe(value, device=True)}; {hint}"
             )
 
 
@@ -162,3 +154,11 @@ _COUNTERS = (
     "num_nonfinite",
     "num_averaged",
 )
+
+
+def _describe(value: object, *, device: bool = False) -> str:
+    """What a state field holds, for error messages: its dtype and shape (and device)."""
+    if not isinstance(value, Tensor):
+        return type(value).__name__
+    text = f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{text} on {value.device}" if device else text
