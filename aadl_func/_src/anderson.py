@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -10,12 +11,14 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import distributed, tree
+from aadl_func._src.atomic import InterruptGuard, write_back
 from aadl_func._src.average import window_average
 from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.mix import aadl_coefficients
 from aadl_func._src.solve import solve_differences
 from aadl_func._src.state import AndersonState
 from aadl_func._src.validation import (
+    check_bool,
     check_choice,
     check_device,
     check_dtype,
@@ -61,6 +64,8 @@ class _Config:
     history_device: torch.device | None
     compute_device: torch.device | None
     history_dtype: torch.dtype | None
+    skip_nonfinite: bool = False
+    max_consecutive_skips: int | None = None
 
     @property
     def num_slots(self) -> int:
@@ -94,6 +99,8 @@ def anderson(
     history_device: torch.device | str | None = None,
     compute_device: torch.device | str | None = None,
     history_dtype: torch.dtype | None = None,
+    skip_nonfinite: bool = False,
+    max_consecutive_skips: int | None = None,
 ) -> Anderson:
     r"""Anderson-accelerates an inner optimizer, treating its step as a fixed-point map ``g``.
 
@@ -146,10 +153,66 @@ def anderson(
       compute_device: where the small least-squares problem is solved (default: the history
         device of the first parameter). Passes over the window always run where it lives.
       history_dtype: dtype of the stored differences (default: each parameter's dtype).
+      skip_nonfinite: skip a call whose grads or inner update are not finite (as optax's
+        ``apply_if_finite`` and ``torch.amp.GradScaler`` do): params and state are left as
+        they were, except ``num_skipped`` and ``skip_streak``, which count it. The inner
+        update is then computed out of place and adopted only if finite (one inner-state-sized
+        temporary more with ``inplace=True``).
+      max_consecutive_skips: with ``skip_nonfinite``, how many calls in a row may be skipped;
+        the next non-finite one raises ``FloatingPointError`` and changes nothing (eager mode;
+        under ``vmap`` the calls are only counted). None: never give up.
+
+    ``inplace=True`` is exception safe: if ``loss_fn`` (or Ctrl-C) interrupts a call, the params
+    and the state passed in are left exactly as after the plain step ``y`` of that call (its
+    mix is dropped uncounted), ready for the next call, and the exception propagates. The
+    state's tensors are updated in place and the returned state holds those same tensors.
+    See ``aadl_func._src.atomic`` and docs/reliability.md.
 
     Returns:
       :class:`Anderson` ``(init, update)``.
     """
+    return Anderson(
+        *_functions(
+            _make_config(
+                inner,
+                history_depth=history_depth,
+                relaxation=relaxation,
+                reg=reg,
+                wait_iterations=wait_iterations,
+                store_each_nth=store_each_nth,
+                frequency=frequency,
+                mode=mode,
+                average=average,
+                average_tol=average_tol,
+                history_device=history_device,
+                compute_device=compute_device,
+                history_dtype=history_dtype,
+                skip_nonfinite=skip_nonfinite,
+                max_consecutive_skips=max_consecutive_skips,
+            )
+        )
+    )
+
+
+def _make_config(
+    inner: Any,
+    *,
+    history_depth: int,
+    relaxation: float,
+    reg: float,
+    wait_iterations: int,
+    store_each_nth: int,
+    frequency: int,
+    mode: str,
+    average: bool,
+    average_tol: float,
+    history_device: torch.device | str | None,
+    compute_device: torch.device | str | None,
+    history_dtype: torch.dtype | None,
+    skip_nonfinite: bool,
+    max_consecutive_skips: int | None,
+) -> _Config:
+    """The validated options of :func:`anderson` (each error names its argument)."""
     owner = "anderson"
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(
@@ -176,7 +239,20 @@ def anderson(
         history_device=check_device(owner, "history_device", history_device),
         compute_device=check_device(owner, "compute_device", compute_device),
         history_dtype=check_dtype(owner, "history_dtype", history_dtype),
+        skip_nonfinite=check_bool(owner, "skip_nonfinite", skip_nonfinite),
+        max_consecutive_skips=(
+            None
+            if max_consecutive_skips is None
+            else check_int(owner, "max_consecutive_skips", max_consecutive_skips, 0)
+        ),
     )
+    if config.max_consecutive_skips is not None and not config.skip_nonfinite:
+        raise ValueError(f"{owner}: `max_consecutive_skips` needs `skip_nonfinite=True`")
+    return config
+
+
+def _functions(config: _Config) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The ``init`` and ``update`` functions of :class:`Anderson` for ``config``."""
 
     def init(params: Params) -> AndersonState:
         return _init(config, params)
@@ -191,7 +267,7 @@ def anderson(
     ) -> tuple[Params, AndersonState]:
         return _update(config, state, params, grads, inplace=inplace, loss_fn=loss_fn)
 
-    return Anderson(init, update)
+    return init, update
 
 
 def _counter() -> Tensor:
@@ -265,6 +341,8 @@ def _init(config: _Config, params: Params) -> AndersonState:
         num_rejected=_counter(),
         num_nonfinite=_counter(),
         num_averaged=_counter(),
+        num_skipped=_counter(),
+        skip_streak=_counter(),
     )
 
 
@@ -276,25 +354,90 @@ def _update(
     *,
     inplace: bool,
     loss_fn: LossFn | None,
+    plain: bool = False,
 ) -> tuple[Params, AndersonState]:
+    """One call of ``update``; ``plain=True`` (the wrapper's recovery) records the plain step
+    in the window and returns it, with no mix and no moving average."""
     # Sharded (DTensor) params: the step runs on local shards (the inner optimizer included,
     # so it must act coordinate-wise) and reduces over the mesh; see distributed.py.
     shards, params, grads, loss_fn = distributed.sharded_call(
         params, grads, loss_fn, inplace=inplace, average=config.average, owner="anderson.update"
     )
-    p_leaves, spec, _ = check_update_inputs(config, state, params, grads, loss_fn, inplace)
-    updates, inner_state = config.inner.update(
-        grads, state.inner_state, params=params, inplace=inplace
-    )
-    u_leaves, u_spec = tree.flatten(updates, "inner updates")
-    tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec)
-    step = _AadlStep if config.mode == "aadl" else _ClassicStep
-    out, new_state = step(
-        config, state, p_leaves, spec, u_leaves, inner_state, inplace, loss_fn, shards
-    ).run()
+    p_leaves, spec, g_leaves = check_update_inputs(config, state, params, grads, loss_fn, inplace)
+    # An eager in-place call writes the caller's buffers, so it commits in two stages and
+    # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
+    # written back: the transformed call returns its state.
+    eager_in_place = inplace and not any(tree.is_transformed(p) for p in p_leaves)
+    guard = InterruptGuard() if eager_in_place else None
+    with guard if guard is not None else contextlib.nullcontext():
+        # With skip_nonfinite the inner update is computed out of place, so that a non-finite
+        # one can be dropped without having touched the inner state.
+        updates, inner_state = config.inner.update(
+            grads, state.inner_state, params=params, inplace=inplace and not config.skip_nonfinite
+        )
+        u_leaves, u_spec = tree.flatten(updates, "inner updates")
+        tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec)
+        kind = _AadlStep if config.mode == "aadl" else _ClassicStep
+        step = kind(
+            config,
+            state,
+            p_leaves,
+            spec,
+            u_leaves,
+            inner_state,
+            inplace,
+            loss_fn,
+            shards,
+            guard=guard,
+            plain=plain,
+        )
+        if config.skip_nonfinite:
+            out, new_state = _run_if_finite(step, g_leaves)
+        else:
+            out, new_state = step.run()
     if shards is not None:
         out = tree.unflatten(spec, shards.globalize(tree.flatten(out, "params")[0]))
     return out, new_state
+
+
+def _all_finite(leaves: list[Tensor]) -> Tensor:
+    flag = torch.ones((), dtype=torch.bool)
+    for t in leaves:
+        if t.numel():
+            flag = flag & torch.isfinite(t).all().cpu()
+    return flag
+
+
+def _run_if_finite(step: _Step, g_leaves: list[Tensor]) -> tuple[list[Tensor] | Any, Any]:
+    """``step.run()`` if the grads and the inner update are finite, else the skipped call.
+
+    A skipped call returns the params and the state as they were, with ``num_skipped`` and
+    ``skip_streak`` increased; with ``max_consecutive_skips`` reached it raises instead.
+    """
+    config, state = step.config, step.state
+    finite = _all_finite(g_leaves) & _all_finite(step.updates)
+    if step.shards is not None:
+        # Every rank must take the same decision: one all_reduce of one value.
+        bad = step.shards.all_sum((~finite).to(torch.float64).reshape(1))
+        finite = (bad == 0).reshape(())
+    known = tree.static_value(finite)
+    if known is False and config.max_consecutive_skips is not None:
+        streak = tree.static_value(state.skip_streak)
+        if streak is not None and streak >= config.max_consecutive_skips:
+            raise FloatingPointError(
+                f"anderson.update: the grads or the inner update are not finite for the "
+                f"{streak + 1}-th call in a row (max_consecutive_skips="
+                f"{config.max_consecutive_skips}); params and state are left as after the last "
+                "finite call. Lower the learning rate, clip the gradients or check the loss."
+            )
+
+    def skipped() -> tuple[Any, AndersonState]:
+        counted = state._replace(
+            num_skipped=state.num_skipped + 1, skip_streak=state.skip_streak + 1
+        )
+        return tree.unflatten(step.spec, list(step.params)), step.commit(counted)
+
+    return select(finite, step.run, skipped)
 
 
 class _Step:
@@ -311,8 +454,14 @@ class _Step:
         inplace: bool,
         loss_fn: LossFn | None,
         shards: distributed.ShardedCall | None = None,
+        *,
+        guard: InterruptGuard | None = None,
+        plain: bool = False,
     ) -> None:
         self.config = config
+        # Eager in-place calls only: the caller's state is written back at each commit.
+        self.guard = guard
+        self.plain = plain
         self.state = state
         self.params = p_leaves
         self.spec = spec
@@ -493,8 +642,9 @@ class _Step:
             return gate
 
         def decide() -> Tensor:
-            loss_x = self.loss_fn(tree.unflatten(self.spec, x))
-            loss_y = self.loss_fn(tree.unflatten(self.spec, y))
+            with self.callbacks():
+                loss_x = self.loss_fn(tree.unflatten(self.spec, x))
+                loss_y = self.loss_fn(tree.unflatten(self.spec, y))
             for loss in (loss_x, loss_y):
                 if not isinstance(loss, Tensor) or loss.numel() != 1:
                     raise TypeError("anderson.update: `loss_fn` must return a scalar tensor")
@@ -517,7 +667,46 @@ class _Step:
         return list(chosen)
 
     def new_state(self, **fields: Any) -> AndersonState:
-        return self.state._replace(count=self.count, inner_state=self.inner_state, **fields)
+        """The state after this call's plain step: counted, inner state advanced, not skipped."""
+        return self.state._replace(
+            count=self.count,
+            inner_state=self.inner_state,
+            skip_streak=torch.zeros_like(self.state.skip_streak),
+            **fields,
+        )
+
+    def commit_plain(self, **fields: Any) -> AndersonState:
+        """The commit point: the state after this call's plain step (``fields`` being the
+        window's), made the caller's; a Ctrl-C deferred so far is raised here."""
+        plain = self.new_state(**fields)
+        self.commit(plain)
+        if self.guard is not None:
+            self.guard.checkpoint()
+        return plain
+
+    def commit(self, new_state: AndersonState) -> AndersonState:
+        """Makes ``new_state`` the caller's: in an eager in-place call its values are written
+        into the tensors of the state passed in (which is returned), see atomic.py."""
+        if self.guard is None:
+            return new_state
+        write_back(self.state, new_state)
+        return self.state
+
+    def callbacks(self) -> contextlib.AbstractContextManager:
+        """Where the user's ``loss_fn`` runs: interruptible, after a deferred Ctrl-C is raised."""
+        return self.guard.callbacks() if self.guard is not None else contextlib.nullcontext()
+
+    def gate(self, window_size: Tensor, minimum: int) -> Tensor:
+        """Whether this call mixes: past ``wait_iterations``, on the ``frequency``, with enough
+        window (and never in the wrapper's ``plain`` recovery)."""
+        config = self.config
+        if self.plain:
+            return torch.zeros((), dtype=torch.bool)
+        return (
+            (self.count > config.wait_iterations)
+            & (self.count % config.frequency == 0)
+            & (window_size >= minimum)
+        )
 
     # -- sharded params (DTensor / FSDP2; see distributed.py) ------------------------------
     def reduce_rows(
@@ -656,12 +845,23 @@ class _AadlStep(_Step):
             torch.where(empty, torch.ones_like(num_residuals), num_residuals + 1),
             state.window_size,
         )
+        # Commit point (atomic.py): from here on the caller holds a finished plain step.
+        plain = self.commit_plain(
+            anchor=tree.unflatten(self.spec, list(anchor)),
+            residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
+            gram=grams[0],
+            dr_gram=grams[1],
+            dr_rhs=grams[2],
+            head=head,
+            window_size=window_size,
+            num_nonfinite=state.num_nonfinite + poisoned.long(),
+        )
 
         # Step 5, AADL's moving average (see aadl_func._src.average): decided on the window of
         # plain iterates before any mix. When it applies, the window is too noisy to
         # extrapolate from, so this call skips the mix (and its loss evaluations).
         averaged = torch.zeros((), dtype=torch.bool)
-        if config.average:
+        if config.average and not self.plain:
 
             def average() -> tuple[list[Tensor], Tensor]:
                 return window_average(
@@ -677,12 +877,7 @@ class _AadlStep(_Step):
             no_mean = [torch.zeros_like(a, dtype=c) for a, c in zip(anchor, self.compute_dtypes)]
             mean_hist, averaged = select(window_size >= 2, average, (no_mean, averaged))
 
-        gate = (
-            (self.count > config.wait_iterations)
-            & (self.count % config.frequency == 0)
-            & (window_size >= 3)
-            & ~averaged
-        )
+        gate = self.gate(window_size, 3) & ~averaged
 
         def mix_into_params() -> list[Tensor] | None:
             """The params' buffers when the mix can be written straight into them, saving a
@@ -706,17 +901,24 @@ class _AadlStep(_Step):
             weights, order = self.solve(grams, head, num_residuals)
             coefficients = aadl_coefficients(weights.alpha, config.relaxation)
             into = mix_into_params()
-            x_hist = combine(
-                # Mixing into the params, which hold y = the anchor bit for bit: accumulating
-                # there reads one parameter-sized buffer fewer than anchor -> params.
-                anchor if into is None else into,
-                [ring],
-                -self.to_ring_order(coefficients, order),
-                self.compute_dtypes,
-                anchor,
-                out=into,
-            )
-            ok = weights.ok.cpu() & self.finite(x_hist)
+            try:
+                x_hist = combine(
+                    # Mixing into the params, which hold y = the anchor bit for bit:
+                    # accumulating there reads one parameter-sized buffer fewer than
+                    # anchor -> params.
+                    anchor if into is None else into,
+                    [ring],
+                    -self.to_ring_order(coefficients, order),
+                    self.compute_dtypes,
+                    anchor,
+                    out=into,
+                )
+                ok = weights.ok.cpu() & self.finite(x_hist)
+            except BaseException:
+                if into is not None:
+                    for p, a in zip(self.params, anchor):
+                        p.copy_(a)  # back to y: the caller holds the plain step
+                raise
             if into is not None and not tree.static_value(ok):
                 for p, a in zip(self.params, anchor):
                     p.copy_(a)  # back to y
@@ -755,20 +957,20 @@ class _AadlStep(_Step):
         if config.average:
             x = select(averaged, lambda: self.to_params(mean_hist), x)
         out = self.output(use_mix | averaged, x, y)
-        new_state = self.new_state(
+        final = plain._replace(
             anchor=tree.unflatten(self.spec, list(anchor)),
             residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
             gram=grams[0],
             dr_gram=grams[1],
             dr_rhs=grams[2],
-            head=head,
-            window_size=window_size,
-            num_mixed=state.num_mixed + use_mix.long(),
-            num_rejected=state.num_rejected + (mixable & ~use_mix).long(),
-            num_nonfinite=state.num_nonfinite + (poisoned | (gate & ~ok)).long(),
-            num_averaged=state.num_averaged + averaged.long(),
+            num_mixed=plain.num_mixed + use_mix.long(),
+            num_rejected=plain.num_rejected + (mixable & ~use_mix).long(),
+            # A poisoned append was counted at the commit; a failed mix on a poisoned call
+            # is the same event.
+            num_nonfinite=plain.num_nonfinite + (gate & ~ok & ~poisoned).long(),
+            num_averaged=plain.num_averaged + averaged.long(),
         )
-        return tree.unflatten(self.spec, out), new_state
+        return tree.unflatten(self.spec, out), self.commit(final)
 
 
 class _ClassicStep(_Step):
@@ -803,12 +1005,19 @@ class _ClassicStep(_Step):
         iterates, ring, grams, head, window_size, poisoned = select(store, append_pair, unchanged)
 
         y = self.inner_step()
-
-        gate = (
-            (self.count > config.wait_iterations)
-            & (self.count % config.frequency == 0)
-            & (window_size >= 2)
+        # Commit point (atomic.py): from here on the caller holds a finished plain step.
+        plain = self.commit_plain(
+            residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
+            iterates=tuple(tree.unflatten(self.spec, list(r)) for r in iterates),
+            gram=grams[0],
+            dr_gram=grams[1],
+            dr_rhs=grams[2],
+            head=head,
+            window_size=window_size,
+            num_nonfinite=state.num_nonfinite + poisoned.long(),
         )
+
+        gate = self.gate(window_size, 2)
 
         def extrapolate() -> tuple[list[Tensor], Tensor]:
             weights, order = self.solve(grams, head, window_size)
@@ -832,19 +1041,14 @@ class _ClassicStep(_Step):
         x = select(mixable, lambda: self.to_params(x_hist), y)
         use_mix = self.safeguard(mixable, x, y)
         out = self.output(use_mix, x, y)
-        new_state = self.new_state(
-            residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
-            iterates=tuple(tree.unflatten(self.spec, list(r)) for r in iterates),
-            gram=grams[0],
-            dr_gram=grams[1],
-            dr_rhs=grams[2],
-            head=head,
-            window_size=window_size,
-            num_mixed=state.num_mixed + use_mix.long(),
-            num_rejected=state.num_rejected + (mixable & ~use_mix).long(),
-            num_nonfinite=state.num_nonfinite + (poisoned | (gate & ~ok)).long(),
+        final = plain._replace(
+            num_mixed=plain.num_mixed + use_mix.long(),
+            num_rejected=plain.num_rejected + (mixable & ~use_mix).long(),
+            # A poisoned append was counted at the commit; a failed mix on a poisoned call
+            # is the same event.
+            num_nonfinite=plain.num_nonfinite + (gate & ~ok & ~poisoned).long(),
         )
-        return tree.unflatten(self.spec, out), new_state
+        return tree.unflatten(self.spec, out), self.commit(final)
 
 
 def _read_slot(ring: tuple, slot: Tensor) -> list[Tensor]:

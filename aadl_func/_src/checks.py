@@ -153,6 +153,8 @@ _COUNTERS = (
     "num_rejected",
     "num_nonfinite",
     "num_averaged",
+    "num_skipped",
+    "skip_streak",
 )
 
 

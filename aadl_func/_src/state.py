@@ -38,6 +38,9 @@ class AndersonState(NamedTuple):
       num_nonfinite: 0-d int64, mixes discarded because the Gram matrix or the mixed point was
         not finite (the plain step was returned instead).
       num_averaged: 0-d int64, calls whose params were replaced by the window mean.
+      num_skipped: 0-d int64, calls skipped by ``skip_nonfinite`` (non-finite grads or inner
+        update: params and the rest of the state left as they were).
+      skip_streak: 0-d int64, consecutive skipped calls up to now (0 after a step is taken).
     """
 
     count: Tensor
@@ -54,6 +57,8 @@ class AndersonState(NamedTuple):
     num_rejected: Tensor
     num_nonfinite: Tensor
     num_averaged: Tensor
+    num_skipped: Tensor
+    skip_streak: Tensor
 
 
 # ``torch.load(weights_only=True)`` (the default) only rebuilds allow-listed classes.

@@ -1,0 +1,100 @@
+r"""What makes an in-place step safe to interrupt.
+
+``update(..., inplace=True)`` writes into the params and into the buffers of the state the
+caller holds. For an exception thrown halfway (by ``loss_fn``, a closure, or Ctrl-C) to leave
+something usable, the step is split at a *commit point*:
+
+1. the plain step: the inner optimizer's update, ``y`` in the params, ``y`` in the window;
+2. commit: the state the caller passed is overwritten, tensor by tensor, with the state of a
+   plain (unmixed) step (:func:`write_back`), so from here on the caller's objects describe
+   a finished plain step;
+3. the mix, the moving average and the safeguard (``loss_fn``), which only read the window
+   until every decision is made; then the final writes and a second :func:`write_back`.
+
+An exception during 3 restores ``y`` in the params and propagates: the caller holds exactly
+the plain step. :class:`InterruptGuard` turns a Ctrl-C that arrives outside the user's
+callbacks into one raised at the next safe point, so it cannot split the writes of 1 or 2.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import optree
+from torch import Tensor
+
+__all__ = ["InterruptGuard", "write_back"]
+
+
+def write_back(target: Any, source: Any) -> None:
+    """Copies every tensor leaf of ``source`` into the matching leaf of ``target`` in place.
+
+    Leaves that already are the same tensor are skipped (the window's slots, written in place).
+    Both trees must have one structure; ``target``'s non-tensor leaves cannot be updated, so
+    the exception guarantee covers states whose changing leaves are tensors (every state of
+    this package and torchopt's).
+    """
+    targets, target_spec = optree.tree_flatten(target, none_is_leaf=True)
+    sources, source_spec = optree.tree_flatten(source, none_is_leaf=True)
+    if target_spec != source_spec:
+        raise RuntimeError("internal: the state changed structure during an in-place step")
+    for dst, src in zip(targets, sources):
+        if isinstance(dst, Tensor) and isinstance(src, Tensor) and dst is not src:
+            dst.copy_(src)
+
+
+class InterruptGuard:
+    """Defers SIGINT (Ctrl-C) while an in-place step writes its buffers.
+
+    Active only in the main thread and while Python's default SIGINT handler is installed (a
+    program with its own handler keeps it). A Ctrl-C received while the guard holds is raised
+    as ``KeyboardInterrupt`` at the next :meth:`checkpoint` or :meth:`callbacks` block, or when
+    the guard exits; inside :meth:`callbacks` (the user's ``loss_fn``) Ctrl-C acts at once.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._active = False
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self.pending = True
+
+    def __enter__(self) -> InterruptGuard:
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            signal.signal(signal.SIGINT, self._record)
+            self._active = True
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._active:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._active = False
+        if self.pending and exc_info[0] is None:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def checkpoint(self) -> None:
+        """Raises a deferred Ctrl-C now (the caller is at a consistent point)."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def callbacks(self) -> Iterator[None]:
+        """Runs the user's code interruptible, as it would run outside ``update``."""
+        self.checkpoint()
+        if not self._active:
+            yield
+            return
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, self._record)
