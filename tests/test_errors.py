@@ -179,6 +179,14 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "anderson-average-classic": _anderson(average=True, mode="classic"),
     "anderson-average_tol-type": _anderson(average_tol="0.1"),
     "anderson-average_tol-range": _anderson(average_tol=0.0),
+    "anderson-skip_nonfinite": _anderson(skip_nonfinite=1),
+    "anderson-max_consecutive_skips-type": _anderson(
+        skip_nonfinite=True, max_consecutive_skips=2.0
+    ),
+    "anderson-max_consecutive_skips-range": _anderson(
+        skip_nonfinite=True, max_consecutive_skips=-1
+    ),
+    "anderson-max_consecutive_skips-alone": _anderson(max_consecutive_skips=3),
     "anderson-history_device": _anderson(history_device="gpu0"),
     "anderson-compute_device": _anderson(compute_device=3.5),
     "anderson-history_dtype-int": _anderson(history_dtype=torch.int8),

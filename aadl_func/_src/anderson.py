@@ -420,24 +420,32 @@ def _run_if_finite(step: _Step, g_leaves: list[Tensor]) -> tuple[list[Tensor] | 
         # Every rank must take the same decision: one all_reduce of one value.
         bad = step.shards.all_sum((~finite).to(torch.float64).reshape(1))
         finite = (bad == 0).reshape(())
-    known = tree.static_value(finite)
-    if known is False and config.max_consecutive_skips is not None:
-        streak = tree.static_value(state.skip_streak)
-        if streak is not None and streak >= config.max_consecutive_skips:
-            raise FloatingPointError(
-                f"anderson.update: the grads or the inner update are not finite for the "
-                f"{streak + 1}-th call in a row (max_consecutive_skips="
-                f"{config.max_consecutive_skips}); params and state are left as after the last "
-                "finite call. Lower the learning rate, clip the gradients or check the loss."
-            )
+    if tree.static_value(finite) is False:
+        check_skip_allowed(config, state, "anderson.update")
 
     def skipped() -> tuple[Any, AndersonState]:
-        counted = state._replace(
-            num_skipped=state.num_skipped + 1, skip_streak=state.skip_streak + 1
-        )
-        return tree.unflatten(step.spec, list(step.params)), step.commit(counted)
+        return tree.unflatten(step.spec, list(step.params)), step.commit(count_skip(state))
 
     return select(finite, step.run, skipped)
+
+
+def check_skip_allowed(config: _Config, state: AndersonState, owner: str) -> None:
+    """Raises ``FloatingPointError`` if one more skipped call would exceed
+    ``max_consecutive_skips`` (eager mode: the streak is a concrete counter)."""
+    limit = config.max_consecutive_skips
+    streak = tree.static_value(state.skip_streak)
+    if limit is not None and streak is not None and streak >= limit:
+        raise FloatingPointError(
+            f"{owner}: the grads or the inner update are not finite for the {streak + 1}-th "
+            f"call in a row (max_consecutive_skips={limit}); params and state are left as "
+            "after the last finite call. Lower the learning rate, clip the gradients or check "
+            "the loss."
+        )
+
+
+def count_skip(state: AndersonState) -> AndersonState:
+    """``state`` after a skipped call: everything as it was but the two skip counters."""
+    return state._replace(num_skipped=state.num_skipped + 1, skip_streak=state.skip_streak + 1)
 
 
 class _Step:

@@ -21,13 +21,21 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from aadl_func._src.anderson import anderson
+from aadl_func._src.anderson import (
+    Anderson,
+    _functions,
+    _make_config,
+    _update,
+    anderson,
+    check_skip_allowed,
+    count_skip,
+)
 from aadl_func._src.state import AndersonState
 
 __all__ = ["AcceleratedOptimizer", "accelerate"]
 
 # Bumped if the layout of ``state_dict()["anderson"]`` changes.
-_FORMAT = 1
+_FORMAT = 2  # 2: AndersonState gained num_skipped and skip_streak
 # Options that fix the window's layout: a checkpoint saved with other values cannot be resumed.
 _LAYOUT_OPTIONS = ("history_depth", "mode", "history_dtype")
 # Attribute through which a torch optimizer patched by ``accelerate`` reaches its accelerator.
@@ -66,8 +74,7 @@ class _TakenStep:
 
 
 def _anderson_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with :func:`aadl_func.anderson`'s defaults filled in, in plain Python values
-    (devices and dtypes as strings) so they survive ``torch.load(weights_only=True)``."""
+    """``options`` with :func:`aadl_func.anderson`'s defaults filled in."""
     signature = inspect.signature(anderson)
     try:
         bound = signature.bind(None, **options)
@@ -76,9 +83,15 @@ def _anderson_options(options: dict[str, Any]) -> dict[str, Any]:
     bound.apply_defaults()
     resolved = dict(bound.arguments)
     resolved.pop("inner")
+    return resolved
+
+
+def _plain_values(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` in plain Python values (devices and dtypes as strings), so that they
+    survive ``torch.load(weights_only=True)``."""
     return {
         name: str(value) if isinstance(value, (torch.device, torch.dtype)) else value
-        for name, value in resolved.items()
+        for name, value in options.items()
     }
 
 
@@ -127,8 +140,10 @@ class AcceleratedOptimizer(Optimizer):
             optimizer, _ACCELERATOR_ATTRIBUTE
         ):
             raise ValueError("AcceleratedOptimizer: `optimizer` is already accelerated")
-        self._options = _anderson_options(anderson_options)
-        self._anderson = anderson(_TakenStep(), **anderson_options)
+        resolved = _anderson_options(anderson_options)
+        self._config = _make_config(_TakenStep(), **resolved)
+        self._anderson = Anderson(*_functions(self._config))
+        self._options = _plain_values(resolved)
         self.optimizer = optimizer
         self._windows: list[AndersonState | None] = [None] * len(optimizer.param_groups)
         # The torch optimizer's own methods, captured before ``accelerate`` patches them.
@@ -211,6 +226,12 @@ class AcceleratedOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One accelerated step; see the class docstring.
 
+        Exception safety: if ``closure`` raises (or Ctrl-C interrupts) during the wrapped
+        optimizer's step, nothing has changed; if it raises while the safeguard evaluates a
+        group's mix, that group and every later one are finished as plain steps (params at the
+        wrapped optimizer's step, windows recording it), the groups before keep their
+        decisions, and the exception propagates.
+
         Returns:
           Without ``closure``: None. With it: the closure's loss at the params this step
           returns when the safeguard evaluated them, else the wrapped optimizer's return value
@@ -218,6 +239,11 @@ class AcceleratedOptimizer(Optimizer):
         """
         groups = self.param_groups
         windows = self._sync_windows()
+        if self._config.skip_nonfinite:
+            loss, skipped = self._skip_if_nonfinite(closure)
+            if skipped:
+                return loss
+            closure = None if closure is None else _returning(loss, closure)
         starts = [
             [p.detach().clone(memory_format=torch.preserve_format) for p in group["params"]]
             for group in groups
@@ -231,15 +257,24 @@ class AcceleratedOptimizer(Optimizer):
             params = group["params"]
             if not params:
                 continue
+            if windows[index] is None:
+                windows[index] = self._anderson.init(start)
             state = windows[index]
-            if state is None:
-                state = self._anderson.init(start)
             losses: list[Any] = []
             loss_fn = None if closure is None else _closure_loss(params, closure, losses)
             mixed_before = int(state.num_mixed)
             averaged_before = int(state.num_averaged)
             stepped = [p.detach() for p in params]
-            out, state = self._anderson.update(state, start, stepped, inplace=True, loss_fn=loss_fn)
+            try:
+                out, state = self._anderson.update(
+                    state, start, stepped, inplace=True, loss_fn=loss_fn
+                )
+            except BaseException:
+                # The core left this group's params (``start``) and window at the plain step.
+                for p, value in zip(params, start):
+                    p.copy_(value)
+                self._finish_plain(groups, starts, windows, index + 1)
+                raise
             for p, value in zip(params, out):
                 p.copy_(value)
             windows[index] = state
@@ -255,6 +290,55 @@ class AcceleratedOptimizer(Optimizer):
             with torch.enable_grad():
                 kept_loss = closure()  # type: ignore[misc]
         return kept_loss
+
+    def _finish_plain(
+        self,
+        groups: list[dict[str, Any]],
+        starts: list[list[Tensor]],
+        windows: list[AndersonState | None],
+        first: int,
+    ) -> None:
+        """Records the plain step (already in the params) in the windows of groups ``first``
+        onwards, without mixing: the recovery after an interrupted safeguard."""
+        for index in range(first, len(groups)):
+            params = groups[index]["params"]
+            if not params:
+                continue
+            start = starts[index]
+            if windows[index] is None:
+                windows[index] = self._anderson.init(start)
+            stepped = [p.detach() for p in params]
+            out, windows[index] = _update(
+                self._config, windows[index], start, stepped, inplace=True, loss_fn=None, plain=True
+            )
+            for p, value in zip(params, out):
+                p.copy_(value)
+
+    def _skip_if_nonfinite(self, closure: Callable[[], Any] | None) -> tuple[Any, bool]:
+        """``skip_nonfinite``: evaluates the closure (if any) and skips the step, before the
+        wrapped optimizer changes anything, when a gradient is not finite.
+
+        Returns ``(loss, skipped)``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = [p.grad for group in self.param_groups for p in group["params"]]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+        if finite:
+            return loss, False
+        windows = self._sync_windows()
+        for index, group in enumerate(self.param_groups):
+            if group["params"] and windows[index] is not None:
+                check_skip_allowed(self._config, windows[index], "AcceleratedOptimizer.step")
+        for index, group in enumerate(self.param_groups):
+            if not group["params"]:
+                continue
+            if windows[index] is None:
+                windows[index] = self._anderson.init([p.detach() for p in group["params"]])
+            windows[index] = count_skip(windows[index])
+        return loss, True
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -359,6 +443,18 @@ class AcceleratedOptimizer(Optimizer):
         for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
             template_leaf.copy_(saved_leaf)
         return template
+
+
+def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+    """The closure whose first call returns ``loss``, evaluated already (grads in place)."""
+    calls = 0
+
+    def once_evaluated() -> Any:
+        nonlocal calls
+        calls += 1
+        return loss if calls == 1 else closure()
+
+    return once_evaluated
 
 
 def _closure_loss(
