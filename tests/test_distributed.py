@@ -173,6 +173,17 @@ def test_sharded_nonfinite_data_on_one_rank_restarts_every_rank(runs):
     assert ranks[0]["nonfinite"] == ranks[1]["nonfinite"]
 
 
+def test_sharded_skip_nonfinite_decides_on_every_rank_together(runs):
+    """skip_nonfinite with a NaN gradient in rank 1's shard only: both ranks skip that call
+    (rank 0's grads are finite), and the run equals the unsharded one that skipped it."""
+    ranks = scenario(runs, "aadl_f64_skip")
+    for r in ranks:
+        assert r["skipped"] == r["unsharded_skipped"] == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1]
+        assert relative(np.array(r["sharded"]), np.array(r["unsharded"])) < 1e-10
+        assert r["mixed"] > 0
+    assert ranks[0]["skipped"] == ranks[1]["skipped"]
+
+
 def test_sharded_state_holds_local_shards(runs):
     for r in scenario(runs, "aadl_f64"):
         assert r["state_has_dtensor"] is False
@@ -476,6 +487,48 @@ def _sharded_scenario(
     return result
 
 
+def _skip_scenario(rank, mesh, steps=12, nan_step=6):
+    from conftest import GradientDescent
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import aadl_func as aa
+
+    dim = sum(int(np.prod(s)) for s in _SHAPES.values())
+    _, np_grad, smooth = _logistic(dim)
+    opt = aa.anderson(GradientDescent(1.0 / smooth), history_depth=4, skip_nonfinite=True)
+    x0 = np.random.default_rng(3).standard_normal(dim)
+
+    def gradient(x, k):
+        g = np_grad(x)
+        if k == nan_step:
+            g[-1] = np.nan  # the last entry of "w": on rank 1's shard only
+        return g
+
+    def shard(tree):
+        return {
+            k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in tree.items()
+        }
+
+    result = {"sharded": [], "skipped": [], "unsharded": [], "unsharded_skipped": []}
+    params = shard(_to_tree(x0, torch.float64))
+    state = opt.init(params)
+    for k in range(1, steps + 1):
+        x = _gather(params, rank, WORLD_SIZE)
+        params, state = opt.update(state, params, shard(_to_tree(gradient(x, k), torch.float64)))
+        result["sharded"].append(_gather(params, rank, WORLD_SIZE))
+        result["skipped"].append(int(state.num_skipped))
+    result["mixed"] = int(state.num_mixed)
+    tree = _to_tree(x0, torch.float64)
+    state = opt.init(tree)
+    for k in range(1, steps + 1):
+        tree, state = opt.update(
+            state, tree, _to_tree(gradient(_to_vector(tree), k), torch.float64)
+        )
+        result["unsharded"].append(_to_vector(tree))
+        result["unsharded_skipped"].append(int(state.num_skipped))
+    return result
+
+
 def _ref(options: dict) -> dict:
     keys = ("history_depth", "relaxation", "wait_iterations", "frequency")
     return {k: options[k] for k in keys}
@@ -694,6 +747,7 @@ def _worker(rank: int, world_size: int, work: Path) -> None:
         ),
         "aadl_f32": lambda: _sharded_scenario(rank, mesh, dtype=torch.float32),
         "aadl_f64_nan": lambda: _sharded_scenario(rank, mesh, nan_step=6, frequency=1),
+        "aadl_f64_skip": lambda: _skip_scenario(rank, mesh),
         "fsdp2_functional": lambda: _fsdp2_scenario(rank, mesh, api="functional"),
         "fsdp2_wrapper": lambda: _fsdp2_scenario(rank, mesh, api="wrapper"),
         "fsdp2_safeguard": lambda: _fsdp2_scenario(rank, mesh, api="safeguard"),
