@@ -9,6 +9,7 @@ when it cannot be built or does not apply.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -283,3 +284,32 @@ def test_fused_append_under_inference_mode():
             params, state = opt.update(state, params, g, inplace=True)
     assert int(state.num_mixed) == 4
     assert all(torch.isfinite(p).all() for p in optree.tree_leaves(params))
+
+
+OPENMP_RUN = """
+    import json, os, torch
+    from aadl_func._src import native
+
+    def mapped():
+        with open("/proc/self/maps") as maps:
+            fields = [line.split(maxsplit=5) for line in maps]
+        return sorted({f[5].strip() for f in fields if len(f) == 6})
+
+    torch.ones(1 << 20).sum()  # torch starts its OpenMP runtime
+    before = mapped()
+    assert native.available(), native.status()
+    print(json.dumps([before, mapped(), native.status()]))
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_kernel_shares_torchs_openmp_runtime_and_is_mapped_from_memory(tmp_path):
+    # Loaded from an anonymous copy of the verified bytes (native._dlopen_verified), the
+    # kernel must still bind to the OpenMP runtime torch loaded instead of mapping another.
+    out = run_fresh_python(OPENMP_RUN, {"AADL_FUNC_CACHE_DIR": str(tmp_path)})
+    before, after, status = json.loads(out.strip().splitlines()[-1])
+    new = set(after) - set(before)
+    assert not [p for p in new if "libgomp" in os.path.basename(p) or "libomp" in p], new
+    if "sealed in-memory copy" in status:
+        assert any(p.startswith("/memfd:aadl_func-dots") for p in new), new
