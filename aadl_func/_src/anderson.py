@@ -11,7 +11,12 @@ from torch import Tensor
 
 from aadl_func._src import distributed, tree
 from aadl_func._src.average import window_average
-from aadl_func._src.checks import check_update_inputs
+from aadl_func._src.checks import (
+    autograd_policy,
+    check_floating,
+    check_update_inputs,
+    keep_requires_grad,
+)
 from aadl_func._src.mix import aadl_coefficients
 from aadl_func._src.solve import solve_differences
 from aadl_func._src.state import AndersonState
@@ -179,7 +184,8 @@ def anderson(
     )
 
     def init(params: Params) -> AndersonState:
-        return _init(config, params)
+        with autograd_policy():  # no graph through the state (see checks.autograd_policy)
+            return _init(config, params)
 
     def update(
         state: AndersonState,
@@ -189,7 +195,9 @@ def anderson(
         inplace: bool = False,
         loss_fn: LossFn | None = None,
     ) -> tuple[Params, AndersonState]:
-        return _update(config, state, params, grads, inplace=inplace, loss_fn=loss_fn)
+        with autograd_policy():  # no graph through the window (see checks.autograd_policy)
+            out, new_state = _update(config, state, params, grads, inplace=inplace, loss_fn=loss_fn)
+        return keep_requires_grad(out, params, inplace), new_state
 
     return Anderson(init, update)
 
@@ -230,12 +238,10 @@ def _anchor_buffer(config: _Config, p: Tensor) -> Tensor:
 def _init(config: _Config, params: Params) -> AndersonState:
     # Sharded (DTensor) params: the state holds each rank's local shards only.
     params = distributed.local_params(params, "anderson.init", average=config.average)
-    leaves, spec = tree.flatten(params, "params")
+    leaves, spec = tree.flatten(params, "params", owner="anderson.init")
     if not leaves:
         raise ValueError("anderson.init: `params` must contain at least one tensor")
-    for i, p in enumerate(leaves):
-        if not p.is_floating_point():
-            raise TypeError(f"anderson.init: `params` leaf {i} must be floating, got {p.dtype}")
+    check_floating("anderson.init", leaves, spec)
     q = config.num_slots
 
     def ring() -> tuple:
@@ -282,12 +288,12 @@ def _update(
     shards, params, grads, loss_fn = distributed.sharded_call(
         params, grads, loss_fn, inplace=inplace, average=config.average, owner="anderson.update"
     )
-    p_leaves, spec, _ = check_update_inputs(config, state, params, grads, loss_fn, inplace)
+    p_leaves, spec, grads = check_update_inputs(config, state, params, grads, loss_fn, inplace)
     updates, inner_state = config.inner.update(
         grads, state.inner_state, params=params, inplace=inplace
     )
     u_leaves, u_spec = tree.flatten(updates, "inner updates")
-    tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec)
+    tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
     step = _AadlStep if config.mode == "aadl" else _ClassicStep
     out, new_state = step(
         config, state, p_leaves, spec, u_leaves, inner_state, inplace, loss_fn, shards
