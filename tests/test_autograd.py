@@ -18,7 +18,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, grad, jvp, stack_module_state, vmap
+from torch.func import functional_call, grad, jvp, stack_module_state, vjp, vmap
 
 import aadl_func as aa
 
@@ -168,6 +168,10 @@ def test_differentiating_through_a_pure_update(mode):
     torch.testing.assert_close(directional, finite_difference, rtol=1e-6, atol=1e-9)
     _, tangent = jvp(lambda p: after_one_update(p)[0], (params,), (direction,))
     torch.testing.assert_close(tangent, finite_difference, rtol=1e-6, atol=1e-9)
+    _, pullback = vjp(lambda p: after_one_update(p)[0], params)
+    (cotangent,) = pullback(torch.ones((), dtype=torch.float64))
+    for k in params:
+        torch.testing.assert_close(cotangent[k], gradient[k], rtol=1e-12, atol=1e-14)
 
 
 def test_vmap_over_stacked_module_state_records_no_graph():

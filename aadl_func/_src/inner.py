@@ -439,10 +439,14 @@ def sgd(
             param_leaves = [None] * len(grads)
         if use_momentum:
             bufs = _leaves_like(fn, "state.momentum_buffer", state.momentum_buffer, spec)
-            not_first = state.count != 0
+            # Eagerly (a concrete CPU counter) the first-step case is known and only its branch
+            # is computed; under a transform both are blended with torch.where.
+            count = tree.static_value(state.count)
+            first = None if count is None else count == 0
+            not_first = state.count != 0 if first is None else None
         else:
             bufs = [None] * len(grads)
-            not_first = None
+            first = not_first = None
 
         new_updates, new_bufs = [], []
         for g, p, buf in zip(grads, param_leaves, bufs, strict=True):
@@ -451,8 +455,16 @@ def sgd(
             d_p = _add_scaled(g, p, decay, inplace) if use_weight_decay else g
             if use_momentum:
                 # buf = d_p on the first step, else momentum * buf + (1 - dampening) * d_p
-                # (``blended`` first in ``where`` so the buffer keeps its memory format)
-                if inplace:
+                # (the buffer keeps its own memory format: ``blended`` first in ``where``, or a
+                # copy into a buffer laid out like it)
+                if first:
+                    new_buf = buf.copy_(d_p) if inplace else torch.empty_like(buf).copy_(d_p)
+                elif first is not None:
+                    if inplace:
+                        new_buf = buf.mul_(momentum).add_(d_p, alpha=1.0 - dampening)
+                    else:
+                        new_buf = torch.add(buf.mul(momentum), d_p, alpha=1.0 - dampening)
+                elif inplace:
                     blended = buf.mul_(momentum).add_(d_p, alpha=1.0 - dampening)
                     new_buf = buf.copy_(torch.where(not_first, blended, d_p))
                 else:
@@ -496,8 +508,8 @@ def _adam_leaf(
     p: Tensor | None,
     m: Tensor,
     v: Tensor,
-    neg_step_size: Tensor,
-    bias_correction2_sqrt: Tensor,
+    neg_step_size: float | Tensor,
+    bias_correction2_sqrt: float | Tensor,
     *,
     beta1: float,
     beta2: float,
@@ -515,7 +527,10 @@ def _adam_leaf(
         g, m, v = torch.view_as_real(g), torch.view_as_real(m), torch.view_as_real(v)
 
     # m = m + (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
-    if inplace:
+    if inplace and not tree.is_transformed(m):
+        m = m.lerp_(g, 1.0 - beta1)
+        v = v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    elif inplace:
         # lerp_ / addcmul_ have no vmap batching rules (slow fallback + warning): compute out
         # of place with the same kernels and write back into the state buffers.
         m = m.copy_(torch.lerp(m, g, 1.0 - beta1))
@@ -526,11 +541,21 @@ def _adam_leaf(
 
     dtype = v.dtype
     opmath = _opmath(dtype)
+    reduced = opmath != dtype  # half precision computes the scalings in float32
+
+    def widened(t: Tensor) -> Tensor:
+        return t.to(opmath) if reduced else t
+
+    def scalar(x: float | Tensor) -> float | Tensor:
+        return x if isinstance(x, float) else x.to(opmath)
+
     # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
-    denom = torch.div(v.sqrt().to(opmath), bias_correction2_sqrt.to(opmath)).to(dtype)
-    denom = denom.add_(eps)
+    # (out of place: sqrt's backward needs its output when the update is differentiated)
+    denom = torch.div(widened(v.sqrt()), scalar(bias_correction2_sqrt))
+    denom = (denom.to(dtype) if reduced else denom).add_(eps)
     # Delta = (-lr / (1 - beta1^t) * m) / denom
-    step = torch.mul(m.to(opmath), neg_step_size.to(opmath)).div_(denom.to(opmath)).to(dtype)
+    step = torch.mul(widened(m), scalar(neg_step_size)).div_(widened(denom))
+    step = step.to(dtype) if reduced else step
 
     if is_complex:
         m, v, step = torch.view_as_complex(m), torch.view_as_complex(v), torch.view_as_complex(step)
@@ -539,6 +564,32 @@ def _adam_leaf(
     if inplace:
         step = out.copy_(step)
     return step, m, v
+
+
+def _bias_corrections(
+    count: Tensor, beta1: float, beta2: float, lr: float | Tensor
+) -> tuple[float | Tensor, float | Tensor]:
+    r"""``(-lr / (1 - beta1^t), sqrt(1 - beta2^t))`` for update :math:`t` = ``count + 1``.
+
+    In float64, like the Python floats of torch.optim: as Python floats themselves when the
+    counter is a concrete CPU tensor and ``lr`` a number (the eager case; the same arithmetic
+    as torch.optim, and no tensor ops), else with tensor ops from the counter (vmap, counters
+    on an accelerator, tensor or scheduled-tensor ``lr``). Each leaf casts them to its own
+    compute dtype.
+    """
+    done = tree.static_value(count)
+    if done is not None and isinstance(lr, float):
+        bias_correction1 = 1.0 - beta1 ** (done + 1)
+        bias_correction2 = 1.0 - beta2 ** (done + 1)
+        return -(lr / bias_correction1), bias_correction2**0.5
+    t = (count + 1).to(torch.float64)
+    bias_correction1 = 1.0 - torch.pow(beta1, t)
+    bias_correction2 = 1.0 - torch.pow(beta2, t)
+    if isinstance(lr, float):
+        neg_step_size = -(torch.full_like(bias_correction1, lr) / bias_correction1)
+    else:
+        neg_step_size = -(lr.to(bias_correction1.device) / bias_correction1)
+    return neg_step_size, bias_correction2.sqrt()
 
 
 def _make_adam(
@@ -591,17 +642,8 @@ def _make_adam(
         ms = _leaves_like(fn, "state.exp_avg", state.exp_avg, spec)
         vs = _leaves_like(fn, "state.exp_avg_sq", state.exp_avg_sq, spec)
 
-        # Bias corrections from the counter with tensor ops (vmap-able), in float64 like the
-        # python floats of torch.optim; each leaf casts them to its own compute dtype.
         count = state.count + 1
-        t = count.to(torch.float64)
-        bias_correction1 = 1.0 - torch.pow(beta1, t)
-        bias_correction2 = 1.0 - torch.pow(beta2, t)
-        if isinstance(step_lr, float):
-            neg_step_size = -(torch.full_like(bias_correction1, step_lr) / bias_correction1)
-        else:
-            neg_step_size = -(step_lr.to(bias_correction1.device) / bias_correction1)
-        bias_correction2_sqrt = bias_correction2.sqrt()
+        neg_step_size, bias_correction2_sqrt = _bias_corrections(state.count, beta1, beta2, step_lr)
         if not needs_params:
             coupled_wd = decoupled_decay = None
         elif decoupled:
