@@ -583,7 +583,8 @@ def _bad_grads(params):
         "missing key": {"a": params["a"]},
         "extra key": {**params, "c": torch.zeros(2)},
         "wrong shape": {"a": params["a"], "b": torch.zeros(4, 2)},
-        "wrong dtype": {"a": params["a"], "b": params["b"].double()},
+        # floating grads of another dtype are cast to the params' dtype; integers are refused
+        "non-floating dtype": {"a": params["a"], "b": params["b"].long()},
         "non-tensor leaf": {"a": params["a"], "b": 1.0},
         "tuple instead of dict": (params["a"], params["b"]),
     }
@@ -596,7 +597,7 @@ def _bad_grads(params):
         "missing key",
         "extra key",
         "wrong shape",
-        "wrong dtype",
+        "non-floating dtype",
         "non-tensor leaf",
         "tuple instead of dict",
     ],

@@ -215,7 +215,9 @@ def test_sharded_input_errors(runs):
             "mixed": "TypeError",
             "plain_grads": "TypeError",
             "replicated": "NotImplementedError",
-            "inplace_requires_grad": "ValueError",
+            # update runs without grad, so it writes into leaves that require grad, in place
+            # like torch.optim (README, Autograd); earlier versions refused with ValueError.
+            "inplace_requires_grad": "no error",
             "average": "NotImplementedError",
         }
 

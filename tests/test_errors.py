@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import aadl_func as aa
-from aadl_func._src.inner import sgd
+from aadl_func._src.inner import adam, sgd
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 EXCEPTIONS = {"TypeError": TypeError, "ValueError": ValueError}
@@ -72,10 +72,11 @@ ROWS = _doc_rows()
 
 
 class Spy:
-    """An inner optimizer (aadl_func.sgd with momentum) that counts its ``update`` calls."""
+    """An inner optimizer (by default aadl_func.sgd with momentum) that counts its ``update``
+    calls and passes its state check through."""
 
-    def __init__(self) -> None:
-        self.inner = sgd(0.1, momentum=0.9)
+    def __init__(self, inner: aa.InnerOptimizer | None = None) -> None:
+        self.inner = sgd(0.1, momentum=0.9) if inner is None else inner
         self.calls = 0
 
     def init(self, params):
@@ -84,6 +85,23 @@ class Spy:
     def update(self, updates, state, params=None, inplace=False):
         self.calls += 1
         return self.inner.update(updates, state, params=params, inplace=inplace)
+
+    def check_state(self, state, leaves, spec, *, name, owner):
+        self.inner.check_state(state, leaves, spec, name=name, owner=owner)
+
+
+class Differentiated:
+    """``opt`` whose ``update`` is differentiated through with ``torch.func.grad``."""
+
+    def __init__(self, opt: aa.Anderson) -> None:
+        self.opt = opt
+
+    def update(self, state, params, grads, **kwargs):
+        def total(p):
+            out, _ = self.opt.update(state, p, grads, **kwargs)
+            return sum(leaf.sum() for leaf in optree.tree_leaves(out))
+
+        return torch.func.grad(total)(params)
 
 
 def _params(dtype=torch.float32) -> dict:
@@ -120,19 +138,26 @@ def _update_case(
     params: Callable[[dict], Any] = lambda p: p,
     grads: Callable[[dict], Any] = _grads_of,
     state: Callable[[aa.AndersonState], Any] = lambda s: s,
+    inner_made: Callable[[], aa.InnerOptimizer] | None = None,
+    inner_called: Callable[[], aa.InnerOptimizer] | None = None,
+    differentiate: bool = False,
     **kwargs: Any,
 ) -> Update:
-    """``update`` of an optimizer built with ``called_with`` on a state warmed up by one built
-    with ``made_with``, the params/grads/state transformed by the given functions."""
+    """``update`` of an optimizer built with ``called_with`` (and inner ``inner_called``) on a
+    state warmed up by one built with ``made_with`` (and ``inner_made``), the params/grads/state
+    transformed by the given functions; with ``differentiate`` inside ``torch.func.grad``."""
 
     def build() -> tuple:
         made = {"history_depth": 4, **(made_with or {})}
         called = made if called_with is None else {"history_depth": 4, **called_with}
-        warm_state, warm_params = _warm(aa.anderson(Spy(), **made), _params())
-        spy = Spy()
+        default = lambda: sgd(0.1, momentum=0.9)  # noqa: E731
+        warm_opt = aa.anderson(Spy((inner_made or default)()), **made)
+        warm_state, warm_params = _warm(warm_opt, _params())
+        spy = Spy((inner_called or default)())
         opt = aa.anderson(spy, **called)
         p = params(warm_params)
-        return opt, spy, state(warm_state), p, grads(p), kwargs
+        caller = Differentiated(opt) if differentiate else opt
+        return caller, spy, state(warm_state), p, grads(p), kwargs
 
     return Update(build)
 
@@ -144,6 +169,28 @@ def _rebuild(leaf_fn: Callable[[torch.Tensor], torch.Tensor], field: str):
 
 def _requires_grad(p: dict) -> dict:
     return {k: v.clone().requires_grad_(True) for k, v in p.items()}
+
+
+def _inner_field(field: str, leaf_fn: Callable[[torch.Tensor], torch.Tensor]):
+    """Replaces every tensor of one field of the inner optimizer's state."""
+
+    def corrupt(s: aa.AndersonState) -> aa.AndersonState:
+        inner = s.inner_state
+        value = optree.tree_map(leaf_fn, getattr(inner, field))
+        return s._replace(inner_state=inner._replace(**{field: value}))
+
+    return corrupt
+
+
+def _scheduled_update(schedule: Callable) -> Callable[[], Any]:
+    """One standalone ``sgd(schedule).update`` call (schedules are evaluated there)."""
+
+    def call() -> Any:
+        opt = sgd(schedule)
+        params = _params()
+        return opt.update(_grads_of(params), opt.init(params), params)
+
+    return call
 
 
 def _anderson(**options: Any) -> Callable[[], Any]:
@@ -192,6 +239,7 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "anderson-history_dtype-int": _anderson(history_dtype=torch.int8),
     "anderson-history_dtype-str": _anderson(history_dtype="float16"),
     # init
+    "init-params-none": _init(None),
     "init-params-leaf": _init({"w": torch.zeros(2), "b": 1.0}),
     "init-params-empty": _init({}),
     "init-params-int": _init({"w": torch.arange(3)}),
@@ -202,11 +250,14 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "update-loss_fn-type": _update_case(loss_fn="mse"),
     "update-params-leaf": _update_case(params=lambda p: {**p, "b": 1.0}, grads=lambda p: p),
     "update-params-int": _update_case(params=lambda p: {k: v.long() for k, v in p.items()}),
-    "update-params-requires_grad": _update_case(params=_requires_grad, inplace=True),
+    "update-params-none": _update_case(params=lambda p: None, grads=lambda p: _grads_of(_params())),
+    "update-inplace-differentiated": _update_case(differentiate=True, inplace=True),
     "update-grads-leaf": _update_case(grads=lambda p: {**p, "b": 0.5}),
     "update-grads-structure": _update_case(grads=lambda p: (p["b"], p["w"])),
+    "update-grads-none": _update_case(grads=lambda p: None),
+    "update-grads-missing": _update_case(grads=lambda p: {"b": None, "w": p["w"]}),
     "update-grads-shape": _update_case(grads=lambda p: {**p, "w": p["w"].T.contiguous()}),
-    "update-grads-dtype": _update_case(grads=lambda p: {k: v.double() for k, v in p.items()}),
+    "update-grads-dtype": _update_case(grads=lambda p: {k: v.long() for k, v in p.items()}),
     "update-grads-device": _update_case(grads=lambda p: {k: v.to("meta") for k, v in p.items()}),
     # update: params that do not match the state
     "update-params-structure": _update_case(params=lambda p: {"w": p["w"]}),
@@ -240,8 +291,44 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "update-state-iterates-dtype": _update_case(
         made_with={"mode": "classic"}, state=_rebuild(lambda t: t.double(), "iterates")
     ),
+    # update: the inner optimizer's state (checked by the built-in inner optimizers)
+    "update-inner_state-type": _update_case(inner_made=lambda: adam(0.1)),
+    "update-inner_state-momentum": _update_case(inner_made=lambda: sgd(0.1)),
+    "update-inner_state-no-momentum": _update_case(inner_called=lambda: sgd(0.1)),
+    "update-inner_state-count": _update_case(
+        state=lambda s: s._replace(inner_state=s.inner_state._replace(count=0))
+    ),
+    "update-inner_state-buffer-dtype": _update_case(
+        state=_inner_field("momentum_buffer", lambda t: t.double())
+    ),
+    "update-inner_state-buffer-shape": _update_case(
+        inner_made=lambda: adam(0.1),
+        inner_called=lambda: adam(0.1),
+        state=_inner_field("exp_avg_sq", lambda t: t[:1]),
+    ),
+    "update-inner_state-buffer-structure": _update_case(
+        state=lambda s: s._replace(
+            inner_state=s.inner_state._replace(
+                momentum_buffer={"w": s.inner_state.momentum_buffer["w"]}
+            )
+        )
+    ),
+    # the inner optimizers' hyperparameters: numbers, 0-d tensors or schedules
+    "sgd-lr-type": lambda: sgd("0.1"),
+    "sgd-lr-tensor-shape": lambda: sgd(torch.tensor([0.1])),
+    "sgd-lr-tensor-range": lambda: sgd(torch.tensor(-0.1)),
+    "adam-weight_decay-type": lambda: adam(weight_decay=[0.1]),
+    "sgd-schedule-type": _scheduled_update(lambda count: "fast"),
+    "sgd-schedule-shape": _scheduled_update(lambda count: torch.full((2,), 0.1)),
+    "sgd-schedule-range": _scheduled_update(lambda count: -0.1),
+    "sgd-schedule-device": _scheduled_update(lambda count: torch.tensor(0.1, device="meta")),
+    "sgd-update-state-type": lambda: sgd(0.1).update(
+        _grads_of(_params()), adam(0.1).init(_params())
+    ),
     # mix and mixing_weights
+    "mix-history-none": lambda: aa.mix(None),
     "mix-history-leaf": lambda: aa.mix([1.0, 2.0, 3.0]),
+    "mix-history-vector": lambda: aa.mix(torch.linspace(0.0, 1.0, 40)),
     "mix-history-empty": lambda: aa.mix({}),
     "mix-history-scalar": lambda: aa.mix(torch.tensor(1.0)),
     "mix-history-window": lambda: aa.mix({"a": WINDOW, "b": WINDOW[:4]}),
@@ -288,7 +375,15 @@ def test_rows_are_well_formed():
     assert len(ROWS) >= 40
     for row in ROWS:
         assert row.exception in EXCEPTIONS, row
-        assert row.function in {"anderson", "init", "update", "mix", "mixing_weights"}, row
+        assert row.function in {
+            "anderson",
+            "init",
+            "update",
+            "mix",
+            "mixing_weights",
+            "sgd",
+            "adam",
+        }, row
         # The message names the argument it rejects: the excerpt shows where.
         assert f"`{row.argument}" in row.excerpt, row
 

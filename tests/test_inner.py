@@ -89,12 +89,27 @@ def tols(dtype):
     return {"rtol": 1e-5, "atol": 1e-5}
 
 
-def run_against_torch(opt, torch_opt_cls, torch_kwargs, dtype, inplace, state_names, steps=STEPS):
-    """Runs ``opt`` and the torch.optim twin side by side, comparing params and state."""
+def run_against_torch(
+    opt,
+    torch_opt_cls,
+    torch_kwargs,
+    dtype,
+    inplace,
+    state_names,
+    steps=STEPS,
+    scheduler=None,
+    before_step=None,
+):
+    """Runs ``opt`` and the torch.optim twin side by side, comparing params and state.
+
+    ``scheduler(torch_opt)`` makes an LR scheduler stepped after every ``torch_opt.step()``;
+    ``before_step(torch_opt, t)`` may change the twin's param groups before step ``t``.
+    """
     params = make_params(dtype)
     leaves, spec = optree.tree_flatten(params)
     twins = [x.clone() for x in leaves]
     torch_opt = torch_opt_cls(twins, **torch_kwargs)
+    lr_scheduler = None if scheduler is None else scheduler(torch_opt)
     noises = noise_sequence(params, steps)
     state = opt.init(params)
     for t in range(steps):
@@ -103,7 +118,11 @@ def run_against_torch(opt, torch_opt_cls, torch_kwargs, dtype, inplace, state_na
         grads = gradients(params, noises[t])
         for p, g in zip(twins, optree.tree_leaves(grads), strict=True):
             p.grad = g.clone()
+        if before_step is not None:
+            before_step(torch_opt, t)
         torch_opt.step()
+        if lr_scheduler is not None:
+            lr_scheduler.step()
         updates, state = opt.update(grads, state, params, inplace=inplace)
         params = apply_updates(params, updates)
 
@@ -451,7 +470,15 @@ INVALID = [
     (sgd, {"lr": float("inf")}, ValueError, "lr"),
     (sgd, {"lr": "0.1"}, TypeError, "lr"),
     (sgd, {"lr": True}, TypeError, "lr"),
-    (sgd, {"lr": torch.tensor(0.1)}, TypeError, "lr"),
+    (sgd, {"lr": torch.tensor([0.1])}, TypeError, "lr"),
+    (sgd, {"lr": torch.tensor(True)}, TypeError, "lr"),
+    (sgd, {"lr": torch.tensor(-0.1, dtype=torch.float64)}, ValueError, "lr"),
+    (sgd, {"lr": torch.tensor(float("nan"))}, ValueError, "lr"),
+    (sgd, {"lr": 0.1, "weight_decay": "0"}, TypeError, "weight_decay"),
+    (sgd, {"lr": 0.1, "momentum": lambda count: 0.9}, TypeError, "momentum"),
+    (adam, {"lr": torch.tensor(1e-3 + 0j)}, TypeError, "lr"),
+    (adam, {"lr": None}, TypeError, "lr"),
+    (adamw, {"weight_decay": torch.ones(2)}, TypeError, "weight_decay"),
     (sgd, {"lr": 0.1, "momentum": -0.5}, ValueError, "momentum"),
     (sgd, {"lr": 0.1, "momentum": None}, TypeError, "momentum"),
     (sgd, {"lr": 0.1, "dampening": -0.1}, ValueError, "dampening"),
@@ -484,6 +511,8 @@ def test_invalid_hyperparameters(factory, kwargs, exc, arg):
 
 def test_valid_edge_hyperparameters():
     sgd(0, momentum=0, dampening=0, weight_decay=0)
+    sgd(torch.tensor(0), weight_decay=torch.tensor(0.0, dtype=torch.float64))
+    adamw(lambda count: 1e-3, weight_decay=lambda count: 0.0)
     sgd(1, momentum=1.5, dampening=2.0)  # torch.optim accepts these too
     adam(0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0)
     adamw(1, betas=[0.5, 0.5])
@@ -506,3 +535,251 @@ def test_update_argument_errors():
         opt.update({"conv": params["conv"]}, state)
     with pytest.raises(TypeError, match="pytree of tensors"):
         opt.init({"a": 1.0})
+
+
+# --------------------------------------------------------------------------------------------
+# Schedules and tensor hyperparameters.
+# --------------------------------------------------------------------------------------------
+
+
+def _warmup_decay(epoch):
+    """A LambdaLR factor: linear warm-up over 5 updates, then geometric decay. Plain
+    arithmetic, so the same function serves torch.optim (a Python int) and us (a float64
+    tensor)."""
+    return min(1.0, (epoch + 1) / 5) * 0.9**epoch
+
+
+SCHEDULED = {
+    "sgd": (lambda lr: sgd(lr, momentum=0.9, weight_decay=1e-2), torch.optim.SGD,
+            {"momentum": 0.9, "weight_decay": 1e-2}, 0.05),
+    "nesterov": (lambda lr: sgd(lr, momentum=0.9, nesterov=True), torch.optim.SGD,
+                 {"momentum": 0.9, "nesterov": True}, 0.05),
+    "adam": (lambda lr: adam(lr, weight_decay=0.1), torch.optim.Adam, {"weight_decay": 0.1}, 0.02),
+    "adamw": (lambda lr: adamw(lr, weight_decay=0.1), torch.optim.AdamW, {"weight_decay": 0.1},
+              0.02),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(SCHEDULED))
+def test_lambda_lr_schedule_matches_torch(name, dtype):
+    make, cls, kwargs, base = SCHEDULED[name]
+    run_against_torch(
+        make(lambda count: base * _warmup_decay(count)),
+        cls,
+        {"lr": base, **kwargs},
+        dtype,
+        True,
+        [],
+        steps=20,
+        scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup_decay),
+    )
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+@pytest.mark.parametrize("name", list(SCHEDULED))
+def test_step_lr_schedule_matches_torch(name, inplace):
+    """StepLR(step_size=4, gamma=0.5) as a tensor expression of the count (vmap-able)."""
+    make, cls, kwargs, base = SCHEDULED[name]
+    run_against_torch(
+        make(lambda count: base * 0.5 ** torch.div(count, 4, rounding_mode="floor")),
+        cls,
+        {"lr": base, **kwargs},
+        torch.float64,
+        inplace,
+        [],
+        steps=20,
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5),
+    )
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_weight_decay_schedule_matches_torch(name):
+    """A scheduled weight decay against torch.optim with its param group changed by hand."""
+    factory, cls = {"sgd": (sgd, torch.optim.SGD), "adam": (adam, torch.optim.Adam),
+                    "adamw": (adamw, torch.optim.AdamW)}[name]  # fmt: skip
+    decay = lambda count: 0.1 / (1.0 + count)  # noqa: E731
+
+    def set_decay(torch_opt, t):
+        torch_opt.param_groups[0]["weight_decay"] = 0.1 / (1.0 + t)
+
+    run_against_torch(
+        factory(0.02, weight_decay=decay),
+        cls,
+        {"lr": 0.02},
+        torch.float64,
+        True,
+        [],
+        steps=15,
+        before_step=set_decay,
+    )
+
+
+def test_schedule_sees_the_state_count():
+    seen = []
+
+    def schedule(count):
+        seen.append(count.clone())
+        return 0.1
+
+    opt = sgd(schedule)
+    params = make_params()
+    state = opt.init(params)
+    for _ in range(3):
+        _, state = opt.update(clone_tree(params), state, params)
+    assert [c.dtype for c in seen] == [torch.float64] * 3
+    assert [float(c) for c in seen] == [0.0, 1.0, 2.0]
+    assert all(c.shape == () for c in seen)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_tensor_and_constant_schedule_equal_a_number(name):
+    """lr = 0.05, lr = tensor(0.05) and lr = (count -> 0.05 or tensor(0.05)) give the same bits."""
+    factory = {"sgd": sgd, "adam": adam, "adamw": adamw}[name]
+    runs = []
+    for lr in (
+        0.05,
+        torch.tensor(0.05, dtype=torch.float64),
+        lambda count: 0.05,
+        lambda count: torch.full_like(count, 0.05),
+    ):
+        opt = factory(lr)
+        params = make_params()
+        state = opt.init(params)
+        for noise in noise_sequence(params, 4):
+            updates, state = opt.update(gradients(params, noise), state, params)
+            params = apply_updates(params, updates)
+        runs.append(params)
+    for other in runs[1:]:
+        assert_tree_equal(other, runs[0])
+
+
+def test_tensor_lr_is_read_at_every_update():
+    """An in-place change of a tensor lr takes effect, like a changed torch.optim param group."""
+    lr = torch.tensor(0.05, dtype=torch.float64)
+
+    def halve_at_10(torch_opt, t):
+        if t == 10:
+            torch_opt.param_groups[0]["lr"] = 0.025
+            lr.fill_(0.025)
+
+    # before_step runs before both optimizers' step t, so both see the new value there.
+    run_against_torch(
+        sgd(lr, momentum=0.9), torch.optim.SGD, {"lr": 0.05, "momentum": 0.9},
+        torch.float64, True, [], steps=20, before_step=halve_at_10,
+    )  # fmt: skip
+
+
+def test_batched_tensor_lr_under_vmap():
+    """A batched 0-d lr gives each ensemble member its own learning rate."""
+    lrs = torch.tensor([0.1, 0.05, 0.2], dtype=torch.float64)
+    members = [make_params(seed=s) for s in range(3)]
+    batched = optree.tree_map(lambda *xs: torch.stack(xs), *members)
+    state = vmap(adam().init)(batched)
+
+    def step(lr, grads, state, params):
+        return adam(lr, weight_decay=0.01).update(grads, state, params, inplace=False)
+
+    states = [adam().init(m) for m in members]
+    for t in range(4):
+        grads = [gradients(m, noise_sequence(m, 1, seed=20 + t)[0]) for m in members]
+        stacked_grads = optree.tree_map(lambda *xs: torch.stack(xs), *grads)
+        updates, state = vmap(step)(lrs, stacked_grads, state, batched)
+        batched = apply_updates(batched, updates)
+        for i, lr in enumerate((0.1, 0.05, 0.2)):
+            u, states[i] = adam(lr, weight_decay=0.01).update(grads[i], states[i], members[i])
+            members[i] = apply_updates(members[i], u)
+    for i, member in enumerate(members):
+        ours = optree.tree_map(lambda x, i=i: x[i], batched)
+        for a, b in zip(optree.tree_leaves(ours), optree.tree_leaves(member), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_schedule_under_vmap_matches_separate_members():
+    schedule = lambda count: 0.1 * 0.5 ** torch.div(count, 2, rounding_mode="floor")  # noqa: E731
+    opt = sgd(schedule, momentum=0.9)
+    members = [make_params(seed=s) for s in range(2)]
+    batched = optree.tree_map(lambda *xs: torch.stack(xs), *members)
+    state = vmap(opt.init)(batched)
+    states = [opt.init(m) for m in members]
+    for t in range(5):
+        grads = [gradients(m, noise_sequence(m, 1, seed=30 + t)[0]) for m in members]
+        stacked = optree.tree_map(lambda *xs: torch.stack(xs), *grads)
+        updates, state = vmap(functools.partial(opt.update, inplace=False))(stacked, state, batched)
+        batched = apply_updates(batched, updates)
+        for i in range(2):
+            u, states[i] = opt.update(grads[i], states[i], members[i])
+            members[i] = apply_updates(members[i], u)
+    for i, member in enumerate(members):
+        ours = optree.tree_map(lambda x, i=i: x[i], batched)
+        for a, b in zip(optree.tree_leaves(ours), optree.tree_leaves(member), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+def test_scheduled_anderson_run_resumes_bit_identically(mode):
+    """A scheduled run saved mid-way and resumed with a freshly built optimizer (nothing kept
+    in Python) continues bit for bit: the schedule reads the count from the state."""
+    import aadl_func as aa
+
+    def build():
+        return aa.anderson(
+            adam(lambda count: 0.05 * 0.5 ** torch.div(count, 4, rounding_mode="floor")),
+            history_depth=4,
+            mode=mode,
+        )
+
+    def grads_at(params, t):
+        return gradients(params, noise_sequence(params, 1, seed=40 + t)[0])
+
+    opt = build()
+    params = make_params()
+    state = opt.init(params)
+    for t in range(12):
+        if t == 5:
+            buffer = io.BytesIO()
+            torch.save((params, state), buffer)
+        params, state = opt.update(state, params, grads_at(params, t), inplace=True)
+    assert int(state.num_mixed) > 0
+
+    buffer.seek(0)
+    resumed_params, resumed_state = torch.load(buffer, weights_only=True)
+    resumed = build()
+    for t in range(5, 12):
+        resumed_params, resumed_state = resumed.update(
+            resumed_state, resumed_params, grads_at(resumed_params, t), inplace=True
+        )
+    assert_tree_equal(resumed_params, params)
+    assert_tree_equal(resumed_state, state)
+
+
+def test_failing_schedule_changes_nothing():
+    """A schedule that fails (here: a bad value at the third update) raises before the inner
+    optimizer or the window writes anything, also in place."""
+    import aadl_func as aa
+
+    def schedule(count):
+        return 0.1 if float(count) < 2 else "0.1"
+
+    opt = aa.anderson(sgd(schedule, momentum=0.9), history_depth=4)
+    params = make_params()
+    state = opt.init(params)
+    for _ in range(2):
+        params, state = opt.update(state, params, gradients(params, noise_sequence(params, 1)[0]))
+    grads = gradients(params, noise_sequence(params, 1, seed=3)[0])
+    watched = [x for x in optree.tree_leaves((state, params, grads)) if isinstance(x, torch.Tensor)]
+    before = [(x.clone(), x._version) for x in watched]
+    with pytest.raises(TypeError, match="the `lr` schedule must return a real number"):
+        opt.update(state, params, grads, inplace=True)
+    for (copy, version), x in zip(before, watched, strict=True):
+        assert x._version == version and torch.equal(x, copy)
+
+
+def test_standalone_update_rejects_another_state():
+    params = make_params()
+    with pytest.raises(TypeError, match="`state` must be an SgdState"):
+        sgd(0.1).update(clone_tree(params), adam().init(params))
+    with pytest.raises(TypeError, match="`state` must be an AdamState"):
+        adamw().update(clone_tree(params), sgd(0.1).init(params), params)
+    with pytest.raises(TypeError, match="`updates` is None"):
+        sgd(0.1).update(None, sgd(0.1).init(params))

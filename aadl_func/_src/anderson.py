@@ -13,7 +13,12 @@ from torch import Tensor
 from aadl_func._src import distributed, tree
 from aadl_func._src.atomic import InterruptGuard, write_back
 from aadl_func._src.average import window_average
-from aadl_func._src.checks import check_update_inputs
+from aadl_func._src.checks import (
+    autograd_policy,
+    check_floating,
+    check_update_inputs,
+    keep_requires_grad,
+)
 from aadl_func._src.mix import aadl_coefficients
 from aadl_func._src.solve import solve_differences
 from aadl_func._src.state import AndersonState
@@ -255,7 +260,8 @@ def _functions(config: _Config) -> tuple[Callable[..., Any], Callable[..., Any]]
     """The ``init`` and ``update`` functions of :class:`Anderson` for ``config``."""
 
     def init(params: Params) -> AndersonState:
-        return _init(config, params)
+        with autograd_policy():  # no graph through the state (see checks.autograd_policy)
+            return _init(config, params)
 
     def update(
         state: AndersonState,
@@ -265,7 +271,9 @@ def _functions(config: _Config) -> tuple[Callable[..., Any], Callable[..., Any]]
         inplace: bool = False,
         loss_fn: LossFn | None = None,
     ) -> tuple[Params, AndersonState]:
-        return _update(config, state, params, grads, inplace=inplace, loss_fn=loss_fn)
+        with autograd_policy():  # no graph through the window (see checks.autograd_policy)
+            out, new_state = _update(config, state, params, grads, inplace=inplace, loss_fn=loss_fn)
+        return keep_requires_grad(out, params, inplace), new_state
 
     return init, update
 
@@ -306,12 +314,10 @@ def _anchor_buffer(config: _Config, p: Tensor) -> Tensor:
 def _init(config: _Config, params: Params) -> AndersonState:
     # Sharded (DTensor) params: the state holds each rank's local shards only.
     params = distributed.local_params(params, "anderson.init", average=config.average)
-    leaves, spec = tree.flatten(params, "params")
+    leaves, spec = tree.flatten(params, "params", owner="anderson.init")
     if not leaves:
         raise ValueError("anderson.init: `params` must contain at least one tensor")
-    for i, p in enumerate(leaves):
-        if not p.is_floating_point():
-            raise TypeError(f"anderson.init: `params` leaf {i} must be floating, got {p.dtype}")
+    check_floating("anderson.init", leaves, spec)
     q = config.num_slots
 
     def ring() -> tuple:
@@ -363,7 +369,8 @@ def _update(
     shards, params, grads, loss_fn = distributed.sharded_call(
         params, grads, loss_fn, inplace=inplace, average=config.average, owner="anderson.update"
     )
-    p_leaves, spec, g_leaves = check_update_inputs(config, state, params, grads, loss_fn, inplace)
+    # ``grads`` come back cast to the params' dtypes where they differ (as torch.optim does).
+    p_leaves, spec, grads = check_update_inputs(config, state, params, grads, loss_fn, inplace)
     # An eager in-place call writes the caller's buffers, so it commits in two stages and
     # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
     # written back: the transformed call returns its state.
@@ -376,7 +383,7 @@ def _update(
             grads, state.inner_state, params=params, inplace=inplace and not config.skip_nonfinite
         )
         u_leaves, u_spec = tree.flatten(updates, "inner updates")
-        tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec)
+        tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
         kind = _AadlStep if config.mode == "aadl" else _ClassicStep
         step = kind(
             config,
@@ -392,7 +399,7 @@ def _update(
             plain=plain,
         )
         if config.skip_nonfinite:
-            out, new_state = _run_if_finite(step, g_leaves)
+            out, new_state = _run_if_finite(step, tree.flatten(grads, "grads")[0])
         else:
             out, new_state = step.run()
     if shards is not None:

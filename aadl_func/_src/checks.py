@@ -2,14 +2,20 @@
 
 Everything here reads metadata only (types, pytree structure, shapes, dtypes, devices), never
 values, so the checks run before any buffer is written and also under ``torch.func.vmap``.
+Messages name the offending leaf by its key path (``params['bn.num_batches_tracked']``,
+``state.residuals[0]['w']``); the paths are built only when an error is raised.
+
+The module also holds the autograd policy of ``init``/``update`` (:func:`autograd_policy`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 
 from aadl_func._src import tree
 from aadl_func._src.state import AndersonState
@@ -24,11 +30,68 @@ from aadl_func._src.validation import (
 if TYPE_CHECKING:
     from aadl_func._src.anderson import _Config as Config
 
-__all__ = ["check_update_inputs", "check_state"]
+__all__ = [
+    "autograd_policy",
+    "check_state",
+    "check_update_inputs",
+    "differentiating",
+    "keep_requires_grad",
+]
 
 Params = Any
 
+OWNER = "anderson.update"
+HINT = "was it made by another configuration?"
 
+
+# -- autograd ---------------------------------------------------------------------------------
+def differentiating() -> bool:
+    """Whether a torch.func transform that differentiates (``grad``, ``vjp``, ``jacrev``,
+    ``jvp``, ``jacfwd``, ``hessian``) is active around the caller."""
+    if _functorch.maybe_current_level() is None:  # no transform at all: the common case
+        return False
+    stack = _functorch.get_interpreter_stack() or ()
+    return any(
+        interpreter.key() in (_functorch.TransformType.Grad, _functorch.TransformType.Jvp)
+        for interpreter in stack
+    )
+
+
+def autograd_policy() -> contextlib.AbstractContextManager:
+    """The grad mode ``init`` and ``update`` run in.
+
+    Outside torch.func's differentiating transforms they run under :func:`torch.no_grad`: the
+    window, the mix and the safeguard record no autograd graph, whatever the inputs'
+    ``requires_grad`` or history (``dict(model.named_parameters())``, grads from
+    ``torch.autograd.grad(create_graph=True)``), and an in-place step may write into leaves
+    that require grad, as ``torch.optim`` does. Under ``torch.func.grad``/``vjp``/``jvp``
+    (and ``jacrev``, ...) nothing is disabled: a user differentiating *through* a pure
+    ``update`` does so on purpose, and ``torch.no_grad`` inside ``grad`` would silently cut the
+    gradient to zero.
+    """
+    return contextlib.nullcontext() if differentiating() else torch.no_grad()
+
+
+def keep_requires_grad(out: Params, params: Params, inplace: bool) -> Params:
+    """``out`` with the ``requires_grad`` flags of ``params``, leaf for leaf.
+
+    ``update`` runs without grad, so its new tensors (``inplace=False``) do not require grad;
+    a leaf of ``params`` that did gets its counterpart flagged as a new leaf that requires
+    grad, ready for the next ``backward``. In place the returned leaves are the params
+    themselves, and under torch.func transforms the flags belong to the transform.
+    """
+    if inplace:
+        return out
+    p_leaves = tree.flatten(params, "params")[0]
+    if not any(p.requires_grad for p in p_leaves):
+        return out
+    for o, p in zip(tree.flatten(out, "params")[0], p_leaves):
+        if p.requires_grad and not o.requires_grad and not tree.is_transformed(o):
+            o.requires_grad_(True)
+    return out
+
+
+# -- update's arguments -----------------------------------------------------------------------
 def check_update_inputs(
     config: Config,
     state: AndersonState,
@@ -36,61 +99,91 @@ def check_update_inputs(
     grads: Params,
     loss_fn: Any,
     inplace: Any = False,
-) -> tuple[list[Tensor], Any, list[Tensor]]:
+) -> tuple[list[Tensor], Any, Params]:
     """Validates every argument of ``update`` before anything is computed or written.
 
     With ``inplace=True`` the inner optimizer and the window overwrite buffers as soon as the
     step starts, so a mismatch found later would leave a half-updated state behind: every
     check that can be made from metadata alone (types, structure, shapes, dtypes, devices) is
     made here. Values are never inspected (no ``.item()``), so the checks also run under vmap.
+
+    Returns:
+      ``(params leaves, params spec, grads)``: ``grads`` cast to the params' dtypes where they
+      differ (float32 grads for float64 params, as ``torch.optim``'s arithmetic promotes them).
     """
-    owner = "anderson.update"
     if not isinstance(state, AndersonState):
-        raise TypeError(f"{owner}: `state` must be an AndersonState, got {type(state).__name__}")
-    check_bool(owner, "inplace", inplace)
+        raise TypeError(f"{OWNER}: `state` must be an AndersonState, got {type(state).__name__}")
+    check_bool(OWNER, "inplace", inplace)
     if loss_fn is not None:
-        check_callable(owner, "loss_fn", loss_fn)
-    p_leaves, spec = tree.flatten(params, "params")
-    for i, p in enumerate(p_leaves):
-        if not p.is_floating_point():
-            raise TypeError(f"{owner}: `params` leaf {i} must be floating, got {p.dtype}")
-    g_leaves, g_spec = tree.flatten(grads, "grads")
-    tree.check_like("grads", g_leaves, g_spec, p_leaves, spec, check_dtype=True)
-    check_leaf_devices(owner, "grads", g_leaves, [p.device for p in p_leaves], "like `params`")
-    if inplace and torch.is_grad_enabled():
-        for i, p in enumerate(p_leaves):
-            # autograd forbids in-place writes into leaves that require grad; fail before the
-            # inner optimizer has overwritten its buffers rather than halfway through.
-            if p.requires_grad and p.is_leaf and not tree.is_transformed(p):
-                raise ValueError(
-                    f"{owner}: `inplace=True` cannot write into `params` leaf {i}, a leaf that "
-                    "requires grad; call update under torch.no_grad() or pass detached params"
+        check_callable(OWNER, "loss_fn", loss_fn)
+    p_leaves, spec = tree.flatten(params, "params", owner=OWNER)
+    check_floating(OWNER, p_leaves, spec)
+    g_leaves, g_spec = tree.flatten(grads, "grads", owner=OWNER)
+    tree.check_like("grads", g_leaves, g_spec, p_leaves, spec, owner=OWNER)
+    cast = False
+    for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
+        if g.dtype != p.dtype:
+            if not g.is_floating_point():
+                raise TypeError(
+                    f"{OWNER}: `{tree.leaf_path(g_spec, i, 'grads')}` has dtype {g.dtype}; "
+                    f"gradients must be floating (they are cast to the params' dtype, here "
+                    f"{p.dtype})"
                 )
+            cast = True
+        if not same_device(g.device, p.device):
+            raise ValueError(
+                f"{OWNER}: `{tree.leaf_path(g_spec, i, 'grads')}` is on device {g.device}, "
+                f"expected {p.device} like `{tree.leaf_path(spec, i, 'params')}`"
+            )
+    if inplace and differentiating():
+        # The in-place step writes into the params being differentiated: autograd refuses it
+        # halfway through, after the inner optimizer has overwritten its buffers.
+        raise ValueError(
+            f"{OWNER}: `inplace=True` cannot be differentiated through (a torch.func "
+            "grad/vjp/jvp transform is active); pass inplace=False"
+        )
     check_state(config, state, p_leaves, spec)
-    return p_leaves, spec, g_leaves
+    if cast:
+        grads = tree.unflatten(g_spec, [g.to(p.dtype) for g, p in zip(g_leaves, p_leaves)])
+    return p_leaves, spec, grads
+
+
+def check_floating(owner: str, leaves: list[Tensor], spec: Any) -> None:
+    """Every params leaf is a real floating tensor (the window extrapolates real numbers)."""
+    for i, p in enumerate(leaves):
+        if not p.is_floating_point():
+            advice = (
+                "complex params are not supported"
+                if p.is_complex()
+                else "pass trainable parameters only (not buffers such as BatchNorm's "
+                "num_batches_tracked)"
+            )
+            raise TypeError(
+                f"{owner}: `{tree.leaf_path(spec, i, 'params')}` must be floating, got "
+                f"{p.dtype}; {advice}"
+            )
 
 
 def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], spec: Any) -> None:
     """The state's layout matches this optimizer's options and ``params``.
 
     Catches states made by another configuration (e.g. a checkpoint saved with a different
-    ``history_depth``, ``mode`` or ``history_dtype``) or for other params (structure, shape,
-    dtype, device), which would otherwise mix garbage or fail halfway through a step.
+    ``history_depth``, ``mode``, ``history_dtype`` or inner optimizer) or for other params
+    (structure, shape, dtype, device), which would otherwise mix garbage or fail halfway
+    through a step.
     """
-    owner = "anderson.update"
     for name in _COUNTERS:
         value = getattr(state, name)
         if not (isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.int64):
             raise TypeError(
-                f"{owner}: `state.{name}` must be a 0-d int64 tensor, got {_describe(value)}"
+                f"{OWNER}: `state.{name}` must be a 0-d int64 tensor, got {_describe(value)}"
             )
     q = config.num_slots
-    hint = "was it made by another configuration?"
     if not isinstance(state.residuals, tuple) or len(state.residuals) != q:
         held = len(state.residuals) if isinstance(state.residuals, (tuple, list)) else "no"
         raise ValueError(
-            f"{owner}: `state` holds {held} window slots, this optimizer expects {q} "
-            f"(history_depth={config.history_depth}, mode={config.mode!r}); {hint}"
+            f"{OWNER}: `state` holds {held} window slots, this optimizer expects {q} "
+            f"(history_depth={config.history_depth}, mode={config.mode!r}); {HINT}"
         )
     history_devices = [config.history_device_of(p) for p in p_leaves]
     history_dtypes = [config.history_dtype_of(p) for p in p_leaves]
@@ -98,38 +191,41 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
     what = "the history_dtype for `params`; was the state made with other options or params?"
 
     def check_window(name: str, window: Any) -> None:
-        leaves, window_spec = tree.flatten(window, name)
-        tree.check_like("params", p_leaves, spec, leaves, window_spec, ref_name=name)
-        check_leaf_dtypes(owner, name, leaves, history_dtypes, what)
-        check_leaf_devices(owner, name, leaves, history_devices, where)
+        leaves, window_spec = tree.flatten(window, name, owner=OWNER)
+        tree.check_like("params", p_leaves, spec, leaves, window_spec, ref_name=name, owner=OWNER)
+        check_leaf_dtypes(OWNER, name, leaves, history_dtypes, what, spec=window_spec)
+        check_leaf_devices(OWNER, name, leaves, history_devices, where, spec=window_spec)
 
     empty_anchor = isinstance(state.anchor, tuple) and len(state.anchor) == 0
     if config.mode == "aadl":
         if not (isinstance(state.iterates, tuple) and len(state.iterates) == 0) or empty_anchor:
             raise ValueError(
-                f"{owner}: `state` has no anchor or holds iterates, so it was made in mode "
+                f"{OWNER}: `state` has no anchor or holds iterates, so it was made in mode "
                 f"'classic', not {config.mode!r}"
             )
         # The anchor keeps the params' own dtype: a params dtype change is reported as such.
-        a_leaves, a_spec = tree.flatten(state.anchor, "state.anchor")
-        tree.check_like("params", p_leaves, spec, a_leaves, a_spec, ref_name="state.anchor")
+        a_leaves, a_spec = tree.flatten(state.anchor, "state.anchor", owner=OWNER)
+        tree.check_like(
+            "params", p_leaves, spec, a_leaves, a_spec, ref_name="state.anchor", owner=OWNER
+        )
         check_leaf_dtypes(
-            owner,
+            OWNER,
             "params",
             p_leaves,
             [a.dtype for a in a_leaves],
             "the dtype of the params the state was made for",
+            spec=spec,
         )
-        check_window("state.residuals", state.residuals[0])
-        check_leaf_devices(owner, "state.anchor", a_leaves, history_devices, where)
+        check_window("state.residuals[0]", state.residuals[0])
+        check_leaf_devices(OWNER, "state.anchor", a_leaves, history_devices, where, spec=a_spec)
     else:
         if not empty_anchor or not isinstance(state.iterates, tuple) or len(state.iterates) != q:
             raise ValueError(
-                f"{owner}: `state` has an anchor or lacks {q} iterates, so it was made in mode "
+                f"{OWNER}: `state` has an anchor or lacks {q} iterates, so it was made in mode "
                 f"'aadl' or with another history_depth, not mode {config.mode!r}"
             )
-        check_window("state.residuals", state.residuals[0])
-        check_window("state.iterates", state.iterates[0])
+        check_window("state.residuals[0]", state.residuals[0])
+        check_window("state.iterates[0]", state.iterates[0])
     compute_device = config.compute_device_of(p_leaves)
     for name, shape in (("gram", (q, q)), ("dr_gram", (q, q)), ("dr_rhs", (q,))):
         value = getattr(state, name)
@@ -140,9 +236,14 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
             and same_device(value.device, compute_device)
         ):
             raise ValueError(
-                f"{owner}: `state.{name}` must be a {shape} float64 tensor on {compute_device}, "
-                f"got {_describe(value, device=True)}; {hint}"
+                f"{OWNER}: `state.{name}` must be a {shape} float64 tensor on {compute_device}, "
+                f"got {_describe(value, device=True)}; {HINT}"
             )
+    # The inner optimizer knows its state's layout: the built-in ones (InnerOptimizer) and any
+    # custom one that offers the same ``check_state`` validate it here, before any write.
+    check_inner = getattr(config.inner, "check_state", None)
+    if callable(check_inner):
+        check_inner(state.inner_state, p_leaves, spec, name="state.inner_state", owner=OWNER)
 
 
 _COUNTERS = (

@@ -20,6 +20,18 @@ All states are :class:`typing.NamedTuple` s that hold only tensors (the step cou
 ``int64`` tensor on the parameters' device), and no hyperparameter logic branches on tensor
 values, so ``init`` and ``update`` compose with :func:`torch.func.vmap` (ensembles of models),
 and with ``inplace=False`` with :func:`torch.func.grad` / :func:`torch.func.jvp` as well.
+
+Schedules. ``lr`` and ``weight_decay`` take, besides a number, a 0-d tensor (read at every
+update: in-place changes take effect, and under ``vmap`` a batched one gives every member its
+own value) or a schedule ``count -> value`` (optax's and torchopt's ``ScalarOrSchedule``). A
+schedule is called at every update with ``count``, the number of updates done so far (0 on the
+first), read from the state: a scheduled run is a pure function of its state, so it saves and
+resumes bit-identically. ``count`` is a 0-d float64 tensor on the parameters' device, so that
+schedule arithmetic such as ``0.5 ** (count // 30)`` or ``(count + 1) / 100`` runs in float64
+like ``torch.optim``'s Python floats (an int64 tensor would compute in float32). The value may
+be a Python number or a 0-d tensor. The other hyperparameters (``momentum``, ``dampening``,
+``nesterov``, ``betas``, ``eps``) are numbers only, as in optax and torchopt: they decide the
+state's layout and are validated once, at construction.
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ import optree
 import torch
 from torch import Tensor
 
+from aadl_func._src import tree
+
 __all__ = [
     "AdamState",
     "InnerOptimizer",
@@ -43,6 +57,8 @@ __all__ = [
 ]
 
 PyTree = Any
+#: A hyperparameter: a number, a 0-d tensor, or a schedule ``count -> number or 0-d tensor``.
+ScalarOrSchedule = float | Tensor | Callable[[Tensor], float | Tensor]
 
 _REDUCED_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -62,6 +78,25 @@ class InnerOptimizer(NamedTuple):
 
     init: Callable[[PyTree], Any]
     update: Callable[..., tuple[PyTree, Any]]
+
+    def check_state(
+        self, state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str
+    ) -> None:
+        """Validates ``state`` for params ``(leaves, spec)`` from metadata only.
+
+        Used by :func:`aadl_func.anderson` before any buffer is written. The built-in optimizers
+        check the state's type and every field (counter, buffers' structure, shapes, dtypes and
+        devices); an :class:`InnerOptimizer` built from other functions checks nothing.
+
+        Raises:
+            TypeError: ``state`` is another optimizer's state, or a field has the wrong type
+                or dtype.
+            ValueError: a field's structure, shape or device does not fit the params, or the
+                state was made with other options (e.g. without momentum).
+        """
+        check = getattr(self.update, "check_state", None)
+        if check is not None:
+            check(state, leaves, spec, name=name, owner=owner)
 
 
 class SgdState(NamedTuple):
@@ -122,6 +157,85 @@ def _non_negative(fn: str, name: str, value: Any) -> float:
     return value
 
 
+def _hyperparameter(fn: str, name: str, value: Any) -> ScalarOrSchedule:
+    """A number (returned as a float), a 0-d real tensor or a schedule (returned as is)."""
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"{fn}: `{name}` must be a 0-d real tensor, got a {value.dtype} tensor of shape "
+                f"{tuple(value.shape)}"
+            )
+        if not tree.is_transformed(value) and value.device.type != "meta":
+            _non_negative(fn, name, value.item())  # once, at construction
+        return value
+    if callable(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{fn}: `{name}` must be a non-negative real number, a 0-d tensor or a schedule "
+            f"(a callable count -> value), got {type(value).__name__}: {value!r}"
+        )
+    return _non_negative(fn, name, value)
+
+
+def _value_at(fn: str, name: str, hyper: ScalarOrSchedule, count: Tensor) -> float | Tensor:
+    """The hyperparameter's value for the update after ``count`` updates.
+
+    Numbers and tensors are returned as they are; a schedule is called with ``count`` as a
+    float64 0-d tensor and its value checked by type (a Python number also by range: reading
+    a tensor's value would synchronise an accelerator, and is impossible under vmap).
+    """
+    if isinstance(hyper, (float, Tensor)):
+        return hyper
+    value = hyper(count.to(torch.float64))
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or not (value.is_floating_point() or _is_integer(value)):
+            raise TypeError(
+                f"{fn}: the `{name}` schedule must return a real number or a 0-d real tensor, "
+                f"got a {value.dtype} tensor of shape {tuple(value.shape)}"
+            )
+        if value.device.type != "cpu" and value.device != count.device:
+            raise ValueError(
+                f"{fn}: the `{name}` schedule returned a tensor on {value.device}; return it on "
+                f"the CPU or on the params' device ({count.device})"
+            )
+        return value.to(torch.float64)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{fn}: the `{name}` schedule must return a real number or a 0-d real tensor, got "
+            f"{type(value).__name__}: {value!r}"
+        )
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(
+            f"{fn}: the `{name}` schedule must return finite non-negative values, got {value} "
+            f"at count {_count_text(count)}"
+        )
+    return value
+
+
+def _is_integer(t: Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _count_text(count: Tensor) -> str:
+    return str(int(count)) if not tree.is_transformed(count) else "(under a transform)"
+
+
+def _is_zero(hyper: ScalarOrSchedule) -> bool:
+    """Statically zero: a number 0 (a tensor or schedule may change, so it is never zero)."""
+    return isinstance(hyper, float) and hyper == 0.0
+
+
+def _add_scaled(x: Tensor, y: Tensor, scale: float | Tensor, inplace: bool) -> Tensor:
+    """``x + scale * y``; with a tensor ``scale`` in one fused kernel, like ``alpha=``."""
+    if isinstance(scale, float):
+        return x.add_(y, alpha=scale) if inplace else x.add(y, alpha=scale)
+    # addcmul_ has no vmap batching rule: out of place, then written back.
+    out = torch.addcmul(x, y, scale)
+    return x.copy_(out) if inplace else out
+
+
 def _betas(fn: str, betas: Any) -> tuple[float, float]:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"{fn}: `betas` must be a pair (beta1, beta2) of floats, got {betas!r}")
@@ -146,24 +260,55 @@ def _betas(fn: str, betas: Any) -> tuple[float, float]:
 
 
 def _flatten_params(fn: str, params: PyTree) -> tuple[list[Tensor], Any]:
-    leaves, spec = optree.tree_flatten(params, none_is_leaf=False)
-    for leaf in leaves:
-        if not isinstance(leaf, Tensor):
-            raise TypeError(
-                f"{fn}: `params` must be a pytree of tensors, found a leaf of type "
-                f"{type(leaf).__name__}"
-            )
-    return leaves, spec
+    return tree.flatten(params, "params", owner=fn)
 
 
-def _leaves_like(fn: str, what: str, tree: PyTree, spec: Any) -> list[Any]:
-    leaves, tree_spec = optree.tree_flatten(tree, none_is_leaf=False)
-    if tree_spec != spec:
+def _leaves_like(fn: str, what: str, value: PyTree, spec: Any) -> list[Any]:
+    if value is None:
+        raise TypeError(f"{fn}: `{what}` is None; a pytree like `updates` is required")
+    leaves, value_spec = optree.tree_flatten(value, none_is_leaf=False)
+    if value_spec != spec:
         raise ValueError(
-            f"{fn}: `{what}` has pytree structure {tree_spec}, which differs from the "
-            f"structure of `updates` {spec}"
+            f"{fn}: `{what}` has a different pytree structure from `updates`: "
+            + tree.structure_difference(value_spec, spec, what, "updates")
         )
     return leaves
+
+
+def _check_state_type(fn: str, state: Any, cls: type, name: str, owner: str) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{owner}: `{name}` must be an {cls.__name__} (the state of {fn}), got "
+            f"{type(state).__name__}; was it made by another configuration?"
+        )
+    count = state.count
+    if not (isinstance(count, Tensor) and count.dim() == 0 and count.dtype == torch.int64):
+        got = (
+            f"a {count.dtype} tensor of shape {tuple(count.shape)}"
+            if isinstance(count, Tensor)
+            else type(count).__name__
+        )
+        raise TypeError(f"{owner}: `{name}.count` must be a 0-d int64 tensor, got {got}")
+
+
+def _check_buffers(buffers: PyTree, name: str, leaves: list[Tensor], spec: Any, owner: str) -> None:
+    """Parameter-shaped state buffers: same structure, shapes, dtypes and devices as params."""
+    hint = "was it made by another configuration or for other params?"
+    b_leaves, b_spec = tree.flatten(buffers, name, owner=owner)
+    if b_spec != spec:
+        raise ValueError(
+            f"{owner}: `{name}` has a different pytree structure from `params`: "
+            f"{tree.structure_difference(b_spec, spec, name, 'params')}; {hint}"
+        )
+    for i, (b, p) in enumerate(zip(b_leaves, leaves)):
+        if b.shape != p.shape or b.dtype != p.dtype or b.device != p.device:
+            got = f"{b.dtype} tensor of shape {tuple(b.shape)} on {b.device}"
+            expected = f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}"
+            kind = ValueError if b.shape != p.shape or b.device != p.device else TypeError
+            raise kind(
+                f"{owner}: `{tree.leaf_path(b_spec, i, name)}` is a {got}, expected a {expected} "
+                f"like `{tree.leaf_path(spec, i, 'params')}`; {hint}"
+            )
 
 
 def _zero_count(leaves: list[Tensor]) -> Tensor:
@@ -186,51 +331,56 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 
 
 def sgd(
-    lr: float,
+    lr: ScalarOrSchedule,
     momentum: float = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
-    weight_decay: float = 0.0,
+    weight_decay: ScalarOrSchedule = 0.0,
 ) -> InnerOptimizer:
     r"""Stochastic gradient descent, step for step equal to :class:`torch.optim.SGD`.
 
-    With gradient :math:`g_t`, parameters :math:`\theta_{t-1}`, learning rate :math:`\gamma`,
-    weight decay :math:`\lambda`, momentum :math:`\mu` and dampening :math:`\tau`, update
+    With gradient :math:`g_t`, parameters :math:`\theta_{t-1}`, learning rate :math:`\gamma_t`,
+    weight decay :math:`\lambda_t`, momentum :math:`\mu` and dampening :math:`\tau`, update
     :math:`t = 1, 2, \dots` computes
 
     .. math::
 
-        d_t &= g_t + \lambda \theta_{t-1} \\
+        d_t &= g_t + \lambda_t \theta_{t-1} \\
         b_t &= d_t \text{ if } t = 1 \text{ else } \mu b_{t-1} + (1 - \tau) d_t \\
         d_t &\leftarrow d_t + \mu b_t \text{ (nesterov) or } b_t \text{ (otherwise; only if }
             \mu \neq 0) \\
-        \Delta_t &= -\gamma d_t
+        \Delta_t &= -\gamma_t d_t
 
     and returns :math:`\Delta_t` (``theta_t = theta_{t-1} + Delta_t``). The first-step case
     is selected with ``torch.where`` on ``state.count`` (no Python branching on tensors), so
-    the update works under :func:`torch.func.vmap`.
+    the update works under :func:`torch.func.vmap`. With a schedule,
+    :math:`\gamma_t = \mathrm{lr}(t - 1)`, the value ``torch.optim.lr_scheduler.LambdaLR``
+    gives update :math:`t` with ``lr_lambda = lambda epoch: lr(epoch) / base_lr``.
 
     Args:
-        lr: learning rate :math:`\gamma \ge 0`.
+        lr: learning rate :math:`\gamma \ge 0`: a number, a 0-d tensor or a schedule
+            ``count -> value`` (see the module docstring).
         momentum: momentum factor :math:`\mu \ge 0`. With ``0`` no momentum buffer is stored.
         dampening: dampening :math:`\tau \ge 0` of the momentum.
         nesterov: use Nesterov momentum; requires ``momentum > 0`` and ``dampening == 0``.
-        weight_decay: L2 penalty :math:`\lambda \ge 0` (added to the gradient).
+        weight_decay: L2 penalty :math:`\lambda \ge 0` (added to the gradient): a number, a
+            0-d tensor or a schedule.
 
     Returns:
         An :class:`InnerOptimizer` whose state is an :class:`SgdState`. ``update`` needs
-        ``params`` only when ``weight_decay != 0``.
+        ``params`` only when ``weight_decay`` is not the number 0.
 
     Raises:
-        TypeError: a hyperparameter is not a real number (``nesterov``: not a bool).
+        TypeError: a hyperparameter is not a real number (``lr``, ``weight_decay``: nor a 0-d
+            real tensor or a callable; ``nesterov``: not a bool).
         ValueError: a hyperparameter is negative or not finite, or ``nesterov`` is set with
             ``momentum <= 0`` or ``dampening != 0``.
     """
     fn = "sgd"
-    lr = _non_negative(fn, "lr", lr)
+    lr = _hyperparameter(fn, "lr", lr)
     momentum = _non_negative(fn, "momentum", momentum)
     dampening = _non_negative(fn, "dampening", dampening)
-    weight_decay = _non_negative(fn, "weight_decay", weight_decay)
+    weight_decay = _hyperparameter(fn, "weight_decay", weight_decay)
     if not isinstance(nesterov, bool):
         raise TypeError(
             f"{fn}: `nesterov` must be a bool, got {type(nesterov).__name__}: {nesterov!r}"
@@ -241,6 +391,7 @@ def sgd(
             f"got momentum={momentum}, dampening={dampening}"
         )
     use_momentum = momentum != 0.0
+    use_weight_decay = not _is_zero(weight_decay)
 
     def init(params: PyTree) -> SgdState:
         leaves, spec = _flatten_params(fn, params)
@@ -251,14 +402,36 @@ def sgd(
             momentum_buffer = ()
         return SgdState(count=_zero_count(leaves), momentum_buffer=momentum_buffer)
 
+    def check_state(state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str) -> None:
+        _check_state_type(fn, state, SgdState, name, owner)
+        buffers = state.momentum_buffer
+        empty = isinstance(buffers, tuple) and len(buffers) == 0
+        if not use_momentum and not empty:
+            raise ValueError(
+                f"{owner}: `{name}.momentum_buffer` holds buffers but this sgd has momentum=0; "
+                "was it made by another configuration?"
+            )
+        if use_momentum and leaves:
+            if empty:
+                raise ValueError(
+                    f"{owner}: `{name}.momentum_buffer` is empty but this sgd has "
+                    f"momentum={momentum}; was it made by another configuration?"
+                )
+            _check_buffers(buffers, f"{name}.momentum_buffer", leaves, spec, owner)
+
     def update(
         updates: PyTree,
         state: SgdState,
         params: PyTree | None = None,
         inplace: bool = True,
     ) -> tuple[PyTree, SgdState]:
-        grads, spec = optree.tree_flatten(updates, none_is_leaf=False)
-        if weight_decay != 0.0:
+        if not isinstance(state, SgdState):
+            _check_state_type(fn, state, SgdState, "state", fn)
+        grads, spec = tree.flatten(updates, "updates", owner=fn)
+        # Hyperparameters first: a schedule that fails must fail before a buffer is written.
+        step_lr = _value_at(fn, "lr", lr, state.count)
+        decay = _value_at(fn, "weight_decay", weight_decay, state.count)
+        if use_weight_decay:
             if params is None:
                 raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
             param_leaves = _leaves_like(fn, "params", params, spec)
@@ -266,23 +439,32 @@ def sgd(
             param_leaves = [None] * len(grads)
         if use_momentum:
             bufs = _leaves_like(fn, "state.momentum_buffer", state.momentum_buffer, spec)
-            not_first = state.count != 0
+            # Eagerly (a concrete CPU counter) the first-step case is known and only its branch
+            # is computed; under a transform both are blended with torch.where.
+            count = tree.static_value(state.count)
+            first = None if count is None else count == 0
+            not_first = state.count != 0 if first is None else None
         else:
             bufs = [None] * len(grads)
-            not_first = None
+            first = not_first = None
 
         new_updates, new_bufs = [], []
         for g, p, buf in zip(grads, param_leaves, bufs, strict=True):
             out = g
             # d_p = g + wd * p
-            if weight_decay != 0.0:
-                d_p = g.add_(p, alpha=weight_decay) if inplace else g.add(p, alpha=weight_decay)
-            else:
-                d_p = g
+            d_p = _add_scaled(g, p, decay, inplace) if use_weight_decay else g
             if use_momentum:
                 # buf = d_p on the first step, else momentum * buf + (1 - dampening) * d_p
-                # (``blended`` first in ``where`` so the buffer keeps its memory format)
-                if inplace:
+                # (the buffer keeps its own memory format: ``blended`` first in ``where``, or a
+                # copy into a buffer laid out like it)
+                if first:
+                    new_buf = buf.copy_(d_p) if inplace else torch.empty_like(buf).copy_(d_p)
+                elif first is not None:
+                    if inplace:
+                        new_buf = buf.mul_(momentum).add_(d_p, alpha=1.0 - dampening)
+                    else:
+                        new_buf = torch.add(buf.mul(momentum), d_p, alpha=1.0 - dampening)
+                elif inplace:
                     blended = buf.mul_(momentum).add_(d_p, alpha=1.0 - dampening)
                     new_buf = buf.copy_(torch.where(not_first, blended, d_p))
                 else:
@@ -302,9 +484,9 @@ def sgd(
             if inplace:
                 if d_p is not out:
                     d_p = out.copy_(d_p)
-                new_updates.append(d_p.mul_(-lr))
+                new_updates.append(d_p.mul_(-step_lr))
             else:
-                new_updates.append(d_p.mul(-lr))
+                new_updates.append(d_p.mul(-step_lr))
 
         new_state = SgdState(
             count=state.count + 1,
@@ -312,6 +494,7 @@ def sgd(
         )
         return optree.tree_unflatten(spec, new_updates), new_state
 
+    update.check_state = check_state  # type: ignore[attr-defined]
     return InnerOptimizer(init=init, update=update)
 
 
@@ -325,26 +508,29 @@ def _adam_leaf(
     p: Tensor | None,
     m: Tensor,
     v: Tensor,
-    neg_step_size: Tensor,
-    bias_correction2_sqrt: Tensor,
+    neg_step_size: float | Tensor,
+    bias_correction2_sqrt: float | Tensor,
     *,
     beta1: float,
     beta2: float,
     eps: float,
-    weight_decay: float,
-    decoupled_decay: float,
+    weight_decay: float | Tensor | None,
+    decoupled_decay: float | Tensor | None,
     inplace: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     out = g
-    if weight_decay != 0.0:  # L2 penalty (Adam): g = g + wd * p
-        g = g.add_(p, alpha=weight_decay) if inplace else g.add(p, alpha=weight_decay)
+    if weight_decay is not None:  # L2 penalty (Adam): g = g + wd * p
+        g = _add_scaled(g, p, weight_decay, inplace)
 
     is_complex = torch.is_complex(g)
     if is_complex:  # like torch.optim: complex numbers are treated as pairs of reals
         g, m, v = torch.view_as_real(g), torch.view_as_real(m), torch.view_as_real(v)
 
     # m = m + (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
-    if inplace:
+    if inplace and not tree.is_transformed(m):
+        m = m.lerp_(g, 1.0 - beta1)
+        v = v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    elif inplace:
         # lerp_ / addcmul_ have no vmap batching rules (slow fallback + warning): compute out
         # of place with the same kernels and write back into the state buffers.
         m = m.copy_(torch.lerp(m, g, 1.0 - beta1))
@@ -355,36 +541,70 @@ def _adam_leaf(
 
     dtype = v.dtype
     opmath = _opmath(dtype)
+    reduced = opmath != dtype  # half precision computes the scalings in float32
+
+    def widened(t: Tensor) -> Tensor:
+        return t.to(opmath) if reduced else t
+
+    def scalar(x: float | Tensor) -> float | Tensor:
+        return x if isinstance(x, float) else x.to(opmath)
+
     # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
-    denom = torch.div(v.sqrt().to(opmath), bias_correction2_sqrt.to(opmath)).to(dtype)
-    denom = denom.add_(eps)
+    # (out of place: sqrt's backward needs its output when the update is differentiated)
+    denom = torch.div(widened(v.sqrt()), scalar(bias_correction2_sqrt))
+    denom = (denom.to(dtype) if reduced else denom).add_(eps)
     # Delta = (-lr / (1 - beta1^t) * m) / denom
-    step = torch.mul(m.to(opmath), neg_step_size.to(opmath)).div_(denom.to(opmath)).to(dtype)
+    step = torch.mul(widened(m), scalar(neg_step_size)).div_(widened(denom))
+    step = step.to(dtype) if reduced else step
 
     if is_complex:
         m, v, step = torch.view_as_complex(m), torch.view_as_complex(v), torch.view_as_complex(step)
-    if decoupled_decay != 0.0:  # AdamW: Delta = Delta - lr * wd * p
-        step = step.add_(p, alpha=-decoupled_decay)
+    if decoupled_decay is not None:  # AdamW: Delta = Delta - lr * wd * p
+        step = _add_scaled(step, p, -decoupled_decay, inplace=True)
     if inplace:
         step = out.copy_(step)
     return step, m, v
 
 
+def _bias_corrections(
+    count: Tensor, beta1: float, beta2: float, lr: float | Tensor
+) -> tuple[float | Tensor, float | Tensor]:
+    r"""``(-lr / (1 - beta1^t), sqrt(1 - beta2^t))`` for update :math:`t` = ``count + 1``.
+
+    In float64, like the Python floats of torch.optim: as Python floats themselves when the
+    counter is a concrete CPU tensor and ``lr`` a number (the eager case; the same arithmetic
+    as torch.optim, and no tensor ops), else with tensor ops from the counter (vmap, counters
+    on an accelerator, tensor or scheduled-tensor ``lr``). Each leaf casts them to its own
+    compute dtype.
+    """
+    done = tree.static_value(count)
+    if done is not None and isinstance(lr, float):
+        bias_correction1 = 1.0 - beta1 ** (done + 1)
+        bias_correction2 = 1.0 - beta2 ** (done + 1)
+        return -(lr / bias_correction1), bias_correction2**0.5
+    t = (count + 1).to(torch.float64)
+    bias_correction1 = 1.0 - torch.pow(beta1, t)
+    bias_correction2 = 1.0 - torch.pow(beta2, t)
+    if isinstance(lr, float):
+        neg_step_size = -(torch.full_like(bias_correction1, lr) / bias_correction1)
+    else:
+        neg_step_size = -(lr.to(bias_correction1.device) / bias_correction1)
+    return neg_step_size, bias_correction2.sqrt()
+
+
 def _make_adam(
     fn: str,
-    lr: float,
+    lr: ScalarOrSchedule,
     betas: tuple[float, float],
     eps: float,
-    weight_decay: float,
+    weight_decay: ScalarOrSchedule,
     decoupled: bool,
 ) -> InnerOptimizer:
-    lr = _non_negative(fn, "lr", lr)
+    lr = _hyperparameter(fn, "lr", lr)
     beta1, beta2 = _betas(fn, betas)
     eps = _non_negative(fn, "eps", eps)
-    weight_decay = _non_negative(fn, "weight_decay", weight_decay)
-    coupled_wd = 0.0 if decoupled else weight_decay
-    decoupled_decay = lr * weight_decay if decoupled else 0.0
-    needs_params = weight_decay != 0.0
+    weight_decay = _hyperparameter(fn, "weight_decay", weight_decay)
+    needs_params = not _is_zero(weight_decay)
 
     def init(params: PyTree) -> AdamState:
         leaves, spec = _flatten_params(fn, params)
@@ -396,13 +616,23 @@ def _make_adam(
             exp_avg_sq=optree.tree_unflatten(spec, exp_avg_sq),
         )
 
+    def check_state(state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str) -> None:
+        _check_state_type(fn, state, AdamState, name, owner)
+        _check_buffers(state.exp_avg, f"{name}.exp_avg", leaves, spec, owner)
+        _check_buffers(state.exp_avg_sq, f"{name}.exp_avg_sq", leaves, spec, owner)
+
     def update(
         updates: PyTree,
         state: AdamState,
         params: PyTree | None = None,
         inplace: bool = True,
     ) -> tuple[PyTree, AdamState]:
-        grads, spec = optree.tree_flatten(updates, none_is_leaf=False)
+        if not isinstance(state, AdamState):
+            _check_state_type(fn, state, AdamState, "state", fn)
+        grads, spec = tree.flatten(updates, "updates", owner=fn)
+        # Hyperparameters first: a schedule that fails must fail before a buffer is written.
+        step_lr = _value_at(fn, "lr", lr, state.count)
+        decay = _value_at(fn, "weight_decay", weight_decay, state.count)
         if needs_params:
             if params is None:
                 raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
@@ -412,14 +642,14 @@ def _make_adam(
         ms = _leaves_like(fn, "state.exp_avg", state.exp_avg, spec)
         vs = _leaves_like(fn, "state.exp_avg_sq", state.exp_avg_sq, spec)
 
-        # Bias corrections from the counter with tensor ops (vmap-able), in float64 like the
-        # python floats of torch.optim; each leaf casts them to its own compute dtype.
         count = state.count + 1
-        t = count.to(torch.float64)
-        bias_correction1 = 1.0 - torch.pow(beta1, t)
-        bias_correction2 = 1.0 - torch.pow(beta2, t)
-        neg_step_size = -(torch.full_like(bias_correction1, lr) / bias_correction1)
-        bias_correction2_sqrt = bias_correction2.sqrt()
+        neg_step_size, bias_correction2_sqrt = _bias_corrections(state.count, beta1, beta2, step_lr)
+        if not needs_params:
+            coupled_wd = decoupled_decay = None
+        elif decoupled:
+            coupled_wd, decoupled_decay = None, step_lr * decay
+        else:
+            coupled_wd, decoupled_decay = decay, None
 
         new_updates, new_ms, new_vs = [], [], []
         for g, p, m, v in zip(grads, param_leaves, ms, vs, strict=True):
@@ -448,14 +678,15 @@ def _make_adam(
         )
         return optree.tree_unflatten(spec, new_updates), new_state
 
+    update.check_state = check_state  # type: ignore[attr-defined]
     return InnerOptimizer(init=init, update=update)
 
 
 def adam(
-    lr: float = 1e-3,
+    lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    weight_decay: ScalarOrSchedule = 0.0,
 ) -> InnerOptimizer:
     r"""Adam, step for step equal to :class:`torch.optim.Adam` (``amsgrad=False``).
 
@@ -477,17 +708,19 @@ def adam(
     reals, like ``torch.optim``.
 
     Args:
-        lr: learning rate :math:`\gamma \ge 0`.
+        lr: learning rate :math:`\gamma \ge 0`: a number, a 0-d tensor or a schedule
+            ``count -> value`` (see the module docstring).
         betas: :math:`(\beta_1, \beta_2)`, each in :math:`[0, 1)`.
         eps: :math:`\epsilon \ge 0` added to the denominator.
-        weight_decay: L2 penalty :math:`\lambda \ge 0`.
+        weight_decay: L2 penalty :math:`\lambda \ge 0`: a number, a 0-d tensor or a schedule.
 
     Returns:
         An :class:`InnerOptimizer` whose state is an :class:`AdamState`. ``update`` needs
-        ``params`` only when ``weight_decay != 0``.
+        ``params`` only when ``weight_decay`` is not the number 0.
 
     Raises:
-        TypeError: a hyperparameter is not a real number, or ``betas`` is not a pair.
+        TypeError: a hyperparameter is not a real number (``lr``, ``weight_decay``: nor a 0-d
+            real tensor or a callable), or ``betas`` is not a pair.
         ValueError: a hyperparameter is out of range (negative, not finite, beta not in
             :math:`[0, 1)`).
     """
@@ -495,10 +728,10 @@ def adam(
 
 
 def adamw(
-    lr: float = 1e-3,
+    lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-    weight_decay: float = 1e-2,
+    weight_decay: ScalarOrSchedule = 1e-2,
 ) -> InnerOptimizer:
     r"""AdamW, step for step equal to :class:`torch.optim.AdamW` (``amsgrad=False``).
 
@@ -515,17 +748,21 @@ def adamw(
     so that ``theta_t = theta_{t-1} + Delta_t = (1 - lr * wd) * theta_{t-1} + adam_step``.
 
     Args:
-        lr: learning rate :math:`\gamma \ge 0`.
+        lr: learning rate :math:`\gamma \ge 0`: a number, a 0-d tensor or a schedule
+            ``count -> value`` (see the module docstring); the decay uses the same
+            :math:`\gamma_t`, as ``torch.optim.AdamW`` under an LR scheduler does.
         betas: :math:`(\beta_1, \beta_2)`, each in :math:`[0, 1)`.
         eps: :math:`\epsilon \ge 0` added to the denominator.
-        weight_decay: decoupled weight decay :math:`\lambda \ge 0`.
+        weight_decay: decoupled weight decay :math:`\lambda \ge 0`: a number, a 0-d tensor
+            or a schedule.
 
     Returns:
         An :class:`InnerOptimizer` whose state is an :class:`AdamState`. ``update`` needs
-        ``params`` whenever ``weight_decay != 0`` (the default).
+        ``params`` whenever ``weight_decay`` is not the number 0 (the default is 1e-2).
 
     Raises:
-        TypeError: a hyperparameter is not a real number, or ``betas`` is not a pair.
+        TypeError: a hyperparameter is not a real number (``lr``, ``weight_decay``: nor a 0-d
+            real tensor or a callable), or ``betas`` is not a pair.
         ValueError: a hyperparameter is out of range (negative, not finite, beta not in
             :math:`[0, 1)`).
     """

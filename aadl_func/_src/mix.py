@@ -15,19 +15,41 @@ __all__ = ["mix", "mixing_weights", "aadl_coefficients"]
 
 
 def _window_leaves(history: Any) -> tuple[list[Tensor], Any, int]:
-    """The tensor leaves of ``history`` and its tree spec, checked to share a window dim >= 3."""
+    """The tensor leaves of ``history`` and its tree spec, checked to share a window dim >= 3.
+
+    A leaf of shape ``(k,)`` holds ``k`` scalar iterates, which makes sense next to leaves of
+    higher rank (a scalar parameter of a model); a history whose leaves are all 1-d is refused,
+    since a single vector of ``n`` numbers would otherwise be read as ``n`` scalar iterates.
+    """
     leaves, spec = tree.flatten(history, "history")
     if not leaves:
         raise ValueError("`history` must contain at least one tensor")
-    window = leaves[0].shape[0] if leaves[0].dim() > 0 else 0
+    first = leaves[0]
+    window = first.shape[0] if first.dim() > 0 else 0
     for i, leaf in enumerate(leaves):
         if leaf.dim() == 0 or leaf.shape[0] != window:
+            if i == 0:
+                expected = "a leading window dimension (shape (k, ...), oldest iterate first)"
+            else:
+                expected = (
+                    f"a leading window dimension of size {window} like "
+                    f"`{tree.leaf_path(spec, 0, 'history')}`"
+                )
             raise ValueError(
-                f"`history` leaf {i} must have a leading window dimension of size {window}, "
+                f"`{tree.leaf_path(spec, i, 'history')}` must have {expected}, "
                 f"got shape {tuple(leaf.shape)}"
             )
         if not leaf.is_floating_point():
-            raise TypeError(f"`history` leaf {i} must be floating point, got {leaf.dtype}")
+            raise TypeError(
+                f"`{tree.leaf_path(spec, i, 'history')}` must be floating point, got {leaf.dtype}"
+            )
+    if all(leaf.dim() == 1 for leaf in leaves):
+        raise ValueError(
+            f"`history` must have a leaf of shape (k, n, ...): every leaf is 1-d (shape "
+            f"{tuple(first.shape)}), which would be read as {window} iterates of a scalar; "
+            "stack the iterates along a new first dimension (torch.stack(iterates)), or pass "
+            "shape (k, 1) for k scalar iterates"
+        )
     if window < 3:
         raise ValueError(f"`history` must hold at least 3 iterates (oldest first), got {window}")
     return leaves, spec, window

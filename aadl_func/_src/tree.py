@@ -18,25 +18,102 @@ __all__ = [
     "flatten",
     "unflatten",
     "check_like",
+    "leaf_path",
+    "structure_difference",
     "is_transformed",
     "static_value",
     "flat_view",
 ]
 
+_KEYED = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT)
+_FIELDS = (optree.PyTreeKind.NAMEDTUPLE, optree.PyTreeKind.STRUCTSEQUENCE)
 
-def flatten(tree: Any, name: str = "params") -> tuple[list[Tensor], Any]:
-    """Flattens ``tree`` into its tensor leaves and a tree spec, rejecting non-tensor leaves."""
+
+def _prefix(owner: str | None) -> str:
+    return f"{owner}: " if owner else ""
+
+
+def flatten(tree: Any, name: str = "params", owner: str | None = None) -> tuple[list[Tensor], Any]:
+    """Flattens ``tree`` into its tensor leaves and a tree spec, rejecting non-tensor leaves.
+
+    ``None`` is not a leaf (optree's default), so ``{"b": None}`` has no leaves; a ``tree`` that
+    is ``None`` itself is rejected, since every caller needs a tree. ``owner`` (e.g.
+    ``"anderson.update"``) prefixes the error messages, which name the offending leaf by its
+    key path (``params['bn.num_batches_tracked']``).
+    """
+    if tree is None:
+        raise TypeError(f"{_prefix(owner)}`{name}` is None; a pytree of tensors is required")
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=False)
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor):
             raise TypeError(
-                f"`{name}` must be a pytree of tensors; leaf {i} is {type(leaf).__name__}"
+                f"{_prefix(owner)}`{name}` must be a pytree of tensors; "
+                f"`{leaf_path(spec, i, name)}` is {type(leaf).__name__}"
             )
     return leaves, spec
 
 
 def unflatten(spec: Any, leaves: list[Tensor]) -> Any:
     return optree.tree_unflatten(spec, leaves)
+
+
+def leaf_path(spec: Any, index: int, name: str) -> str:
+    """The key path of leaf ``index`` of ``spec`` as code: ``params['w']``, ``state.anchor[0]``.
+
+    Only error messages call this: building the accessors costs a pass over the spec.
+    """
+    return spec.accessors()[index].codify(name)
+
+
+def _describe_node(spec: Any) -> str:
+    if spec.is_leaf():
+        return "a tensor"
+    if spec.kind == optree.PyTreeKind.NONE:
+        return "None"
+    kind = spec.type.__name__
+    if spec.kind in _KEYED:
+        return f"a {kind} with keys {list(spec.entries())}"
+    if spec.kind in _FIELDS:
+        return f"a {kind}"
+    return f"a {kind} of {spec.num_children}"
+
+
+def _entry_path(spec: Any, position: int) -> str:
+    entry = spec.entries()[position]
+    if spec.kind in _FIELDS:
+        return f".{spec.type._fields[position]}"
+    return f"[{entry!r}]"
+
+
+def structure_difference(spec: Any, ref_spec: Any, name: str, ref_name: str) -> str:
+    """Where two pytree structures first differ, in words with key paths (no spec dumps).
+
+    E.g. ``grads['b'] is None where params['b'] is a tensor`` or ``grads is a tuple of 2 where
+    params is a dict with keys ['b', 'w']``.
+    """
+
+    def walk(node: Any, ref: Any, path: str) -> str | None:
+        same_node = (
+            node.is_leaf() == ref.is_leaf()
+            and node.kind == ref.kind
+            and (node.is_leaf() or node.type == ref.type)
+            and node.num_children == ref.num_children
+            and list(node.entries()) == list(ref.entries())
+        )
+        if not same_node:
+            return (
+                f"`{name}{path}` is {_describe_node(node)} where `{ref_name}{path}` is "
+                f"{_describe_node(ref)}"
+            )
+        for i, (child, ref_child) in enumerate(zip(node.children(), ref.children())):
+            found = walk(child, ref_child, path + _entry_path(node, i))
+            if found is not None:
+                return found
+        return None
+
+    found = walk(spec, ref_spec, "")
+    # Specs can differ in what the walk does not compare (e.g. a custom node's metadata).
+    return found if found is not None else f"`{name}` and `{ref_name}` differ in node metadata"
 
 
 def check_like(
@@ -47,27 +124,34 @@ def check_like(
     ref_spec: Any,
     ref_name: str = "params",
     check_dtype: bool = False,
+    owner: str | None = None,
 ) -> None:
-    """Raises if ``leaves``/``spec`` do not match the reference structure and shapes."""
+    """Raises if ``leaves``/``spec`` do not match the reference structure and shapes.
+
+    Messages name the first offending leaf by its key path in both trees, e.g.
+    ``grads['w'] has shape (2, 3), expected (3, 2) like params['w']``.
+    """
     if spec != ref_spec:
         raise ValueError(
-            f"`{name}` has a different pytree structure from `{ref_name}`: {spec} vs {ref_spec}"
+            f"{_prefix(owner)}`{name}` has a different pytree structure from `{ref_name}`: "
+            + structure_difference(spec, ref_spec, name, ref_name)
         )
     for i, (leaf, ref) in enumerate(zip(leaves, ref_leaves)):
-        if leaf.shape != ref.shape:
-            raise ValueError(
-                f"`{name}` leaf {i} has shape {tuple(leaf.shape)}, expected "
-                f"{tuple(ref.shape)} like `{ref_name}`"
+        if leaf.shape != ref.shape or (check_dtype and leaf.dtype != ref.dtype):
+            what, got, expected, kind = (
+                ("shape", tuple(leaf.shape), tuple(ref.shape), ValueError)
+                if leaf.shape != ref.shape
+                else ("dtype", leaf.dtype, ref.dtype, TypeError)
             )
-        if check_dtype and leaf.dtype != ref.dtype:
-            raise TypeError(
-                f"`{name}` leaf {i} has dtype {leaf.dtype}, expected {ref.dtype} like `{ref_name}`"
+            raise kind(
+                f"{_prefix(owner)}`{leaf_path(spec, i, name)}` has {what} {got}, expected "
+                f"{expected} like `{leaf_path(ref_spec, i, ref_name)}`"
             )
 
 
-def is_transformed(t: Tensor) -> bool:
-    """True when ``t`` is wrapped by a torch.func transform (vmap, grad, ...)."""
-    return _functorch.is_functorch_wrapped_tensor(t)
+# True when a tensor is wrapped by a torch.func transform (vmap, grad, ...). The C predicate
+# itself: it runs about a hundred times per ``update``, a Python wrapper would double its cost.
+is_transformed = _functorch.is_functorch_wrapped_tensor
 
 
 def static_value(t: Tensor) -> bool | int | None:

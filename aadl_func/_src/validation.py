@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import torch
 
@@ -84,24 +85,41 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+def _leaf_name(name: str, index: int, spec: Any) -> str:
+    # Key paths are built only here, on the error path (see tree.leaf_path).
+    return spec.accessors()[index].codify(name)
+
+
 def check_leaf_dtypes(
-    owner: str, name: str, leaves: list, dtypes: list[torch.dtype], expected: str
+    owner: str,
+    name: str,
+    leaves: list,
+    dtypes: list[torch.dtype],
+    expected: str,
+    spec: Any,
 ) -> None:
-    """Raises ``TypeError`` naming ``name`` and the first leaf whose dtype is not expected."""
+    """Raises ``TypeError`` naming the first leaf whose dtype is not expected, by its key path
+    in ``spec`` (the tree spec of ``leaves``, with ``name`` as the root)."""
     for i, (leaf, dtype) in enumerate(zip(leaves, dtypes)):
         if leaf.dtype != dtype:
             raise TypeError(
-                f"{owner}: `{name}` leaf {i} has dtype {leaf.dtype}, expected {dtype} ({expected})"
+                f"{owner}: `{_leaf_name(name, i, spec)}` has dtype {leaf.dtype}, expected "
+                f"{dtype} ({expected})"
             )
 
 
 def check_leaf_devices(
-    owner: str, name: str, leaves: list, devices: list[torch.device], expected: str
+    owner: str,
+    name: str,
+    leaves: list,
+    devices: list[torch.device],
+    expected: str,
+    spec: Any,
 ) -> None:
-    """Raises ``ValueError`` naming ``name`` and the first leaf on an unexpected device."""
+    """Raises ``ValueError`` naming the first leaf on an unexpected device, by its key path."""
     for i, (leaf, device) in enumerate(zip(leaves, devices)):
         if not same_device(leaf.device, device):
             raise ValueError(
-                f"{owner}: `{name}` leaf {i} is on device {leaf.device}, expected {device} "
-                f"({expected})"
+                f"{owner}: `{_leaf_name(name, i, spec)}` is on device {leaf.device}, expected "
+                f"{device} ({expected})"
             )
