@@ -50,6 +50,7 @@ __all__ = [
     "set_gram_row",
     "difference_rows",
     "append_difference",
+    "difference_factor",
 ]
 
 T = TypeVar("T")
@@ -576,3 +577,83 @@ def _difference_rows_transformed(
         parts = (torch.mv(b, newest), torch.mv(b, newest - previous) if exact else newest[:0])
         totals = parts if totals is None else tuple(t + u for t, u in zip(totals, parts))
     return totals
+
+
+def difference_factor(
+    slots: Sequence[Sequence[Tensor]],
+    order: Tensor,
+    valid: Tensor,
+    device: torch.device,
+) -> Tensor:
+    r"""The float64 triangular factor ``R`` of :math:`[\Delta F \mid f_{\mathrm{last}}]`, streamed.
+
+    With the residuals :math:`f_p` = ``slots[order[p]]`` in chronological order (``p = 0 ..
+    Q - 1``, the newest last), the columns are :math:`\Delta F_{:, j} = f_{j+1} - f_j`
+    (``j < Q - 1``, zero where ``valid[j]`` is False) and :math:`f_{Q-1}`; their
+    ``Q x Q`` factor (:math:`R^\top R = A^\top A`) is built by a streaming TSQR: for each
+    chunk of ``b`` coordinates of every leaf, the ``b x Q`` float64 block of :math:`A` is
+    formed from the slots (the differences element by element, as a sparse ``Q x Q``
+    difference matrix applied to the chunk: ``1 x a - 1 x b`` is one rounding, exactly
+    ``a - b``), and :math:`R \leftarrow` the factor of :math:`[R; \text{block}]` by a
+    Householder QR. That costs :math:`O(Q^2 n)` flops but only :math:`O(Q b)` memory (the
+    chunk sizes of the other passes), and nothing parameter-sized.
+
+    Args:
+      slots: ``slots[s][leaf]`` window tensors (ring order), any floating dtype.
+      order: ``(Q,)`` int64, the ring slots from oldest to newest.
+      valid: ``(Q - 1,)`` bool, which differences take part.
+      device: where the ``(Q, Q)`` result goes.
+    """
+    q = len(slots)
+    f64 = torch.float64
+    # select @ F (F's rows: the slots in ring order) gives A^T's rows: e_{order[j+1]} -
+    # e_{order[j]} for the differences, e_{order[-1]} for the newest residual.
+    chrono = torch.eye(q, dtype=f64, device=order.device)[order]
+    steps = torch.where(valid.to(order.device)[:, None], chrono[1:] - chrono[:-1], 0.0)
+    select = torch.cat([steps, chrono[-1:]])
+    factor = torch.zeros(q, q, dtype=f64, device=device)
+    for leaf_index in range(len(slots[0])):
+        flats = [tree.flat_view(s[leaf_index]) for s in slots]
+        if flats[0].shape[0] == 0:
+            continue
+        here = flats[0].device
+        if any(tree.is_transformed(f) for f in flats) or tree.is_transformed(select):
+            factor = _factor_leaf_transformed(flats, select.to(here), factor.to(here))
+        else:
+            factor = _factor_leaf(flats, select.to(here), factor.to(here))
+    return factor.to(device)
+
+
+def _factor_leaf(flats: Sequence[Tensor], select: Tensor, factor: Tensor) -> Tensor:
+    q, numel = len(flats), flats[0].shape[0]
+    f64, dev = torch.float64, flats[0].device
+    runs = _runs(flats)
+    step = _buffer_width(q, numel, dev)
+    # One float64 run (a float64 ring allocated by new_ring) is read in place; anything else
+    # is gathered chunk by chunk into a small float64 buffer.
+    direct = len(runs) == 1 and runs[0][1].dtype == f64
+    buffer = None if direct else torch.empty(q, step, dtype=f64, device=dev)
+    block = torch.empty(step, q, dtype=f64, device=dev)
+    for start in range(0, numel, step):
+        stop = min(start + step, numel)
+        width = stop - start
+        if direct:
+            chunk = runs[0][1][:, start:stop]
+        else:
+            chunk = buffer[:, :width]
+            for first, run in runs:
+                chunk[first : first + run.shape[0]].copy_(run[:, start:stop])
+        rows = torch.mm(chunk.mT, select.mT, out=block[:width])
+        factor = torch.linalg.qr(torch.cat([factor, rows]), mode="r").R
+    return factor
+
+
+def _factor_leaf_transformed(flats: Sequence[Tensor], select: Tensor, factor: Tensor) -> Tensor:
+    """The same pass under a torch.func transform: chunks gathered with ``torch.stack``."""
+    numel = flats[0].shape[0]
+    step = chunk_size(len(flats), flats[0].device)
+    for start in range(0, numel, step):
+        stop = min(start + step, numel)
+        chunk = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
+        factor = torch.linalg.qr(torch.cat([factor, chunk.mT @ select.mT]), mode="r").R
+    return factor
