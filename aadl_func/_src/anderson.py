@@ -128,7 +128,10 @@ def anderson(
     consecutive differences) updated one row per stored entry: a step costs two passes over
     the window (:math:`O(m n)`), solves an :math:`m \times m` problem in float64
     (``aadl_func._src.solve.solve_differences``) and stores, in mode "aadl", the newest entry
-    plus ``history_depth - 1`` differences.
+    plus ``history_depth - 1`` differences. A float64 window is solved more accurately, from
+    a float64 QR factor of the differences streamed from the ring on mixing calls
+    (``aadl_func._src.solve.solve_factor``: :math:`O(m^2 n)` flops, no extra
+    parameter-sized memory), so that the condition number of the differences is not squared.
 
     Args:
       inner: the inner optimizer, e.g. :func:`aadl_func.adam`, or any object with torchopt-style

@@ -8,8 +8,9 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
-from aadl_func._src.solve import MixingWeights, solve_factor, stack_factors
+from aadl_func._src.solve import MixingWeights, solve_factor
 from aadl_func._src.validation import check_float
+from aadl_func._src.window import difference_factor
 
 __all__ = ["mix", "mixing_weights", "aadl_coefficients"]
 
@@ -36,32 +37,28 @@ def _window_leaves(history: Any) -> tuple[list[Tensor], Any, int]:
 def _solve(leaves: list[Tensor], window: int, reg: float) -> tuple[MixingWeights, list]:
     r"""The AADL weights of the window, with the float64 iterates and steps of every leaf.
 
-    Per leaf, :math:`A = [\Delta R \mid \Delta X_{:, -1}]` is formed in float64 (differences
-    element by element, exact for float32 or bf16 windows) and reduced by a Householder QR to
-    its ``(m + 1) x (m + 1)`` factor; the leaves' factors are stacked and reduced once more
-    (:func:`aadl_func._src.solve.stack_factors`, a TSQR step), and the small problem is solved
-    from the result by :func:`aadl_func._src.solve.solve_factor`. No normal equations: the
-    condition number of :math:`\Delta R` enters once, which makes this the most accurate
-    path of the library (and :math:`O(m^2 n)`, where the incremental window of
+    The steps :math:`\Delta X` are formed in float64 (element by element, exact for float32
+    or bf16 windows); :math:`A = [\Delta R \mid \Delta X_{:, -1}]` is then reduced, chunk of
+    coordinates by chunk, leaf by leaf, to its ``(m + 1) x (m + 1)`` factor by Householder
+    QR (:func:`aadl_func._src.window.difference_factor`, a TSQR; the second differences are
+    formed chunk by chunk, exactly as ``numpy.diff`` forms them), and the small problem is
+    solved from it by :func:`aadl_func._src.solve.solve_factor`. No normal equations: the
+    condition number of :math:`\Delta R` enters once, which makes this the most accurate path
+    of the library (and :math:`O(m^2 n)`, where the incremental window of
     :func:`aadl_func.anderson` is :math:`O(m n)` for float32/bf16 windows).
     """
     solve_device = leaves[0].device
-    m = window - 2
-    factors, per_leaf = [], []
+    per_leaf = []
     for leaf in leaves:
         x = leaf.reshape(window, -1).to(torch.float64)
-        dx = x[1:] - x[:-1]
-        dr = dx[1:] - dx[:-1]
-        if x.shape[1] > 0:
-            columns = torch.cat([dr, dx[-1:]]).mT  # (n, m + 1): DR's columns, then DX[:, -1]
-            factors.append(torch.linalg.qr(columns, mode="r").R.to(solve_device))
-        per_leaf.append((x, dx))
-    if not factors:
-        factors.append(torch.zeros(m + 1, m + 1, dtype=torch.float64, device=solve_device))
-    valid = torch.ones(m, dtype=torch.bool, device=solve_device)
+        per_leaf.append((x, x[1:] - x[:-1]))
+    steps = [[dx[i] for _, dx in per_leaf] for i in range(window - 1)]
+    order = torch.arange(window - 1)
+    valid = torch.ones(window - 2, dtype=torch.bool)
+    factor = difference_factor(steps, order, valid, solve_device)
     # A non-finite factor (an overflowing window) gives ok = False and gamma = 0: the newest
     # iterate.
-    return solve_factor(stack_factors(factors), valid, reg), per_leaf
+    return solve_factor(factor, valid.to(solve_device), reg), per_leaf
 
 
 def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:

@@ -17,7 +17,9 @@ Two routes lead to the same problem, :math:`\gamma = \arg\min_\gamma \|f_{\mathr
   one :math:`O(m n)` pass; that window's own precision is the tighter limit (README, Numerics).
 
 Both truncate in the same way: with :math:`\sigma_i` the singular values of
-:math:`\Delta F` and :math:`s` the solver's scale, directions with
+:math:`\Delta F` and :math:`s` the solver's scale (factor route: the largest column norm of
+:math:`[\Delta F \mid f_{\mathrm{last}}]`; Gram route: the largest residual norm
+:math:`\max_i \|f_i\|`), directions with
 :math:`\sigma_i^2 + \mathrm{reg} \le (\tau s)^2` are dropped (a minimum-norm, truncated-SVD
 answer: one well-defined result for rank-deficient windows, and bounded coefficients), with
 :math:`\tau` = :data:`RCOND` on the factor route and :math:`\sqrt{\mathrm{RTOL}}` on the Gram
@@ -48,10 +50,10 @@ __all__ = [
 ]
 
 # Factor route: singular values of DF (shifted by reg) at or below RCOND * s are dropped, s the
-# largest column norm of [DF | f_last]. A float64 QR perturbs them by a few eps64 * s (~1e-15
-# s), so RCOND keeps every direction resolved to better than ~1% relative: cond(DF) up to
-# ~1e13 before scaling, far more for graded columns. The coefficients stay below
-# sqrt(m) ||f_last|| / (RCOND s) <= sqrt(m) / RCOND.
+# largest column norm of [DF | f_last]. A float64 QR perturbs them by at most a few eps64 * s
+# (~1e-15 s), so every kept direction is resolved to ~1% or better (and to near eps64 when
+# the small singular values come from small columns, as in a converging iteration). The
+# coefficients stay below sqrt(m) ||f_last|| / (RCOND s) <= sqrt(m) / RCOND.
 RCOND = 1e-13
 
 # Gram route: eigenvalues of the projected Gram below RTOL * (largest residual norm squared)
@@ -69,8 +71,8 @@ class MixingWeights(NamedTuple):
       alpha: ``(q,)`` float64 affine weights, ``alpha = (gamma_0, gamma_1 - gamma_0, ...,
         1 - gamma_{q-2})``; they sum to one and minimise ``||sum_i alpha_i f_i||``.
       residual_norm: 0-d float64, ``||sum_i alpha_i f_i||`` (the mixed residual).
-      ok: 0-d bool, False when the Gram matrix was not finite (the weights then fall back to
-        ``alpha = e_last``, the plain iterate).
+      ok: 0-d bool, False when the Gram matrix or the factor was not finite (the weights
+        then fall back to ``alpha = e_last``, the plain iterate).
     """
 
     gamma: Tensor

@@ -592,11 +592,10 @@ def difference_factor(
     (``j < Q - 1``, zero where ``valid[j]`` is False) and :math:`f_{Q-1}`; their
     ``Q x Q`` factor (:math:`R^\top R = A^\top A`) is built by a streaming TSQR: for each
     chunk of ``b`` coordinates of every leaf, the ``b x Q`` float64 block of :math:`A` is
-    formed from the slots (the differences element by element, as a sparse ``Q x Q``
-    difference matrix applied to the chunk: ``1 x a - 1 x b`` is one rounding, exactly
-    ``a - b``), and :math:`R \leftarrow` the factor of :math:`[R; \text{block}]` by a
-    Householder QR. That costs :math:`O(Q^2 n)` flops but only :math:`O(Q b)` memory (the
-    chunk sizes of the other passes), and nothing parameter-sized.
+    formed from the slots (the differences element by element, one rounding each, as
+    ``numpy.diff`` forms them) below :math:`R`, and :math:`R \leftarrow` the factor of
+    :math:`[R; \text{block}]` by a Householder QR. That costs :math:`O(Q^2 n)` flops but only
+    :math:`O(Q b)` memory (the chunk sizes of the other passes), nothing parameter-sized.
 
     Args:
       slots: ``slots[s][leaf]`` window tensors (ring order), any floating dtype.
@@ -605,53 +604,67 @@ def difference_factor(
       device: where the ``(Q, Q)`` result goes.
     """
     q = len(slots)
-    f64 = torch.float64
-    # select @ F (F's rows: the slots in ring order) gives A^T's rows: e_{order[j+1]} -
-    # e_{order[j]} for the differences, e_{order[-1]} for the newest residual.
-    chrono = torch.eye(q, dtype=f64, device=order.device)[order]
-    steps = torch.where(valid.to(order.device)[:, None], chrono[1:] - chrono[:-1], 0.0)
-    select = torch.cat([steps, chrono[-1:]])
-    factor = torch.zeros(q, q, dtype=f64, device=device)
+    factor = torch.zeros(q, q, dtype=torch.float64, device=device)
+    concrete = not (tree.is_transformed(order) or tree.is_transformed(valid))
+    positions = (order.tolist(), valid.tolist()) if concrete else None
     for leaf_index in range(len(slots[0])):
         flats = [tree.flat_view(s[leaf_index]) for s in slots]
         if flats[0].shape[0] == 0:
             continue
         here = flats[0].device
-        if any(tree.is_transformed(f) for f in flats) or tree.is_transformed(select):
-            factor = _factor_leaf_transformed(flats, select.to(here), factor.to(here))
+        if positions is None or any(tree.is_transformed(f) for f in flats):
+            factor = _factor_leaf_transformed(flats, order, valid, factor.to(here))
         else:
-            factor = _factor_leaf(flats, select.to(here), factor.to(here))
+            factor = _factor_leaf(flats, *positions, factor.to(here))
     return factor.to(device)
 
 
-def _factor_leaf(flats: Sequence[Tensor], select: Tensor, factor: Tensor) -> Tensor:
+def _factor_leaf(
+    flats: Sequence[Tensor], order: list[int], valid: list[bool], factor: Tensor
+) -> Tensor:
     q, numel = len(flats), flats[0].shape[0]
     f64, dev = torch.float64, flats[0].device
-    runs = _runs(flats)
-    step = _buffer_width(q, numel, dev)
-    # One float64 run (a float64 ring allocated by new_ring) is read in place; anything else
-    # is gathered chunk by chunk into a small float64 buffer.
-    direct = len(runs) == 1 and runs[0][1].dtype == f64
-    buffer = None if direct else torch.empty(q, step, dtype=f64, device=dev)
-    block = torch.empty(step, q, dtype=f64, device=dev)
+    # Each chunk costs a LAPACK call whose overhead rivals O(Q^2 b) flops for small b: chunks
+    # 4x wider than the other passes' (2^18 values on a CPU; measured 2x faster at n = 2^20,
+    # Q = 9), with the same cap of about one float32 parameter.
+    step = min(4 * _buffer_width(q, numel, dev), max(_MIN_CHUNK, numel // (2 * q)), numel)
+    # The QR's input [R; block], column-major (LAPACK's layout) as the transpose of a
+    # row-major (Q, Q + step) buffer: each column of the block is then one contiguous row,
+    # written by one subtraction. Columns of invalid differences stay zero (so do R's).
+    work_t = torch.zeros(q, q + step, dtype=f64, device=dev)
+    # float64 slots are read in place; others are widened chunk by chunk first (subtracting
+    # them in their own dtype would round the differences).
+    widen = any(f.dtype != f64 for f in flats)
+    buffer = torch.empty(q, step, dtype=f64, device=dev) if widen else None
     for start in range(0, numel, step):
         stop = min(start + step, numel)
         width = stop - start
-        if direct:
-            chunk = runs[0][1][:, start:stop]
+        if widen:
+            rows = [buffer[s, :width].copy_(f[start:stop]) for s, f in enumerate(flats)]
         else:
-            chunk = buffer[:, :width]
-            for first, run in runs:
-                chunk[first : first + run.shape[0]].copy_(run[:, start:stop])
-        rows = torch.mm(chunk.mT, select.mT, out=block[:width])
-        factor = torch.linalg.qr(torch.cat([factor, rows]), mode="r").R
+            rows = [f[start:stop] for f in flats]
+        work_t[:, :q].copy_(factor.mT)
+        for j in range(q - 1):
+            if valid[j]:
+                torch.sub(rows[order[j + 1]], rows[order[j]], out=work_t[j, q : q + width])
+        work_t[q - 1, q : q + width].copy_(rows[order[-1]])
+        factor = torch.linalg.qr(work_t[:, : q + width].mT, mode="r").R
     return factor
 
 
-def _factor_leaf_transformed(flats: Sequence[Tensor], select: Tensor, factor: Tensor) -> Tensor:
-    """The same pass under a torch.func transform: chunks gathered with ``torch.stack``."""
+def _factor_leaf_transformed(
+    flats: Sequence[Tensor], order: Tensor, valid: Tensor, factor: Tensor
+) -> Tensor:
+    """The same pass under a torch.func transform (``order`` and ``valid`` may be batched):
+    chunks gathered with ``torch.stack``, the block formed by a ``Q x Q`` difference matrix
+    (``1 * a - 1 * b`` is one rounding, exactly ``a - b``)."""
+    q = len(flats)
+    dev = flats[0].device
+    chrono = torch.eye(q, dtype=torch.float64, device=dev)[order.to(dev)]
+    steps = torch.where(valid.to(dev)[:, None], chrono[1:] - chrono[:-1], 0.0)
+    select = torch.cat([steps, chrono[-1:]])
     numel = flats[0].shape[0]
-    step = chunk_size(len(flats), flats[0].device)
+    step = chunk_size(q, dev)
     for start in range(0, numel, step):
         stop = min(start + step, numel)
         chunk = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
