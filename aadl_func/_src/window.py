@@ -632,6 +632,10 @@ def _factor_leaf(
     # row-major (Q, Q + step) buffer: each column of the block is then one contiguous row,
     # written by one subtraction. Columns of invalid differences stay zero (so do R's).
     work_t = torch.zeros(q, q + step, dtype=f64, device=dev)
+    # geqrf writes its Householder vectors and R into a second buffer of that layout (R is
+    # its upper triangle), so that no chunk allocates anything chunk-sized.
+    reflected_t = torch.empty(q, q + step, dtype=f64, device=dev)
+    tau = torch.empty(q, dtype=f64, device=dev)
     # float64 slots are read in place; others are widened chunk by chunk first (subtracting
     # them in their own dtype would round the differences).
     widen = any(f.dtype != f64 for f in flats)
@@ -648,7 +652,9 @@ def _factor_leaf(
             if valid[j]:
                 torch.sub(rows[order[j + 1]], rows[order[j]], out=work_t[j, q : q + width])
         work_t[q - 1, q : q + width].copy_(rows[order[-1]])
-        factor = torch.linalg.qr(work_t[:, : q + width].mT, mode="r").R
+        reflected = reflected_t[:, : q + width].mT
+        torch.geqrf(work_t[:, : q + width].mT, out=(reflected, tau))
+        factor = reflected[:q].triu()
     return factor
 
 
