@@ -20,7 +20,9 @@ The sharded (two gloo ranks) counterpart is ``test_distributed.py``
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,17 @@ from aadl_func._src.solve import RCOND, solve_factor, stack_factors
 from aadl_func._src.window import difference_factor, new_ring
 
 EPS = float(np.finfo(np.float64).eps)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One thread: these steps are made of many small LAPACK calls, which stall when a busy
+    machine's cores are oversubscribed (as test_memory.py notes); results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 # -- windows with a prescribed cond(DR) ------------------------------------------------------
 
@@ -520,13 +533,29 @@ def test_float64_inplace_step_memory():
     def step():
         out["state"] = opt.update(state, params, grads, inplace=True)[1]
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        peak, _, largest = benchmark.allocation_profile(step)
-    finally:
-        torch.set_num_threads(threads)
+    peak, _, largest = benchmark.allocation_profile(step)
     assert int(out["state"].num_mixed) == before + 1
     param_bytes = n * 8
     assert peak <= 6 * param_bytes, peak / param_bytes
     assert largest <= param_bytes, largest / param_bytes
+
+
+def test_accuracy_example_quick(tmp_path, capsys):
+    """examples/accuracy.py runs end to end and reports what the tests above assert."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(examples))
+    try:
+        import accuracy
+
+        out = str(tmp_path / "accuracy.json")
+        assert accuracy.main(["--quick", "--threads", "1", "--out", out]) == 0
+    finally:
+        sys.path.remove(str(examples))
+    result = json.loads((tmp_path / "accuracy.json").read_text())
+    assert "error of the extrapolation step" in capsys.readouterr().out
+    rows = {(r["kind"], r["path"]): r["errors"] for r in result["accuracy"]}
+    for path in ("mix, float64 window (QR)", "update, float64 window (streamed QR)"):
+        assert max(rows[("converging", path)]) <= 1e-11
+    spd = next(r for r in result["gmres"] if r["problem"].startswith("spd"))
+    assert spd["library_first_above_1e-10"] is None and spd["library_max_error"] <= 1e-10
+    assert all(r["float64_window_qr_ms"] > 0 for r in result["cost"])
