@@ -491,8 +491,9 @@ class _Step:
         order = self.chronological(head).to(self.compute_device)
         chrono = gram[order][:, order]
         if self.exact:
-            factor = self.summed_factor if self.shards is not None else None
-            if factor is None:
+            if self.shards is not None:
+                factor = self.summed_factor  # every rank's, from this call's all_reduce
+            else:
                 factor = self.factor(ring, head, num_residuals)
             valid = self.difference_valid(num_residuals).to(self.compute_device)
             weights = solve_factor(factor, valid, self.config.reg)
