@@ -10,7 +10,9 @@ not square the condition number of the residual differences ``DF``:
   can (two references differ from each other by ~eps * cond(DF)), and the library stays
   within a small multiple of eps * cond(DF) of the reference;
 * ``update`` (float64 windows, both modes, every option) follows the same recurrence, free
-  running, to 1e-9 over 40 steps; full-history mode "classic" equals GMRES to 1e-10;
+  running, to 1e-9 over 40 steps where that recurrence is itself well posed (each call is
+  checked on the library's own inputs where it is not), and so does ``accelerate``;
+  full-history mode "classic" equals GMRES to 1e-10;
 * degenerate windows give finite, bounded coefficients.
 
 The sharded (two gloo ranks) counterpart is ``test_distributed.py``
@@ -352,10 +354,10 @@ def _run(problem, opt, x0, steps, *, safeguard, inplace=False):
     return outputs, state
 
 
-def _sensitivity(reference, x0, loss) -> float:
+def _sensitivity(reference, x0, loss, steps=STEPS) -> float:
     """How far the reference's own trajectory moves when x0 moves by one part in 1e15."""
-    base, _ = reference.run(x0, STEPS, loss)
-    moved, _ = reference.run(x0 * (1 + 1e-15), STEPS, loss)
+    base, _ = reference.run(x0, steps, loss)
+    moved, _ = reference.run(x0 * (1 + 1e-15), steps, loss)
     return max(relative_error(a, b) for a, b in zip(moved, base))
 
 
@@ -559,3 +561,27 @@ def test_accuracy_example_quick(tmp_path, capsys):
     spd = next(r for r in result["gmres"] if r["problem"].startswith("spd"))
     assert spd["library_first_above_1e-10"] is None and spd["library_max_error"] <= 1e-10
     assert all(r["float64_window_qr_ms"] > 0 for r in result["cost"])
+
+
+@pytest.mark.parametrize("relaxation,depth", [(0.1, 15), (0.5, 5)])
+def test_accelerate_positional_call_follows_the_recurrence(logistic, relaxation, depth):
+    """AADL's migration path, ``accelerate(optimizer, "anderson", relaxation, wait_iterations,
+    history_depth)`` on a float64 model, follows the float64 QR recurrence (AADL's defaults:
+    relaxation 0.1, depth 15) over 15 steps to 1e-9 (the normal equations drifted 1e-8)."""
+    lr = 1.0 / logistic.smoothness
+    x0 = np.random.default_rng(0).standard_normal(logistic.dim)
+    steps = 15
+    reference = AadlRecurrence(
+        logistic.grad, lr, history_depth=depth, relaxation=relaxation, wait_iterations=1
+    )
+    expected, kinds = reference.run(x0, steps)
+    assert _sensitivity(reference, x0, None, steps) <= 1e-10
+    param = torch.nn.Parameter(torch.from_numpy(x0.copy()))
+    optimizer = torch.optim.SGD([param], lr=lr)
+    aa.accelerate(optimizer, "anderson", relaxation, 1, depth)
+    for k in range(steps):
+        optimizer.zero_grad()
+        param.grad = torch.from_numpy(logistic.grad(param.detach().numpy()))
+        optimizer.step()
+        assert relative_error(param.detach().numpy(), expected[k]) <= 1e-9, k
+    assert kinds.count("mix") >= 10
