@@ -2,8 +2,9 @@
 
 Nothing here imports ``aadl_func``: every function is written from the mathematics in
 ``docs/background.md`` / ``docs/spec.md`` (or a textbook), with dense matrices and
-``numpy.linalg.lstsq`` (an SVD solver, a different algorithm from the library's float64
-eigen-decomposition of the Gram matrix), so agreement is evidence, not tautology.
+``numpy.linalg.lstsq`` (an SVD solver applied to the whole matrix, a different algorithm
+from the library's QR factor or float64 Gram matrix), so agreement is evidence, not
+tautology.
 
 Conventions: a window is an ``(n, k)`` array whose columns are the iterates, oldest first.
 """

@@ -1,9 +1,10 @@
 """``mix``, ``mixing_weights`` and ``solve_weights`` against independent NumPy references.
 
 The references (``reference.py``) follow background.md's formula literally and solve the
-least-squares problem with ``numpy.linalg.lstsq`` (SVD); the library solves it from a float64
-Gram matrix by an eigen-decomposition. Tolerances are the spec's: 1e-8 relative for float64
-windows, 1e-4 for float32 windows with cond(DR) <= 1e3.
+least-squares problem with ``numpy.linalg.lstsq`` (SVD); ``mix`` solves it from a float64
+Householder QR factor, ``solve_weights`` from a float64 Gram matrix by an eigen-decomposition.
+Tolerances are the spec's: 1e-8 relative for float64 windows, 1e-4 for float32 windows with
+cond(DR) <= 1e3 (test_accuracy.py holds the float64 QR path to 1e-11).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from aadl_func._src.checks import (
     keep_requires_grad,
 )
 from aadl_func._src.mix import aadl_coefficients
-from aadl_func._src.solve import solve_differences
+from aadl_func._src.solve import solve_differences, solve_factor, stack_factors
 from aadl_func._src.state import AndersonState
 from aadl_func._src.validation import (
     check_bool,
@@ -33,6 +33,7 @@ from aadl_func._src.validation import (
 from aadl_func._src.window import (
     append_difference,
     combine,
+    difference_factor,
     difference_rows,
     new_ring,
     select,
@@ -139,7 +140,10 @@ def anderson(
     consecutive differences) updated one row per stored entry: a step costs two passes over
     the window (:math:`O(m n)`), solves an :math:`m \times m` problem in float64
     (``aadl_func._src.solve.solve_differences``) and stores, in mode "aadl", the newest entry
-    plus ``history_depth - 1`` differences.
+    plus ``history_depth - 1`` differences. A float64 window is solved more accurately, from
+    a float64 QR factor of the differences streamed from the ring on mixing calls
+    (``aadl_func._src.solve.solve_factor``: :math:`O(m^2 n)` flops, no extra
+    parameter-sized memory), so that the condition number of the differences is not squared.
 
     Args:
       inner: the inner optimizer, e.g. :func:`aadl_func.adam`, or any object with torchopt-style
@@ -494,10 +498,15 @@ class _Step:
             )
             for p in p_leaves
         ]
-        # Sharded params only: the Gram row of the newest residual summed over ranks, the
-        # mixing weights and the bounds of the finiteness certificate (see distributed.py).
+        # A float64 window is mixed through a QR factor of its differences (accurate to
+        # eps * cond); other windows through their float64 Gram matrices (O(m n)).
+        self.exact = all(leaf.dtype == torch.float64 for leaf in self.ring[0])
+        # Sharded params only: the Gram row of the newest residual and the QR factor summed over
+        # ranks, the mixing weights and the bounds of the finiteness certificate (see
+        # distributed.py).
         self.shards = shards
         self.summed_rows: tuple | None = None
+        self.summed_factor: Tensor | None = None
         self.base_bound: Tensor | None = None
         self.weights: Any = None
         self.chrono_norms: Tensor | None = None
@@ -570,11 +579,13 @@ class _Step:
         slot = (head + 1) % self.q
         ring = write_slot(ring, slot, residual, self.inplace)
         rows = local_rows = difference_rows(ring, slot, self.compute_device, grams[0], g=g)
+        grown = torch.clamp(num_residuals + 1, max=self.q)
         if self.shards is not None:
             # The state keeps the newest rows as this rank's partial sums; the decisions below
-            # use the sums over ranks.
-            grams, rows = self.reduce_rows(grams, head, rows)
-        grown = torch.clamp(num_residuals + 1, max=self.q)
+            # use the sums over ranks. A float64 window's factor for this call's mix rides
+            # along in the same all_reduce.
+            factor = self.shard_factor(ring, slot, grown)
+            grams, rows = self.reduce_rows(grams, head, rows, factor=factor)
         valid = self.slot_valid(slot, grown).to(rows[0].device)
         finite = torch.ones((), dtype=torch.bool, device=valid.device)
         for row in rows:
@@ -603,23 +614,62 @@ class _Step:
         g, h, c = difference_rows(ring, head, self.compute_device, grams[0])
         return ring, (set_gram_row(grams[0], head, g), set_gram_row(grams[1], head, h), c)
 
-    def solve(self, grams: tuple, head: Tensor, num_residuals: Tensor):
+    def difference_valid(self, num_residuals: Tensor) -> Tensor:
+        """Chronological mask of the differences ``f_{j+1} - f_j`` between valid residuals."""
+        return torch.arange(self.q - 1) >= self.q - num_residuals
+
+    def factor(self, ring: tuple, head: Tensor, num_residuals: Tensor) -> Tensor:
+        """The float64 QR factor of ``[DF | f_head]`` over the valid residuals of ``ring``
+        (this rank's rows only when sharded): one streaming pass, O(Q^2 n) flops."""
+        order = self.chronological(head)
+        valid = self.difference_valid(num_residuals)
+        return difference_factor(ring, order, valid, self.compute_device)
+
+    def shard_factor(self, ring: tuple, head: Tensor, num_residuals: Tensor) -> Tensor | None:
+        """This rank's factor for the step's all_reduce: float64 windows, on calls that may mix."""
+        if not self.exact or tree.static_value(self.may_mix()) is False:
+            return None
+        return self.factor(ring, head, num_residuals)
+
+    def may_mix(self) -> Tensor:
+        """The call-count gates of a mix (the window size is checked by the caller)."""
+        config = self.config
+        return (self.count > config.wait_iterations) & (self.count % config.frequency == 0)
+
+    def solve(self, ring: tuple, grams: tuple, head: Tensor, num_residuals: Tensor):
+        """The mixing weights of the window (chronological) and the chronological slot order.
+
+        A float64 window: a float64 QR factor of ``[DF | f_last]`` streamed from the ring
+        (summed over ranks by stacking every rank's factor) and
+        :func:`aadl_func._src.solve.solve_factor`, accurate to ``eps * cond(DF)``. Other
+        windows: the incrementally kept float64 Gram matrices and
+        :func:`aadl_func._src.solve.solve_differences` (normal equations, ``O(Q^2)``).
+        """
         gram, dr_gram, dr_rhs = grams
         if self.shards is not None:
             if self.summed_rows is None:
-                (gram, dr_gram, _), self.summed_rows = self.reduce_rows(grams, head)
+                factor = self.shard_factor(ring, head, num_residuals)
+                (gram, dr_gram, _), self.summed_rows = self.reduce_rows(grams, head, factor=factor)
             g, h, dr_rhs = self.summed_rows
             gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
         order = self.chronological(head).to(self.compute_device)
         chrono = gram[order][:, order]
-        later = order[1:]  # d at chronological position j + 1 is the column of gamma_j
-        weights = solve_differences(
-            dr_gram[later][:, later],
-            dr_rhs[later],
-            torch.diagonal(chrono),
-            num_residuals.to(self.compute_device),
-            self.config.reg,
-        )
+        if self.exact:
+            if self.shards is not None:
+                factor = self.summed_factor  # every rank's, from this call's all_reduce
+            else:
+                factor = self.factor(ring, head, num_residuals)
+            valid = self.difference_valid(num_residuals).to(self.compute_device)
+            weights = solve_factor(factor, valid, self.config.reg)
+        else:
+            later = order[1:]  # d at chronological position j + 1 is the column of gamma_j
+            weights = solve_differences(
+                dr_gram[later][:, later],
+                dr_rhs[later],
+                torch.diagonal(chrono),
+                num_residuals.to(self.compute_device),
+                self.config.reg,
+            )
         if self.shards is not None:
             self.weights = weights
             self.chrono_norms = torch.diagonal(chrono).clamp(min=0.0).sqrt()
@@ -725,7 +775,11 @@ class _Step:
 
     # -- sharded params (DTensor / FSDP2; see distributed.py) ------------------------------
     def reduce_rows(
-        self, grams: tuple, head: Tensor, new_rows: tuple | None = None
+        self,
+        grams: tuple,
+        head: Tensor,
+        new_rows: tuple | None = None,
+        factor: Tensor | None = None,
     ) -> tuple[tuple, tuple]:
         """The step's one all_reduce over the shard group.
 
@@ -733,7 +787,15 @@ class _Step:
         the previous newest residual (kept as this rank's partial sums because the safeguard
         may have replaced that residual after the previous reduction), then either the three
         partial rows of the residual appended now (``new_rows``) or the partial ``dr_rhs``,
-        and this rank's bound for :meth:`certified_finite`.
+        then, with ``factor`` (this rank's ``Q x Q`` QR factor of a float64 window), a
+        ``(world, Q, Q)`` block holding it in this rank's slot and zeros elsewhere, and this
+        rank's bound for :meth:`certified_finite`.
+
+        The sum of the blocks is every rank's factor, in rank order, on every rank; their
+        stacked QR (:func:`aadl_func._src.solve.stack_factors`) is the factor of the whole
+        window, identical on all ranks, kept in ``summed_factor``. (Summing the factors'
+        Gram matrices would square the condition number again; a TSQR tree needs a reduction
+        with QR as its operator, which collectives do not offer.)
 
         Returns ``(grams with the head rows summed, the summed (g, h, c) of the newest
         residual)``.
@@ -744,9 +806,18 @@ class _Step:
         at = head.to(device)
         tail = list(new_rows) if new_rows is not None else [dr_rhs]
         parts = [gram[at], dr_gram[at], *(t.to(device) for t in tail)]
+        rows_end = sum(p.numel() for p in parts)
+        world = self.shards.world_size
+        if factor is not None:
+            own = torch.arange(world, device=device) == self.shards.rank
+            slots = torch.where(own[:, None, None], factor.to(device)[None], 0.0)
+            parts.append(slots.reshape(-1))
         parts.append(self.local_base_bound().to(device).reshape(1))
         total = self.shards.all_sum(torch.cat(parts))
         self.base_bound = total[-1]
+        if factor is not None:
+            every_rank = total[rows_end : rows_end + world * q * q].reshape(world * q, q)
+            self.summed_factor = stack_factors([every_rank])
         gram = set_gram_row(gram, head, total[:q])
         dr_gram = set_gram_row(dr_gram, head, total[q : 2 * q])
         if new_rows is not None:
@@ -913,7 +984,7 @@ class _AadlStep(_Step):
             return self.params
 
         def extrapolate() -> tuple[list[Tensor], Tensor]:
-            weights, order = self.solve(grams, head, num_residuals)
+            weights, order = self.solve(ring, grams, head, num_residuals)
             coefficients = aadl_coefficients(weights.alpha, config.relaxation)
             into = mix_into_params()
             try:
@@ -1035,7 +1106,7 @@ class _ClassicStep(_Step):
         gate = self.gate(window_size, 2)
 
         def extrapolate() -> tuple[list[Tensor], Tensor]:
-            weights, order = self.solve(grams, head, window_size)
+            weights, order = self.solve(ring, grams, head, window_size)
             alpha = self.to_ring_order(weights.alpha, order)
             x_hist = combine(
                 None,

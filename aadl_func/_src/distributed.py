@@ -134,6 +134,7 @@ class ShardedCall:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
         self.originals = list(leaves)
         self.locals = [p.detach().to_local() for p in leaves]
         # gloo reduces CPU tensors, NCCL CUDA tensors: the buffer goes where the mesh lives.

@@ -8,8 +8,9 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
-from aadl_func._src.solve import MixingWeights, solve_differences
+from aadl_func._src.solve import MixingWeights, solve_factor
 from aadl_func._src.validation import check_float
+from aadl_func._src.window import difference_factor
 
 __all__ = ["mix", "mixing_weights", "aadl_coefficients"]
 
@@ -56,36 +57,30 @@ def _window_leaves(history: Any) -> tuple[list[Tensor], Any, int]:
 
 
 def _solve(leaves: list[Tensor], window: int, reg: float) -> tuple[MixingWeights, list]:
-    r"""The AADL weights of the window, with the float64 differences of every leaf.
+    r"""The AADL weights of the window, with the float64 iterates and steps of every leaf.
 
-    The normal equations are formed from the second differences themselves,
-    :math:`H = \Delta R^\top \Delta R` and :math:`c = \Delta R^\top \Delta X_{:, -1}`, all in
-    float64: differencing a residual Gram matrix instead would cancel catastrophically when
-    consecutive steps are nearly equal (slowly varying steps are the common case in training).
+    The steps :math:`\Delta X` are formed in float64 (element by element, exact for float32
+    or bf16 windows); :math:`A = [\Delta R \mid \Delta X_{:, -1}]` is then reduced, chunk of
+    coordinates by chunk, leaf by leaf, to its ``(m + 1) x (m + 1)`` factor by Householder
+    QR (:func:`aadl_func._src.window.difference_factor`, a TSQR; the second differences are
+    formed chunk by chunk, exactly as ``numpy.diff`` forms them), and the small problem is
+    solved from it by :func:`aadl_func._src.solve.solve_factor`. No normal equations: the
+    condition number of :math:`\Delta R` enters once, which makes this the most accurate path
+    of the library (and :math:`O(m^2 n)`, where the incremental window of
+    :func:`aadl_func.anderson` is :math:`O(m n)` for float32/bf16 windows).
     """
     solve_device = leaves[0].device
-    m = window - 2
-    h = torch.zeros(m, m, dtype=torch.float64, device=solve_device)
-    c = torch.zeros(m, dtype=torch.float64, device=solve_device)
-    residual_sq = torch.zeros(window - 1, dtype=torch.float64, device=solve_device)
     per_leaf = []
     for leaf in leaves:
         x = leaf.reshape(window, -1).to(torch.float64)
-        dx = x[1:] - x[:-1]
-        dr = dx[1:] - dx[:-1]
-        h = h + (dr @ dr.mT).to(solve_device)
-        c = c + (dr @ dx[-1]).to(solve_device)
-        residual_sq = residual_sq + (dx * dx).sum(-1).to(solve_device)
-        per_leaf.append((x, dx, dr))
-    # Non-finite sums (an overflowing window) give ok = False and gamma = 0: the newest iterate.
-    weights = solve_differences(h, c, residual_sq, window - 1, reg)
-    # ||DX[:, -1] - DR gamma|| from the data, not from the (cancelling) quadratic form.
-    mixed_sq = torch.zeros((), dtype=torch.float64, device=solve_device)
-    for _, dx, dr in per_leaf:
-        r = dx[-1] - weights.gamma.to(dr.device) @ dr
-        mixed_sq = mixed_sq + (r * r).sum().to(solve_device)
-    residual_norm = torch.where(weights.ok, mixed_sq, 0.0).sqrt()
-    return weights._replace(residual_norm=residual_norm), per_leaf
+        per_leaf.append((x, x[1:] - x[:-1]))
+    steps = [[dx[i] for _, dx in per_leaf] for i in range(window - 1)]
+    order = torch.arange(window - 1)
+    valid = torch.ones(window - 2, dtype=torch.bool)
+    factor = difference_factor(steps, order, valid, solve_device)
+    # A non-finite factor (an overflowing window) gives ok = False and gamma = 0: the newest
+    # iterate.
+    return solve_factor(factor, valid.to(solve_device), reg), per_leaf
 
 
 def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:
@@ -95,7 +90,7 @@ def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:
     ``DX[:, i] = X[:, i+1] - X[:, i]`` of ``history`` (see :func:`mix`): ``gamma`` minimises
     :math:`\|\Delta X_{:, -1} - \Delta R\,\gamma\|^2 + \mathrm{reg}\,\|\gamma\|^2`,
     ``residual_norm`` is :math:`\|\Delta X_{:, -1} - \Delta R\,\gamma\|` and ``ok`` is False
-    when the window's float64 inner products overflowed (then ``gamma = 0``).
+    when the window's float64 differences or their factor overflowed (then ``gamma = 0``).
     """
     reg = check_float("mixing_weights", "reg", reg, minimum=0.0)
     leaves, _, window = _window_leaves(history)
@@ -131,13 +126,17 @@ def mix(history: Any, *, relaxation: float = 1.0, reg: float = 0.0) -> Any:
         x &= \beta\, x_{\mathrm{extr}} + (1 - \beta)\, X[:, :-1]\,\alpha, \quad
         \alpha = (\gamma_0, \gamma_1 - \gamma_0, \dots, 1 - \gamma_{k-3})
 
-    with :math:`\beta` = ``relaxation``. The differences, the normal equations
-    :math:`\Delta R^\top \Delta R` and :math:`\Delta R^\top \Delta X[:, -1]` and the combination
-    are all formed in float64 and the small problem is solved by
-    :func:`aadl_func._src.solve.solve_differences` (eigen-decomposition pseudo-inverse, one
-    algorithm on every device); the result is cast back to each leaf's dtype. Finite input
-    gives finite output: should the float64 sums or the combination overflow, the newest
-    iterate is returned instead.
+    with :math:`\beta` = ``relaxation``. The differences and the combination are formed in
+    float64; :math:`\gamma` comes from a float64 Householder QR of
+    :math:`[\Delta R \mid \Delta X[:, -1]]` and an SVD of its small triangular factor
+    (:func:`aadl_func._src.solve.solve_factor`: singular values of :math:`\Delta R` with
+    :math:`\sigma^2 + \mathrm{reg} \le (10^{-13} s)^2` dropped, :math:`s` the largest column
+    norm, which gives the minimum-norm answer on rank-deficient windows). The error is about
+    :math:`\epsilon_{64}\,\mathrm{cond}(\Delta R)` relative, never squared, and near
+    :math:`\epsilon_{64}` when the ill-conditioning is only the columns' scales. The result is
+    cast back to each leaf's dtype. Finite input gives finite output: should the float64
+    differences, the factor or the combination overflow, the newest iterate is returned
+    instead.
 
     Args:
       history: tensor or pytree of tensors with a leading window dimension, oldest first.
@@ -158,7 +157,7 @@ def mix(history: Any, *, relaxation: float = 1.0, reg: float = 0.0) -> Any:
     weights, per_leaf = _solve(leaves, window, reg)
     coefficients = aadl_coefficients(weights.alpha, relaxation)
     mixed, newest = [], []
-    for leaf, (x, dx, _) in zip(leaves, per_leaf):
+    for leaf, (x, dx) in zip(leaves, per_leaf):
         c = coefficients.to(dx.device)
         combined = x[-1] - c @ dx
         mixed.append(combined.to(leaf.dtype).reshape(leaf.shape[1:]))

@@ -1,26 +1,65 @@
 r"""The small least-squares problem of Anderson acceleration, solved once, in float64.
 
-Every mixing path reduces the window to a few float64 inner products and solves the small
-problem with :func:`solve_coefficients`: the pure :func:`aadl_func.mix` forms
-:math:`\Delta F^\top \Delta F` from an explicit window, the incremental window of
-:func:`aadl_func.anderson` (sharded or not) keeps it row by row and calls
-:func:`solve_differences`, and :func:`solve_weights` starts from a residual Gram matrix alone.
-Keeping this in one place is what makes CPU and GPU agree: AADL's users got different answers
-from ``torch.linalg.lstsq`` on the two devices (pivoted QR on CPU, unpivoted QR on CUDA)
-exactly when the window was rank deficient."""
+Two routes lead to the same problem, :math:`\gamma = \arg\min_\gamma \|f_{\mathrm{last}} -
+\Delta F \gamma\|^2 + \mathrm{reg}\,\|\gamma\|^2`:
+
+* from a **triangular factor** (:func:`solve_factor`, the accurate route): the float64 ``R`` of
+  a Householder QR of :math:`[\Delta F \mid f_{\mathrm{last}}]` (built by
+  :func:`stack_factors` from blocks of rows), then an SVD of its small ``m x m`` block. The
+  condition number of :math:`\Delta F` enters once: the coefficients are accurate to about
+  :math:`\epsilon\,\mathrm{cond}(\Delta F)`, and to near :math:`\epsilon` when the
+  ill-conditioning comes from the columns' scales (residuals decaying as an iteration
+  converges, the common case). :func:`aadl_func.mix` and float64 windows of
+  :func:`aadl_func.anderson` (sharded or not) take it;
+* from **float64 inner products** (:func:`solve_differences`, :func:`solve_weights`): the
+  normal equations :math:`\Delta F^\top \Delta F`, solved by a symmetric eigen-decomposition.
+  They square the condition number, but the inner products of a float32 or bf16 window cost
+  one :math:`O(m n)` pass; that window's own precision is the tighter limit (README, Numerics).
+
+Both truncate in the same way: with :math:`\sigma_i` the singular values of
+:math:`\Delta F` and :math:`s` the solver's scale (factor route: the largest column norm of
+:math:`[\Delta F \mid f_{\mathrm{last}}]`; Gram route: the largest residual norm
+:math:`\max_i \|f_i\|`), directions with
+:math:`\sigma_i^2 + \mathrm{reg} \le (\tau s)^2` are dropped (a minimum-norm, truncated-SVD
+answer: one well-defined result for rank-deficient windows, and bounded coefficients), with
+:math:`\tau` = :data:`RCOND` on the factor route and :math:`\sqrt{\mathrm{RTOL}}` on the Gram
+route, whose eigenvalues carry rounding :math:`\epsilon\, s^2`.
+
+Keeping this in one place, with the SVD of the small factor always on the CPU (one LAPACK
+routine whatever the device), is what makes CPU and GPU agree: AADL's users got different
+answers from ``torch.linalg.lstsq`` on the two devices (pivoted QR on CPU, unpivoted QR on
+CUDA) exactly when the window was rank deficient."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["MixingWeights", "solve_weights", "solve_coefficients", "solve_differences", "RTOL"]
+__all__ = [
+    "MixingWeights",
+    "solve_factor",
+    "stack_factors",
+    "solve_weights",
+    "solve_coefficients",
+    "solve_differences",
+    "RCOND",
+    "RTOL",
+]
 
-# Eigenvalues of the projected Gram below RTOL * (largest residual norm squared) are treated
-# as zero. Gram entries carry float64 rounding of order eps64 * ||f_i|| ||f_j||, so anything
-# smaller than a few hundred eps64 is noise; 1e-13 keeps cond(DR) up to ~3e6 meaningful.
+# Factor route: singular values of DF (shifted by reg) at or below RCOND * s are dropped, s the
+# largest column norm of [DF | f_last]. A float64 QR perturbs them by at most a few eps64 * s
+# (~1e-15 s), so every kept direction is resolved to ~1% or better (and to near eps64 when
+# the small singular values come from small columns, as in a converging iteration). The
+# coefficients stay below sqrt(m) ||f_last|| / (RCOND s) <= sqrt(m) / RCOND.
+RCOND = 1e-13
+
+# Gram route: eigenvalues of the projected Gram below RTOL * (largest residual norm squared)
+# are treated as zero. Gram entries carry float64 rounding of order eps64 * ||f_i|| ||f_j||,
+# so anything smaller than a few hundred eps64 is noise; 1e-13 keeps cond(DR) up to ~3e6
+# meaningful.
 RTOL = 1e-13
 
 
@@ -32,14 +71,107 @@ class MixingWeights(NamedTuple):
       alpha: ``(q,)`` float64 affine weights, ``alpha = (gamma_0, gamma_1 - gamma_0, ...,
         1 - gamma_{q-2})``; they sum to one and minimise ``||sum_i alpha_i f_i||``.
       residual_norm: 0-d float64, ``||sum_i alpha_i f_i||`` (the mixed residual).
-      ok: 0-d bool, False when the Gram matrix was not finite (the weights then fall back to
-        ``alpha = e_last``, the plain iterate).
+      ok: 0-d bool, False when the Gram matrix or the factor was not finite (the weights
+        then fall back to ``alpha = e_last``, the plain iterate).
     """
 
     gamma: Tensor
     alpha: Tensor
     residual_norm: Tensor
     ok: Tensor
+
+
+def stack_factors(blocks: Sequence[Tensor]) -> Tensor:
+    r"""The triangular factor ``R`` (``q x q``, float64) of the rows of ``blocks`` stacked.
+
+    Each block is a ``(p_i, q)`` matrix of rows of the same tall matrix :math:`A` (for example
+    the ``R`` of some of its rows: a TSQR step); the result satisfies
+    :math:`R^\top R = \sum_i B_i^\top B_i = A^\top A` and comes from a Householder QR, so it
+    is backward stable whatever the grouping. Fewer than ``q`` rows are padded with zero rows
+    (an already triangular block passes through exactly: its reflectors are the identity).
+    """
+    q = blocks[0].shape[-1]
+    rows = [b.to(torch.float64) for b in blocks]
+    missing = q - sum(b.shape[-2] for b in rows)
+    if missing > 0:
+        rows.append(rows[0].new_zeros(*rows[0].shape[:-2], missing, q))
+    stacked = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-2)
+    return torch.linalg.qr(stacked, mode="r").R
+
+
+def solve_factor(factor: Tensor, valid: Tensor, reg: float = 0.0) -> MixingWeights:
+    r"""Solves the regularised Anderson least-squares problem from a triangular factor.
+
+    ``factor`` is the upper-triangular ``R`` (``(m + 1) x (m + 1)``, float64) of a QR
+    factorisation of :math:`A = [\Delta F \mid f]` (:math:`\Delta F` the ``m`` columns of
+    residual differences, oldest first, :math:`f` the newest residual), e.g. from
+    :func:`stack_factors`. With :math:`R = \begin{bmatrix} R_{11} & r_{12} \\ 0 & \rho
+    \end{bmatrix}`, :math:`\|f - \Delta F \gamma\|^2 = \|r_{12} - R_{11}\gamma\|^2 +
+    \rho^2`, so with the SVD :math:`R_{11} = U \Sigma V^\top` and :math:`b = U^\top r_{12}`
+
+    .. math::
+
+        \gamma = V \varphi(\Sigma)\, b, \qquad
+        \varphi(\sigma) = \begin{cases} \sigma / (\sigma^2 + \mathrm{reg}) &
+            \sigma^2 + \mathrm{reg} > (\mathrm{RCOND}\, s)^2 \\ 0 & \text{otherwise}
+            \end{cases}, \qquad
+        \|f - \Delta F\gamma\|^2 = \rho^2 + \sum_i (1 - \sigma_i \varphi(\sigma_i))^2
+            b_i^2,
+
+    :math:`s` being the largest column norm of :math:`A` (that of :math:`R`). The condition
+    number of :math:`\Delta F` enters once, not squared as in the normal equations. Dropped
+    directions make a rank-deficient window's answer the minimum-norm one among the kept
+    directions, and bound :math:`\|\gamma\|_2 \le \sqrt{m}\, \|f\| / (\mathrm{RCOND}\, s)`.
+
+    The SVD runs on the CPU whatever ``factor``'s device (``m x m`` values, one LAPACK
+    routine everywhere); ``gamma`` comes back on ``factor``'s device. Columns where ``valid``
+    is False are zeroed first and get :math:`\gamma_j = 0`. A non-finite factor gives
+    ``ok = False`` and :math:`\gamma = 0`. No data-dependent Python control flow: it runs
+    under ``torch.func.vmap``.
+
+    Args:
+      factor: ``(m + 1, m + 1)`` upper-triangular float64 ``R`` of :math:`[\Delta F \mid f]`.
+      valid: ``(m,)`` bool, the columns of :math:`\Delta F` that take part.
+      reg: absolute Tikhonov weight on :math:`\gamma` (``reg >= 0``).
+
+    Returns:
+      :class:`MixingWeights`, ``residual_norm`` being :math:`\|f - \Delta F \gamma\|`.
+    """
+    q = factor.shape[-1]
+    m = q - 1
+    device = factor.device
+    columns = torch.cat([valid.to(device), torch.ones(1, dtype=torch.bool, device=device)])
+    r = torch.where(columns[None, :], factor.to(torch.float64), 0.0)
+    ok = torch.isfinite(r).all()
+    r = torch.where(ok, r, 0.0)
+
+    # Scaled to s = 1 (the largest column norm), so that nothing overflows or underflows in
+    # the SVD or in sigma^2 + reg; the norms are taken of R / max|R| for the same reason.
+    peak = r.abs().amax()
+    peak = torch.where(peak > 0, peak, torch.ones_like(peak))
+    scale = peak * torch.linalg.vector_norm(r / peak, dim=0).amax()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    r = r / scale
+    shift = reg / scale / scale  # reg / s^2, without forming s^2 (which may underflow)
+
+    u, sigma, vh = torch.linalg.svd(r[:m, :m].cpu())
+    rhs = r[:m, m].cpu()
+    shift = shift.cpu()
+    b = u.mT @ rhs
+    denominator = sigma * sigma + shift
+    keep = denominator > RCOND * RCOND
+    phi = torch.where(keep, sigma / torch.where(keep, denominator, 1.0), 0.0)
+    gamma = vh.mT @ (phi * b)
+    gamma = torch.where(valid.cpu(), gamma, 0.0)
+    unresolved = (1.0 - sigma * phi) * b
+    mixed_sq = r[m, m].cpu() ** 2 + (unresolved * unresolved).sum()
+
+    gamma = gamma.to(device)
+    ok = ok & torch.isfinite(gamma).all()
+    gamma = torch.where(ok, gamma, 0.0)
+    alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
+    residual_norm = torch.where(ok, mixed_sq.to(device).sqrt() * scale, 0.0)
+    return MixingWeights(gamma, alpha, residual_norm, ok)
 
 
 def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> MixingWeights:
