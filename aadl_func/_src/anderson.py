@@ -193,16 +193,16 @@ def anderson(
 
       The relative part scales with :math:`\Delta F^\top \Delta F`, so the damping of
       :math:`\gamma` towards the plain step is the same whatever the parameters' or the
-      learning rate's scale (an absolute ``reg`` must be re-tuned when either changes). It is
-      the scale-free ridge of regularised nonlinear acceleration (Scieur, d'Aspremont, Bach,
-      2016), and in the spirit of AdaSAM's adaptive regularisation (Wei, Bao, Liu, 2021),
-      which scales its ridge by :math:`\|r_k\|^2 / \|\Delta x_{k-1}\|^2`.
+      learning rate's scale (an absolute ``reg`` must be re-tuned when either changes), as
+      the ridges of regularised nonlinear acceleration (Scieur, d'Aspremont, Bach, 2016:
+      :math:`\propto \|R^\top R\|`) and of AdaSAM (Wei, Bao, Liu, 2021:
+      :math:`\propto \|r_k\|^2 / \|\Delta x_{k-1}\|^2`) are.
     * ``restart_on_reject``: when ``loss_fn`` rejects the mix of call :math:`k`, the window
       keeps only its newest entry (mode "aadl": :math:`y_k`; mode "classic": the pair
       :math:`(x_k, g(x_k))`), so the next mixes use only steps taken from then on. A rejection
       says the window's secant information no longer describes the map (in minibatch training,
-      it is mostly noise); restarting costs nothing (no pass over the window, no extra loss
-      evaluation), unlike a safeguard on the full data.
+      it is mostly noise). The restart itself costs nothing: no pass over the window, no
+      extra loss evaluation (the safeguard's ``loss_fn`` may be a held-out minibatch's loss).
 
     ``inplace=True`` is exception safe: if ``loss_fn`` (or Ctrl-C) interrupts a call, the params
     and the state passed in are left exactly as after the plain step ``y`` of that call (its
