@@ -30,7 +30,7 @@ def examples():
     try:
         yield {
             name: importlib.import_module(name)
-            for name in ("_common", "digits_demo", "ensemble", "fixed_point")
+            for name in ("_common", "digits_demo", "ensemble", "fixed_point", "minibatch")
         }
     finally:
         sys.path.remove(str(EXAMPLES))
@@ -158,3 +158,92 @@ def test_fixed_point(examples, tmp_path, capsys):
     assert accelerated["f_minus_f_star"] > -1e-10
     assert accelerated["f_minus_f_star"] < 1e-4
     assert logistic["plain GD"]["f_minus_f_star"] > accelerated["f_minus_f_star"]
+
+
+def test_minibatch(examples, tmp_path, capsys):
+    minibatch = examples["minibatch"]
+    epochs, seeds = 3, 2
+    summary = minibatch.main(
+        ["--quick", "--no-progress", "--out-dir", str(tmp_path), "--run", "tiny"]
+    )
+    run_dir = tmp_path / "tiny"
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    png = (run_dir / "test_accuracy.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    output = capsys.readouterr().out
+    assert "epochs to adam final" in output and "goal vs adam" in output
+
+    config = summary["config"]
+    assert config["epochs"] == epochs and config["seeds"] == seeds
+    assert config["evaluated_on"] == "test" and set(config["variants"]) == set(minibatch.VARIANTS)
+    for name in minibatch.DATASETS:
+        data = summary["datasets"][name]
+        assert sum(data["sizes"].values()) == {"digits": 1797, "tabular": 3000}[name]
+        targets = data["targets"]
+        assert set(targets) == {"adam", "sgdm"}
+        for variant in minibatch.VARIANTS:
+            runs = data["runs"][variant]
+            assert [r["seed"] for r in runs] == list(range(seeds))
+            for r in runs:
+                assert len(r["accuracy"]) == len(r["train_loss"]) == epochs + 1
+                assert all(0.0 <= a <= 1.0 for a in r["accuracy"])
+                assert _all_finite(r["train_loss"]) and r["wall_seconds"] > 0
+                elapsed = r["elapsed_seconds"]
+                assert len(elapsed) == epochs + 1 and elapsed[0] == 0.0
+                assert elapsed == sorted(elapsed) and elapsed[-1] == r["wall_seconds"]
+                if "num_mixed" in r:
+                    assert r["num_mixed"] + r["num_rejected"] <= r["steps"]
+                    assert r["num_nonfinite"] == 0
+            stats = data["stats"][variant]
+            finals = [r["accuracy"][-1] for r in runs]
+            assert stats["final_accuracy"]["mean"] == pytest.approx(sum(finals) / seeds)
+            assert stats["final_accuracy"]["count"] == seeds
+            for baseline, target in targets.items():
+                per_seed = stats["epochs_to"][baseline]
+                reached = [minibatch.epochs_to(r["accuracy"], target) for r in runs]
+                assert per_seed["count"] == sum(e is not None for e in reached)
+                for r, e in zip(runs, reached):
+                    if e is not None:  # the first epoch at or above the target
+                        assert r["accuracy"][e] >= target - 1e-12
+                        assert all(a < target for a in r["accuracy"][:e])
+        # The targets are the baselines' final seed-mean accuracies, which each baseline's
+        # mean curve reaches by its last epoch at the latest.
+        for baseline, target in targets.items():
+            finals = [r["accuracy"][-1] for r in data["runs"][baseline]]
+            assert target == pytest.approx(sum(finals) / seeds)
+            goal = data["goal"][baseline]
+            assert goal["baseline_epochs"] is not None and goal["baseline_epochs"] <= epochs
+            assert all(
+                minibatch.variants(minibatch.parse_args([]))[v].baseline == baseline
+                for v in goal["variants"]
+            )
+        # No aadl_func in the plain runs: the seed-0 "adam" run is torch.optim.Adam on the
+        # same minibatches from the same initial weights.
+        reference = _torch_adam_losses(minibatch, name, epochs, seed=0, lr=1e-3, batch_size=256)
+        actual = data["runs"]["adam"][0]["train_loss"]
+        assert actual == pytest.approx(reference, rel=1e-4, abs=1e-6)
+
+
+def _torch_adam_losses(minibatch, name, epochs, seed, lr, batch_size) -> list[float]:
+    """Full-training-set losses after each epoch of ``torch.optim.Adam`` on the example's data,
+    model and minibatch order (the generator seeded as the example documents)."""
+    data = minibatch.load_dataset(name)
+    x, y = data.train.x, data.train.y
+    model = minibatch.make_model(x.shape[1], data.num_classes, 64, seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    order = torch.Generator().manual_seed(10_000 + seed)
+
+    def full_loss() -> float:
+        with torch.no_grad():
+            return F.cross_entropy(model(x), y).item()
+
+    losses = [full_loss()]
+    for _ in range(epochs):
+        permutation = torch.randperm(len(y), generator=order)
+        for start in range(0, len(y), batch_size):
+            rows = permutation[start : start + batch_size]
+            optimizer.zero_grad()
+            F.cross_entropy(model(x[rows]), y[rows]).backward()
+            optimizer.step()
+        losses.append(full_loss())
+    return losses

@@ -72,6 +72,8 @@ class _Config:
     history_dtype: torch.dtype | None
     skip_nonfinite: bool = False
     max_consecutive_skips: int | None = None
+    reg_relative: float = 0.0
+    restart_on_reject: bool = False
 
     @property
     def num_slots(self) -> int:
@@ -107,6 +109,8 @@ def anderson(
     history_dtype: torch.dtype | None = None,
     skip_nonfinite: bool = False,
     max_consecutive_skips: int | None = None,
+    reg_relative: float = 0.0,
+    restart_on_reject: bool = False,
 ) -> Anderson:
     r"""Anderson-accelerates an inner optimizer, treating its step as a fixed-point map ``g``.
 
@@ -170,6 +174,39 @@ def anderson(
       max_consecutive_skips: with ``skip_nonfinite``, how many calls in a row may be skipped;
         the next non-finite one raises ``FloatingPointError`` and changes nothing (eager mode;
         under ``vmap`` the calls are only counted). None: never give up.
+      reg_relative: a Tikhonov weight relative to the window, ``>= 0``: the least-squares
+        problem is solved with :math:`\lambda = \mathrm{reg} + \mathrm{reg\_relative}\,
+        \|\Delta F\|_F^2 / m` (below), which does not depend on the scale of the parameters
+        or of the step.
+      restart_on_reject: when the ``loss_fn`` safeguard rejects a mix, the window restarts
+        from its newest entry (below). Without ``loss_fn`` nothing is ever rejected.
+
+    Options for minibatch (stochastic) training, where consecutive residuals differ by gradient
+    noise as much as by curvature (see examples/minibatch.py and the README):
+
+    * ``reg_relative``: with :math:`\Delta F = [\Delta f_0, \dots, \Delta f_{m-1}]` the
+      :math:`m` valid differences of consecutive residuals (mode "aadl": :math:`\Delta R`),
+      the coefficients solve
+
+      .. math::
+
+          \gamma = \arg\min_\gamma \|f_{\mathrm{last}} - \Delta F \gamma\|^2
+              + \lambda \|\gamma\|^2, \qquad
+          \lambda = \mathrm{reg} + \mathrm{reg\_relative}\;
+              \frac{1}{m} \sum_j \|\Delta f_j\|^2 .
+
+      The relative part scales with :math:`\Delta F^\top \Delta F`, so the damping of
+      :math:`\gamma` towards the plain step is the same whatever the parameters' or the
+      learning rate's scale (an absolute ``reg`` must be re-tuned when either changes), as
+      the ridges of regularised nonlinear acceleration (Scieur, d'Aspremont, Bach, 2016:
+      :math:`\propto \|R^\top R\|`) and of AdaSAM (Wei, Bao, Liu, 2021:
+      :math:`\propto \|r_k\|^2 / \|\Delta x_{k-1}\|^2`) are.
+    * ``restart_on_reject``: when ``loss_fn`` rejects the mix of call :math:`k`, the window
+      keeps only its newest entry (mode "aadl": :math:`y_k`; mode "classic": the pair
+      :math:`(x_k, g(x_k))`), so the next mixes use only steps taken from then on. A rejection
+      says the window's secant information no longer describes the map (in minibatch training,
+      it is mostly noise). The restart itself costs nothing: no pass over the window, no
+      extra loss evaluation (the safeguard's ``loss_fn`` may be a held-out minibatch's loss).
 
     ``inplace=True`` is exception safe: if ``loss_fn`` (or Ctrl-C) interrupts a call, the params
     and the state passed in are left exactly as after the plain step ``y`` of that call (its
@@ -198,6 +235,8 @@ def anderson(
                 history_dtype=history_dtype,
                 skip_nonfinite=skip_nonfinite,
                 max_consecutive_skips=max_consecutive_skips,
+                reg_relative=reg_relative,
+                restart_on_reject=restart_on_reject,
             )
         )
     )
@@ -220,6 +259,8 @@ def _make_config(
     history_dtype: torch.dtype | None,
     skip_nonfinite: bool,
     max_consecutive_skips: int | None,
+    reg_relative: float = 0.0,
+    restart_on_reject: bool = False,
 ) -> _Config:
     """The validated options of :func:`anderson` (each error names its argument)."""
     owner = "anderson"
@@ -254,6 +295,8 @@ def _make_config(
             if max_consecutive_skips is None
             else check_int(owner, "max_consecutive_skips", max_consecutive_skips, 0)
         ),
+        reg_relative=check_float(owner, "reg_relative", reg_relative, minimum=0.0),
+        restart_on_reject=check_bool(owner, "restart_on_reject", restart_on_reject),
     )
     if config.max_consecutive_skips is not None and not config.skip_nonfinite:
         raise ValueError(f"{owner}: `max_consecutive_skips` needs `skip_nonfinite=True`")
@@ -654,26 +697,54 @@ class _Step:
             gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
         order = self.chronological(head).to(self.compute_device)
         chrono = gram[order][:, order]
+        later = order[1:]  # d at chronological position j + 1 is the column of gamma_j
+        dr_chrono = dr_gram[later][:, later]
+        num_valid = num_residuals.to(self.compute_device)
+        reg = self.regularisation(dr_chrono, num_valid)
         if self.exact:
             if self.shards is not None:
                 factor = self.summed_factor  # every rank's, from this call's all_reduce
             else:
                 factor = self.factor(ring, head, num_residuals)
             valid = self.difference_valid(num_residuals).to(self.compute_device)
-            weights = solve_factor(factor, valid, self.config.reg)
+            weights = solve_factor(factor, valid, reg)
         else:
-            later = order[1:]  # d at chronological position j + 1 is the column of gamma_j
             weights = solve_differences(
-                dr_gram[later][:, later],
-                dr_rhs[later],
-                torch.diagonal(chrono),
-                num_residuals.to(self.compute_device),
-                self.config.reg,
+                dr_chrono, dr_rhs[later], torch.diagonal(chrono), num_valid, reg
             )
         if self.shards is not None:
             self.weights = weights
             self.chrono_norms = torch.diagonal(chrono).clamp(min=0.0).sqrt()
         return weights, order
+
+    def regularisation(self, dr_chrono: Tensor, num_valid: Tensor) -> float | Tensor:
+        r"""The Tikhonov weight :math:`\lambda = \mathrm{reg} + \mathrm{reg\_relative}\,
+        \|\Delta F\|_F^2 / m` of the small problem.
+
+        :math:`\Delta F` holds the :math:`m` valid differences of consecutive residuals (the
+        columns of :math:`\gamma`), so the relative part is their mean squared norm, the
+        diagonal of ``dr_chrono`` (:math:`\Delta F^\top \Delta F`, chronological) over the
+        valid columns: no pass over the window. Scaling every residual by :math:`s` scales
+        both sides of the normal equations by :math:`s^2`, so this part leaves
+        :math:`\gamma` unchanged (scale-free, unlike the absolute ``reg``).
+        """
+        config = self.config
+        if config.reg_relative == 0.0:
+            return config.reg
+        m = dr_chrono.shape[0]
+        # gamma_j (j = 0..m-1) is valid when residuals j and j + 1 both are (solve.py).
+        valid = torch.arange(m, device=dr_chrono.device) >= m + 1 - num_valid
+        mean_sq = torch.where(valid, torch.diagonal(dr_chrono), 0.0).sum() / valid.sum().clamp(
+            min=1
+        )
+        return config.reg + config.reg_relative * mean_sq
+
+    def restarted(self, window_size: Tensor, rejected: Tensor) -> Tensor:
+        """``restart_on_reject``: the window size after a rejected mix is cut to the newest
+        entry (aadl) or pair (classic); older slots count again only once overwritten."""
+        if not self.config.restart_on_reject:
+            return window_size
+        return torch.where(rejected, window_size.clamp(max=1), window_size)
 
     def to_ring_order(self, chrono_values: Tensor, order: Tensor) -> Tensor:
         return torch.zeros_like(chrono_values).index_copy(0, order, chrono_values)
@@ -1049,6 +1120,7 @@ class _AadlStep(_Step):
             gram=grams[0],
             dr_gram=grams[1],
             dr_rhs=grams[2],
+            window_size=self.restarted(plain.window_size, mixable & ~use_mix),
             num_mixed=plain.num_mixed + use_mix.long(),
             num_rejected=plain.num_rejected + (mixable & ~use_mix).long(),
             # A poisoned append was counted at the commit; a failed mix on a poisoned call
@@ -1128,6 +1200,7 @@ class _ClassicStep(_Step):
         use_mix = self.safeguard(mixable, x, y)
         out = self.output(use_mix, x, y)
         final = plain._replace(
+            window_size=self.restarted(plain.window_size, mixable & ~use_mix),
             num_mixed=plain.num_mixed + use_mix.long(),
             num_rejected=plain.num_rejected + (mixable & ~use_mix).long(),
             # A poisoned append was counted at the commit; a failed mix on a poisoned call

@@ -99,7 +99,7 @@ def stack_factors(blocks: Sequence[Tensor]) -> Tensor:
     return torch.linalg.qr(stacked, mode="r").R
 
 
-def solve_factor(factor: Tensor, valid: Tensor, reg: float = 0.0) -> MixingWeights:
+def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> MixingWeights:
     r"""Solves the regularised Anderson least-squares problem from a triangular factor.
 
     ``factor`` is the upper-triangular ``R`` (``(m + 1) x (m + 1)``, float64) of a QR
@@ -152,6 +152,8 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float = 0.0) -> MixingWeigh
     scale = peak * torch.linalg.vector_norm(r / peak, dim=0).amax()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     r = r / scale
+    if isinstance(reg, Tensor):  # reg_relative's weight, computed where the Gram lives
+        reg = reg.to(device=scale.device, dtype=scale.dtype)
     shift = reg / scale / scale  # reg / s^2, without forming s^2 (which may underflow)
 
     u, sigma, vh = torch.linalg.svd(r[:m, :m].cpu())
