@@ -96,7 +96,8 @@ def stack_factors(blocks: Sequence[Tensor]) -> Tensor:
     if missing > 0:
         rows.append(rows[0].new_zeros(*rows[0].shape[:-2], missing, q))
     stacked = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-2)
-    return torch.linalg.qr(stacked, mode="r").R
+    # mode="reduced": differentiable (mode="r" has no derivative); the blocks are small.
+    return torch.linalg.qr(stacked, mode="reduced").R
 
 
 def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> MixingWeights:

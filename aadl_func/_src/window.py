@@ -612,7 +612,10 @@ def difference_factor(
         if flats[0].shape[0] == 0:
             continue
         here = flats[0].device
-        if positions is None or any(tree.is_transformed(f) for f in flats):
+        # Under a transform, or when autograd records (differentiating through mix or a pure
+        # update): the differentiable path (no out= writes, no LAPACK-only geqrf).
+        differentiable = torch.is_grad_enabled() and any(f.requires_grad for f in flats)
+        if positions is None or differentiable or any(tree.is_transformed(f) for f in flats):
             factor = _factor_leaf_transformed(flats, order, valid, factor.to(here))
         else:
             factor = _factor_leaf(flats, *positions, factor.to(here))
@@ -674,5 +677,6 @@ def _factor_leaf_transformed(
     for start in range(0, numel, step):
         stop = min(start + step, numel)
         chunk = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
-        factor = torch.linalg.qr(torch.cat([factor, chunk.mT @ select.mT]), mode="r").R
+        # mode="reduced": the R of mode="r" has no derivative (torch.func.grad through update).
+        factor = torch.linalg.qr(torch.cat([factor, chunk.mT @ select.mT]), mode="reduced").R
     return factor
