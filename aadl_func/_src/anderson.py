@@ -811,10 +811,28 @@ class _Step:
             **fields,
         )
 
-    def commit_plain(self, **fields: Any) -> AndersonState:
-        """The commit point: the state after this call's plain step (``fields`` being the
-        window's), made the caller's; a Ctrl-C deferred so far is raised here."""
-        plain = self.new_state(**fields)
+    def commit_plain(
+        self,
+        ring: tuple,
+        grams: tuple,
+        head: Tensor,
+        window_size: Tensor,
+        poisoned: Tensor,
+        **fields: Any,
+    ) -> AndersonState:
+        """The commit point: the state after this call's plain step (the window after its
+        append, and the mode's own ``fields``), made the caller's; a Ctrl-C deferred so far is
+        raised here."""
+        plain = self.new_state(
+            residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
+            gram=grams[0],
+            dr_gram=grams[1],
+            dr_rhs=grams[2],
+            head=head,
+            window_size=window_size,
+            num_nonfinite=self.state.num_nonfinite + poisoned.long(),
+            **fields,
+        )
         self.commit(plain)
         if self.guard is not None:
             self.guard.checkpoint()
@@ -1004,14 +1022,7 @@ class _AadlStep(_Step):
         )
         # Commit point (atomic.py): from here on the caller holds a finished plain step.
         plain = self.commit_plain(
-            anchor=tree.unflatten(self.spec, list(anchor)),
-            residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
-            gram=grams[0],
-            dr_gram=grams[1],
-            dr_rhs=grams[2],
-            head=head,
-            window_size=window_size,
-            num_nonfinite=state.num_nonfinite + poisoned.long(),
+            ring, grams, head, window_size, poisoned, anchor=tree.unflatten(self.spec, list(anchor))
         )
 
         # Step 5, AADL's moving average (see aadl_func._src.average): decided on the window of
@@ -1165,14 +1176,12 @@ class _ClassicStep(_Step):
         y = self.inner_step()
         # Commit point (atomic.py): from here on the caller holds a finished plain step.
         plain = self.commit_plain(
-            residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
+            ring,
+            grams,
+            head,
+            window_size,
+            poisoned,
             iterates=tuple(tree.unflatten(self.spec, list(r)) for r in iterates),
-            gram=grams[0],
-            dr_gram=grams[1],
-            dr_rhs=grams[2],
-            head=head,
-            window_size=window_size,
-            num_nonfinite=state.num_nonfinite + poisoned.long(),
         )
 
         gate = self.gate(window_size, 2)
