@@ -364,6 +364,21 @@ def _update(
         params, grads, loss_fn, inplace=inplace, average=config.average, owner="anderson.update"
     )
     p_leaves, spec, g_leaves = check_update_inputs(config, state, params, grads, loss_fn, inplace)
+    caller_state = state
+    if tree.tracing():
+        # Traced (torch.compile): the decisions stay on the compute device (tree.decision),
+        # so the counters join them there; the returned state keeps them on that device.
+        state = _counters_on(state, config.compute_device_of(p_leaves))
+    else:
+        # vmap: counters that every member shares become plain values (tree.shared), so an
+        # ensemble stepping together writes its windows at one slot, O(n) per member.
+        state = state._replace(**{name: tree.shared(getattr(state, name)) for name in _COUNTERS})
+    # Traced in-place calls compute out of place and write the results into the caller's
+    # buffers at the end: under tracing every decision is a blend, so a branch's in-place
+    # write would happen whatever the decision.
+    traced_in_place = inplace and tree.tracing()
+    if traced_in_place:
+        inplace = False
     # An eager in-place call writes the caller's buffers, so it commits in two stages and
     # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
     # written back: the transformed call returns its state.
@@ -395,16 +410,51 @@ def _update(
             out, new_state = _run_if_finite(step, g_leaves)
         else:
             out, new_state = step.run()
+    if traced_in_place:
+        out, new_state = _write_into(caller_state, p_leaves, out, new_state)
     if shards is not None:
         out = tree.unflatten(spec, shards.globalize(tree.flatten(out, "params")[0]))
     return out, new_state
 
 
-def _all_finite(leaves: list[Tensor]) -> Tensor:
-    flag = torch.ones((), dtype=torch.bool)
+_COUNTERS = (
+    "count",
+    "head",
+    "window_size",
+    "num_mixed",
+    "num_rejected",
+    "num_nonfinite",
+    "num_averaged",
+    "num_skipped",
+    "skip_streak",
+)
+
+
+def _write_into(
+    caller_state: AndersonState, p_leaves: list[Tensor], out: Any, new_state: AndersonState
+) -> tuple[Any, AndersonState]:
+    """A traced ``inplace=True`` call's results written into the caller's params and state
+    buffers (window, Gram matrices, inner state); the counters are returned as computed (on
+    the compute device), not copied into the caller's CPU counters, which would make the
+    graph wait for an accelerator."""
+    spec = tree.flatten(out, "params")[1]
+    for p, v in zip(p_leaves, tree.flatten(out, "params")[0]):
+        p.copy_(v)
+    kept = caller_state._replace(**{name: getattr(new_state, name) for name in _COUNTERS})
+    write_back(kept, new_state)
+    return tree.unflatten(spec, p_leaves), kept
+
+
+def _counters_on(state: AndersonState, device: torch.device) -> AndersonState:
+    """``state`` with its 0-d counters on ``device`` (a no-op for those already there)."""
+    return state._replace(**{name: getattr(state, name).to(device) for name in _COUNTERS})
+
+
+def _all_finite(leaves: list[Tensor], device: torch.device) -> Tensor:
+    flag = tree.decision(torch.ones((), dtype=torch.bool), device)
     for t in leaves:
         if t.numel():
-            flag = flag & torch.isfinite(t).all().cpu()
+            flag = flag & tree.decision(torch.isfinite(t).all(), device)
     return flag
 
 
@@ -415,7 +465,8 @@ def _run_if_finite(step: _Step, g_leaves: list[Tensor]) -> tuple[list[Tensor] | 
     ``skip_streak`` increased; with ``max_consecutive_skips`` reached it raises instead.
     """
     config, state = step.config, step.state
-    finite = _all_finite(g_leaves) & _all_finite(step.updates)
+    device = step.compute_device
+    finite = _all_finite(g_leaves, device) & _all_finite(step.updates, device)
     if step.shards is not None:
         # Every rank must take the same decision: one all_reduce of one value.
         bad = step.shards.all_sum((~finite).to(torch.float64).reshape(1))
@@ -534,13 +585,13 @@ class _Step:
 
     def slot_valid(self, head: Tensor, num_residuals: Tensor) -> Tensor:
         """Ring-order mask of slots holding one of the newest ``num_residuals`` residuals."""
-        slots = torch.arange(self.q)
+        slots = torch.arange(self.q, device=head.device)
         age = (head - slots) % self.q
         return age < num_residuals
 
     def chronological(self, head: Tensor) -> Tensor:
         """Ring slots from oldest to newest (the newest is ``head``)."""
-        return (head + 1 + torch.arange(self.q)) % self.q
+        return (head + 1 + torch.arange(self.q, device=head.device)) % self.q
 
     def append(
         self,
@@ -572,7 +623,7 @@ class _Step:
         finite = torch.ones((), dtype=torch.bool, device=valid.device)
         for row in rows:
             finite = finite & torch.isfinite(torch.where(valid, row, 0.0)).all()
-        poisoned = ~finite.cpu()
+        poisoned = ~tree.decision(finite, self.compute_device)
 
         def restart() -> tuple:
             zeros = [torch.zeros_like(r) for r in residual]
@@ -627,13 +678,13 @@ class _Step:
             return self.certified_finite()
         # Checked against the params' dtype, which the mix is cast to: a float32 mix of fp16
         # params can be finite and still overflow there. NaN fails both comparisons.
-        flag = torch.ones((), dtype=torch.bool)
+        flag = tree.decision(torch.ones((), dtype=torch.bool), self.compute_device)
         for t, p in zip(leaves, self.params):
             if t.numel() == 0:
                 continue
             limit = torch.finfo(p.dtype).max
             low, high = torch.aminmax(t)
-            flag = flag & ((low >= -limit) & (high <= limit)).cpu()
+            flag = flag & tree.decision((low >= -limit) & (high <= limit), self.compute_device)
         return flag
 
     def to_params(self, leaves: list[Tensor]) -> list[Tensor]:
@@ -659,7 +710,7 @@ class _Step:
             if self.shards is not None:
                 loss_x, loss_y = self.shards.mean_losses(loss_x, loss_y)
             better = torch.isfinite(loss_x) & (loss_x < loss_y)
-            return gate & better.reshape(()).cpu()
+            return gate & tree.decision(better.reshape(()), self.compute_device)
 
         return select(gate, decide, torch.zeros((), dtype=torch.bool))
 
@@ -790,7 +841,7 @@ class _Step:
             a = alpha.abs()
             spread = torch.where(a > 0, a * self.chrono_norms, 0.0).sum()
             bound = self.base_bound * a.sum() + self.config.relaxation * spread
-        return (bound <= self.overflow_limit).cpu()
+        return tree.decision(bound <= self.overflow_limit, self.compute_device)
 
 
 class _AadlStep(_Step):
@@ -801,7 +852,10 @@ class _AadlStep(_Step):
         y_hist = self.to_history(y, anchor)
 
         store = self.count % config.store_each_nth == 0
-        empty = state.window_size == 0
+        # The window is empty exactly until the first stored call (count < store_each_nth);
+        # read from the count, which the members of a vmapped ensemble share (window_size
+        # is per member once a restart may have happened), so the append is not blended.
+        empty = state.count < config.store_each_nth
         num_residuals = torch.clamp(state.window_size - 1, min=0)
 
         anchor_stored = False  # set when the append below already copied y into the anchor
@@ -921,7 +975,7 @@ class _AadlStep(_Step):
                     anchor,
                     out=into,
                 )
-                ok = weights.ok.cpu() & self.finite(x_hist)
+                ok = tree.decision(weights.ok, self.compute_device) & self.finite(x_hist)
             except BaseException:
                 if into is not None:
                     for p, a in zip(self.params, anchor):
@@ -1037,7 +1091,8 @@ class _ClassicStep(_Step):
                 self.compute_dtypes,
                 ring[0],
             )
-            return x_hist, weights.ok.cpu() & self.finite(x_hist)
+            ok = tree.decision(weights.ok, self.compute_device) & self.finite(x_hist)
+            return x_hist, ok
 
         def no_mix() -> tuple[list[Tensor], Tensor]:
             # Placeholders for the blend under vmap, built only on calls that do not mix.
@@ -1063,4 +1118,9 @@ def _read_slot(ring: tuple, slot: Tensor) -> list[Tensor]:
     index = tree.static_value(slot)
     if index is not None:
         return list(ring[index])
-    return [torch.stack([entries[i] for entries in ring])[slot] for i in range(len(ring[0]))]
+    # index_select, not ``[slot]``: indexing with a tensor would read its value (torch.compile).
+    at = slot.reshape(1)
+    return [
+        torch.stack([entries[i] for entries in ring]).index_select(0, at.to(ring[0][i].device))[0]
+        for i in range(len(ring[0]))
+    ]

@@ -19,7 +19,10 @@ __all__ = [
     "unflatten",
     "check_like",
     "is_transformed",
+    "tracing",
     "static_value",
+    "shared",
+    "decision",
     "flat_view",
 ]
 
@@ -65,8 +68,21 @@ def check_like(
             )
 
 
+def tracing() -> bool:
+    """True while ``torch.compile`` (dynamo) traces the code: tensors have no values then."""
+    return torch.compiler.is_compiling()
+
+
 def is_transformed(t: Tensor) -> bool:
-    """True when ``t`` is wrapped by a torch.func transform (vmap, grad, ...)."""
+    """True when ``t`` has no concrete value to branch on: wrapped by a torch.func transform
+    (vmap, grad, ...), or traced by ``torch.compile``.
+
+    Under tracing every tensor counts as transformed, so the traced code takes the vmap path:
+    decisions are masks (``torch.where``), never Python branches on values. The functorch
+    query is not asked then: dynamo cannot trace that builtin (it would break the graph).
+    """
+    if tracing():
+        return True
     return _functorch.is_functorch_wrapped_tensor(t)
 
 
@@ -81,6 +97,42 @@ def static_value(t: Tensor) -> bool | int | None:
     if is_transformed(t) or t.device.type != "cpu" or t.dim() != 0:
         return None
     return t.item()
+
+
+def shared(t: Tensor) -> Tensor:
+    """``t`` as a plain tensor when ``vmap`` batches it but every member holds one element.
+
+    A vmapped function's unbatched result comes back from ``vmap`` broadcast along the batch
+    dimension (stride 0), so a counter that every member of an ensemble advances together
+    (``count``, ``head``) arrives at the next vmapped call as a batched tensor over a single
+    element. The stride says so without reading any value; that element, taken as a plain
+    tensor, is then a value :func:`static_value` may read, and the window is written at one
+    slot index for all members (O(n) per member instead of blending every slot). Anything
+    else, and anything under ``torch.compile``, is returned unchanged.
+    """
+    if tracing() or not _functorch.is_batchedtensor(t):
+        return t
+    bdim = _functorch.maybe_get_bdim(t)
+    physical = _functorch.get_unwrapped(t)
+    if bdim is None or _functorch.is_functorch_wrapped_tensor(physical):
+        return t  # batched at several levels (nested transforms): leave it to the masks
+    if physical.shape[bdim] > 1 and physical.stride(bdim) != 0:
+        return t
+    return physical.select(bdim, 0)
+
+
+def decision(flag: Tensor, device: torch.device) -> Tensor:
+    """A 0-d bool decision (a finiteness check, the safeguard's verdict) made ready to combine
+    with the step's counters and gates.
+
+    Eager: moved to the CPU, where the counters live, so that :func:`static_value` can read
+    it and skip work (for a flag computed on an accelerator this copy waits for the device).
+    Under ``torch.compile``: moved to ``device`` (the compute device, where the traced step
+    keeps its counters) and never read, so the traced graph has no device-to-host copy.
+    """
+    if tracing():
+        return flag.to(device)
+    return flag.cpu()
 
 
 def flat_view(t: Tensor) -> Tensor:

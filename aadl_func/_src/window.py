@@ -38,7 +38,7 @@ import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import native, tree
+from aadl_func._src import native, ops, tree
 
 __all__ = [
     "chunk_size",
@@ -238,6 +238,8 @@ def _gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
 
 def _gram_leaf_transformed(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
     """The same pass for tensors wrapped by a torch.func transform (batched under vmap)."""
+    if ops.per_member([*flats, v]):
+        return ops.gram_row(list(flats), v)
     numel = v.shape[0]
     step = chunk_size(len(flats), v.device)
     partial = None
@@ -354,6 +356,8 @@ def _combine_leaf_transformed(
     base: Tensor | None, flats: Sequence[Tensor], w: Tensor, cdt: torch.dtype, template: Tensor
 ) -> Tensor:
     """The same pass under a torch.func transform: chunks gathered with ``torch.stack``."""
+    if ops.per_member([base, *flats, w]):
+        return ops.combine(base, list(flats), w).reshape(template.shape)
     numel = flats[0].shape[0]
     step = chunk_size(len(flats), flats[0].device)
     pieces = []
@@ -430,8 +434,11 @@ def select(gate: Tensor, compute: Callable[[], T], otherwise: T | Callable[[], T
             return compute()
         return otherwise() if callable(otherwise) else otherwise
     fallback = otherwise() if callable(otherwise) else otherwise
+    # A leaf both outcomes share (a window slot neither touched) is kept, not blended.
     return optree.tree_map(
-        lambda new, old: torch.where(gate.to(new.device), new, old), compute(), fallback
+        lambda new, old: old if new is old else torch.where(gate.to(new.device), new, old),
+        compute(),
+        fallback,
     )
 
 
@@ -527,9 +534,14 @@ def difference_rows(
         at = slot.to(device)
         previous = (at - 1) % q
         # <f_t, f_{s-1}> from the stored row, except t = s, whose stored entry is the old f_s.
-        before = torch.where(ring == at, g[previous], gram.to(device)[previous])
+        before = torch.where(ring == at, _pick(g, previous), _pick(gram.to(device), previous))
         p = g - before
     return g, p - p.roll(1), g - g.roll(1)
+
+
+def _pick(t: Tensor, index: Tensor) -> Tensor:
+    """``t[index]`` for a 0-d index tensor, without reading its value (vmap, torch.compile)."""
+    return t.index_select(0, index.reshape(1)).squeeze(0)
 
 
 def _difference_rows_leaf(
@@ -565,10 +577,14 @@ def _difference_rows_transformed(
     flats: Sequence[Tensor], slot: Tensor, exact: bool
 ) -> tuple[Tensor, Tensor]:
     """The same pass under a torch.func transform (the slot may be a batched tensor)."""
+    index = tree.static_value(slot)
+    if index is not None and ops.per_member(flats):
+        return ops.difference_rows(list(flats), index, exact)
     numel = flats[0].shape[0]
     step = chunk_size(len(flats), flats[0].device)
     totals = None
     pick = torch.stack([torch.as_tensor(slot), (torch.as_tensor(slot) - 1) % len(flats)])
+    pick = pick.to(flats[0].device)
     for start in range(0, numel, step):
         stop = min(start + step, numel)
         b = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
