@@ -240,6 +240,11 @@ def _gram_leaf_transformed(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
     """The same pass for tensors wrapped by a torch.func transform (batched under vmap)."""
     if ops.per_member([*flats, v]):
         return ops.gram_row(list(flats), v)
+    if tree.tracing():
+        # Whole-vector expressions: the compiler fuses the widening into one reduction per
+        # slot (no chunks, no float64 copy of the window).
+        v64 = v.to(torch.float64)
+        return torch.stack([torch.sum(f.to(torch.float64) * v64) for f in flats])
     numel = v.shape[0]
     step = chunk_size(len(flats), v.device)
     partial = None
@@ -358,6 +363,13 @@ def _combine_leaf_transformed(
     """The same pass under a torch.func transform: chunks gathered with ``torch.stack``."""
     if ops.per_member([base, *flats, w]):
         return ops.combine(base, list(flats), w).reshape(template.shape)
+    if tree.tracing():
+        # One elementwise expression, fused by the compiler into a single pass.
+        total = None if base is None else base.to(cdt)
+        for s, f in enumerate(flats):
+            term = w[s] * f.to(cdt)
+            total = term if total is None else total + term
+        return total.reshape(template.shape)
     numel = flats[0].shape[0]
     step = chunk_size(len(flats), flats[0].device)
     pieces = []
@@ -573,6 +585,29 @@ def _difference_rows_leaf(
     return g, p
 
 
+def _difference_rows_traced(
+    flats: Sequence[Tensor], slot: Tensor, exact: bool
+) -> tuple[Tensor, Tensor]:
+    """The pass as whole-vector expressions for the compiler: the slots are selected by
+    masks and every product is widened in registers, so it fuses into one read of the
+    window."""
+    wide = [f.to(torch.float64) for f in flats]
+    at = slot.to(flats[0].device)
+
+    def pick(index: Tensor) -> Tensor:
+        chosen = wide[0]
+        for s in range(1, len(wide)):
+            chosen = torch.where(index == s, wide[s], chosen)
+        return chosen
+
+    newest = pick(at)
+    g = torch.stack([torch.sum(f * newest) for f in wide])
+    if not exact:
+        return g, g[:0]
+    step = newest - pick((at - 1) % len(wide))
+    return g, torch.stack([torch.sum(f * step) for f in wide])
+
+
 def _difference_rows_transformed(
     flats: Sequence[Tensor], slot: Tensor, exact: bool
 ) -> tuple[Tensor, Tensor]:
@@ -580,6 +615,8 @@ def _difference_rows_transformed(
     index = tree.static_value(slot)
     if index is not None and ops.per_member(flats):
         return ops.difference_rows(list(flats), index, exact)
+    if tree.tracing():
+        return _difference_rows_traced(flats, slot, exact)
     numel = flats[0].shape[0]
     step = chunk_size(len(flats), flats[0].device)
     totals = None
