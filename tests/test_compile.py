@@ -167,12 +167,13 @@ CASES = {
         inplace=True,
         safeguard=True,
     ),
-    "classic-sgd-nesterov-inplace-safeguard": dict(
+    "classic-sgd-nesterov-inplace-safeguard-skip": dict(
         dtype=torch.float64,
         inner=lambda: aa.sgd(0.2, momentum=0.5, nesterov=True),
-        options=dict(mode="classic"),
+        options=dict(mode="classic", skip_nonfinite=True),
         inplace=True,
         safeguard=True,
+        nan_at=(10, 11),  # calls whose grads hold a NaN: skipped, in place, under tracing
     ),
     "classic-adamw-float32-pure": dict(
         dtype=torch.float32,
@@ -199,10 +200,17 @@ def test_compiled_update_is_one_graph_and_equals_eager(case):
     eager_params, compiled_params = clone(problem.x0), clone(problem.x0)
     eager_state, compiled_state = opt.init(eager_params), opt.init(compiled_params)
     worst = 0.0
+
+    def gradient(params, k):
+        grads = problem.grad(params)
+        if k in spec.get("nan_at", ()):
+            grads["b"] = grads["b"].clone().index_fill_(0, torch.tensor([1]), float("nan"))
+        return grads
+
     for k in range(STEPS):
-        grads = problem.grad(eager_params)
+        grads = gradient(eager_params, k)
         eager_params, eager_state = step(eager_state, eager_params, grads)
-        grads = problem.grad(compiled_params)
+        grads = gradient(compiled_params, k)
         inputs = (compiled_state, compiled_params, grads)
         before = copy.deepcopy(inputs) if not spec["inplace"] and k < 8 else None
         compiled_params, compiled_state = compiled(compiled_state, compiled_params, grads)
@@ -212,7 +220,14 @@ def test_compiled_update_is_one_graph_and_equals_eager(case):
         worst = max(worst, rel(compiled_params, eager_params))
     tolerance = 1e-9 if spec["dtype"] == torch.float64 else 1e-4
     assert worst < tolerance, f"compiled differs from eager by {worst:.1e}"
-    for name in ("count", "window_size", "num_mixed", "num_rejected", "num_averaged"):
+    for name in (
+        "count",
+        "window_size",
+        "num_mixed",
+        "num_rejected",
+        "num_averaged",
+        "num_skipped",
+    ):
         assert int(getattr(compiled_state, name)) == int(getattr(eager_state, name)), name
     if spec["safeguard"]:
         assert 0 < int(eager_state.num_mixed) and 0 < int(eager_state.num_rejected)
@@ -220,6 +235,7 @@ def test_compiled_update_is_one_graph_and_equals_eager(case):
         assert int(eager_state.num_mixed) > 0
     if spec["options"].get("average"):
         assert int(eager_state.num_averaged) > 0
+    assert int(eager_state.num_skipped) == len(spec.get("nan_at", ()))
     # fullgraph=True already raised on any graph break; at most one recompilation.
     assert 1 <= len(backend.graphs) <= 2
     assert host_reads(backend.graphs) == []

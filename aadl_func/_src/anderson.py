@@ -27,6 +27,8 @@ from aadl_func._src.validation import (
 )
 from aadl_func._src.window import (
     append_difference,
+    assign,
+    blending,
     combine,
     difference_rows,
     new_ring,
@@ -364,7 +366,6 @@ def _update(
         params, grads, loss_fn, inplace=inplace, average=config.average, owner="anderson.update"
     )
     p_leaves, spec, g_leaves = check_update_inputs(config, state, params, grads, loss_fn, inplace)
-    caller_state = state
     if tree.tracing():
         # Traced (torch.compile): the decisions stay on the compute device (tree.decision),
         # so the counters join them there; the returned state keeps them on that device.
@@ -373,12 +374,6 @@ def _update(
         # vmap: counters that every member shares become plain values (tree.shared), so an
         # ensemble stepping together writes its windows at one slot, O(n) per member.
         state = state._replace(**{name: tree.shared(getattr(state, name)) for name in _COUNTERS})
-    # Traced in-place calls compute out of place and write the results into the caller's
-    # buffers at the end: under tracing every decision is a blend, so a branch's in-place
-    # write would happen whatever the decision.
-    traced_in_place = inplace and tree.tracing()
-    if traced_in_place:
-        inplace = False
     # An eager in-place call writes the caller's buffers, so it commits in two stages and
     # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
     # written back: the transformed call returns its state.
@@ -410,8 +405,6 @@ def _update(
             out, new_state = _run_if_finite(step, g_leaves)
         else:
             out, new_state = step.run()
-    if traced_in_place:
-        out, new_state = _write_into(caller_state, p_leaves, out, new_state)
     if shards is not None:
         out = tree.unflatten(spec, shards.globalize(tree.flatten(out, "params")[0]))
     return out, new_state
@@ -428,21 +421,6 @@ _COUNTERS = (
     "num_skipped",
     "skip_streak",
 )
-
-
-def _write_into(
-    caller_state: AndersonState, p_leaves: list[Tensor], out: Any, new_state: AndersonState
-) -> tuple[Any, AndersonState]:
-    """A traced ``inplace=True`` call's results written into the caller's params and state
-    buffers (window, Gram matrices, inner state); the counters are returned as computed (on
-    the compute device), not copied into the caller's CPU counters, which would make the
-    graph wait for an accelerator."""
-    spec = tree.flatten(out, "params")[1]
-    for p, v in zip(p_leaves, tree.flatten(out, "params")[0]):
-        p.copy_(v)
-    kept = caller_state._replace(**{name: getattr(new_state, name) for name in _COUNTERS})
-    write_back(kept, new_state)
-    return tree.unflatten(spec, p_leaves), kept
 
 
 def _counters_on(state: AndersonState, device: torch.device) -> AndersonState:
@@ -564,7 +542,11 @@ class _Step:
     def inner_step(self) -> list[Tensor]:
         """``y = x + u``: the plain step, written into the params' buffers if ``inplace``."""
         if self.inplace:
-            return [p.add_(u) for p, u in zip(self.params, self.updates)]
+            if not blending():
+                return [p.add_(u) for p, u in zip(self.params, self.updates)]
+            for p, u in zip(self.params, self.updates):
+                assign(p, p + u)  # inside a blended select (skip_nonfinite, traced)
+            return self.params
         return [p + u for p, u in zip(self.params, self.updates)]
 
     def to_history(self, leaves: list[Tensor], like: list[Tensor]) -> list[Tensor]:
@@ -721,7 +703,7 @@ class _Step:
         if self.inplace:
             for p, v in zip(self.params, chosen):
                 if v is not p:
-                    p.copy_(v)
+                    assign(p, v)
             return self.params
         return list(chosen)
 
@@ -897,7 +879,7 @@ class _AadlStep(_Step):
             if self.inplace:
                 if not anchor_stored:
                     for a, v in zip(anchor, y_hist):
-                        a.copy_(v)
+                        assign(a, v)
                 return anchor
             return self.owned(y_hist, y)
 
@@ -1008,7 +990,7 @@ class _AadlStep(_Step):
                 ring_moved, new_grams = self.replace_newest(ring, grams, head, residual)
                 if self.inplace:
                     for a, xa in zip(anchor, x_anchor):
-                        a.copy_(xa)
+                        assign(a, xa)
                     x_anchor = anchor
                 else:
                     x_anchor = self.owned(x_anchor, x)

@@ -47,6 +47,8 @@ __all__ = [
     "combine",
     "write_slot",
     "select",
+    "assign",
+    "blending",
     "set_gram_row",
     "difference_rows",
     "append_difference",
@@ -406,20 +408,29 @@ def write_slot(
     """The ring with ``ring[slot] = value``: touches one slot when ``slot`` is concrete.
 
     In place, ``value`` is copied into the slot's buffers (nothing to do when ``value`` is
-    those buffers, e.g. a residual computed straight into its slot). Under a transform the
-    slot index is a (batched) tensor, so every slot is blended with ``torch.where``; that
-    rewrites the window, the price of data-dependent indexing in vmap.
+    those buffers, e.g. a residual computed straight into its slot), with :func:`assign`.
+    When the slot index is not concrete (traced by torch.compile; members of a vmapped
+    ensemble out of step) every slot is blended with ``torch.where``: one pass over the
+    window, the price of data-dependent indexing without reading the index.
     """
     index = tree.static_value(slot)
     if index is not None:
         if inplace:
             for dst, src in zip(ring[index], value):
                 if src is not dst:
-                    dst.copy_(src)
+                    assign(dst, src)
             return ring
         return tuple(list(value) if s == index else entries for s, entries in enumerate(ring))
+    if inplace:
+        # Traced in-place step: every slot is rewritten in place, masked, so the window
+        # keeps its buffers. (The compiler still materialises the new slots before writing
+        # them back: a compiled step allocates about one window; see the README.)
+        for s, entries in enumerate(ring):
+            for dst, src in zip(entries, value):
+                assign(dst, src, where=slot == s)
+        return ring
     return tuple(
-        [torch.where(slot == s, v, e) for v, e in zip(value, entries)]
+        [torch.where((slot == s).to(v.device), v, e) for v, e in zip(value, entries)]
         for s, entries in enumerate(ring)
     )
 
@@ -430,6 +441,34 @@ def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
     hit = index == slot.to(gram.device)
     gram = torch.where(hit[:, None], row[None, :], gram)
     return torch.where(hit[None, :], row[:, None], gram)
+
+
+# The gates of the blended ``select`` calls whose ``compute`` is running (outermost first).
+_blending: list[Tensor] = []
+
+
+def blending() -> bool:
+    """Whether a blended :func:`select` is computing (its in-place writes must be masked)."""
+    return bool(_blending)
+
+
+def _gates(mask: Tensor | None) -> Tensor | None:
+    for gate in _blending:
+        mask = gate if mask is None else mask & gate.to(mask.device)
+    return mask
+
+
+def assign(dst: Tensor, src: Tensor, where: Tensor | None = None) -> None:
+    """``dst.copy_(src)``, except inside a blended :func:`select` (a gate without a value:
+    vmap, torch.compile), where both outcomes are computed: the write then happens only
+    where the gates hold (and ``where``), so an in-place write is right whatever the gates
+    decide. Every in-place write to the params or the state during a step goes through
+    here."""
+    mask = _gates(where)
+    if mask is None:
+        dst.copy_(src)
+    else:
+        dst.copy_(torch.where(mask.to(dst.device), src, dst))
 
 
 def select(gate: Tensor, compute: Callable[[], T], otherwise: T | Callable[[], T]) -> T:
@@ -446,10 +485,16 @@ def select(gate: Tensor, compute: Callable[[], T], otherwise: T | Callable[[], T
             return compute()
         return otherwise() if callable(otherwise) else otherwise
     fallback = otherwise() if callable(otherwise) else otherwise
-    # A leaf both outcomes share (a window slot neither touched) is kept, not blended.
+    _blending.append(gate)
+    try:
+        computed = compute()
+    finally:
+        _blending.pop()
+    # A leaf both outcomes share (a window slot neither touched, a buffer written in place
+    # by assign) is kept, not blended.
     return optree.tree_map(
         lambda new, old: old if new is old else torch.where(gate.to(new.device), new, old),
-        compute(),
+        computed,
         fallback,
     )
 
