@@ -366,18 +366,19 @@ def _update(
         params, grads, loss_fn, inplace=inplace, average=config.average, owner="anderson.update"
     )
     p_leaves, spec, g_leaves = check_update_inputs(config, state, params, grads, loss_fn, inplace)
+    transformed = any(tree.is_transformed(p) for p in p_leaves)  # vmap, or torch.compile
     if tree.tracing():
         # Traced (torch.compile): the decisions stay on the compute device (tree.decision),
         # so the counters join them there; the returned state keeps them on that device.
         state = _counters_on(state, config.compute_device_of(p_leaves))
-    else:
+    elif transformed:
         # vmap: counters that every member shares become plain values (tree.shared), so an
         # ensemble stepping together writes its windows at one slot, O(n) per member.
         state = state._replace(**{name: tree.shared(getattr(state, name)) for name in _COUNTERS})
     # An eager in-place call writes the caller's buffers, so it commits in two stages and
     # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
     # written back: the transformed call returns its state.
-    eager_in_place = inplace and not any(tree.is_transformed(p) for p in p_leaves)
+    eager_in_place = inplace and not transformed
     guard = InterruptGuard() if eager_in_place else None
     with guard if guard is not None else contextlib.nullcontext():
         # With skip_nonfinite the inner update is computed out of place, so that a non-finite
@@ -608,7 +609,10 @@ class _Step:
         poisoned = ~tree.decision(finite, self.compute_device)
 
         def restart() -> tuple:
-            zeros = [torch.zeros_like(r) for r in residual]
+            if blending():  # blended into the slot by select: a broadcast zero, no fill
+                zeros = [r.new_zeros(()).expand_as(r) for r in residual]
+            else:
+                zeros = [torch.zeros_like(r) for r in residual]
             return write_slot(ring, slot, zeros, self.inplace), tuple(map(torch.zeros_like, grams))
 
         g, h, c = local_rows
@@ -973,9 +977,11 @@ class _AadlStep(_Step):
             zeros = [torch.zeros_like(a, dtype=c) for a, c in zip(anchor, self.compute_dtypes)]
             return zeros, torch.zeros((), dtype=torch.bool)
 
-        x_hist, ok = select(gate, extrapolate, no_mix)
+        # x is only used where mixable = gate & ok holds (the safeguard, the output): a gate
+        # without a value (vmap, compile) computes it unblended.
+        x_hist, ok = select(gate, extrapolate, no_mix, blend=False)
         mixable = gate & ok
-        x = select(mixable, lambda: self.to_params(x_hist), y)
+        x = select(mixable, lambda: self.to_params(x_hist), y, blend=False)
         use_mix = self.safeguard(mixable, x, y)
 
         if self.loss_fn is not None:
@@ -1081,9 +1087,11 @@ class _ClassicStep(_Step):
             zeros = [torch.zeros_like(r, dtype=c) for r, c in zip(ring[0], self.compute_dtypes)]
             return zeros, torch.zeros((), dtype=torch.bool)
 
-        x_hist, ok = select(gate, extrapolate, no_mix)
+        # x is only used where mixable = gate & ok holds (the safeguard, the output): a gate
+        # without a value (vmap, compile) computes it unblended.
+        x_hist, ok = select(gate, extrapolate, no_mix, blend=False)
         mixable = gate & ok
-        x = select(mixable, lambda: self.to_params(x_hist), y)
+        x = select(mixable, lambda: self.to_params(x_hist), y, blend=False)
         use_mix = self.safeguard(mixable, x, y)
         out = self.output(use_mix, x, y)
         final = plain._replace(

@@ -70,7 +70,10 @@ def check_like(
 
 def tracing() -> bool:
     """True while ``torch.compile`` (dynamo) traces the code: tensors have no values then."""
-    return torch.compiler.is_compiling()
+    return _is_compiling()
+
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def is_transformed(t: Tensor) -> bool:
@@ -81,7 +84,7 @@ def is_transformed(t: Tensor) -> bool:
     decisions are masks (``torch.where``), never Python branches on values. The functorch
     query is not asked then: dynamo cannot trace that builtin (it would break the graph).
     """
-    if tracing():
+    if _is_compiling():
         return True
     return _functorch.is_functorch_wrapped_tensor(t)
 

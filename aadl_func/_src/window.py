@@ -471,25 +471,37 @@ def assign(dst: Tensor, src: Tensor, where: Tensor | None = None) -> None:
         dst.copy_(torch.where(mask.to(dst.device), src, dst))
 
 
-def select(gate: Tensor, compute: Callable[[], T], otherwise: T | Callable[[], T]) -> T:
+def select(
+    gate: Tensor,
+    compute: Callable[[], T],
+    otherwise: T | Callable[[], T],
+    *,
+    blend: bool = True,
+) -> T:
     """``compute()`` where ``gate`` holds, else ``otherwise`` -- without computing it when the
     gate is a concrete False. Under vmap both are evaluated and blended leaf by leaf.
 
     ``otherwise`` may be a zero-argument callable, called only when its value is needed (a
     concrete False gate, or blending under vmap): placeholders such as a parameter-sized
     zero tensor then cost nothing on the steps that compute.
+
+    ``blend=False``: for a result the caller only uses where ``gate`` holds (it masks the
+    rest itself); a gate without a value then returns ``compute()`` as it is, saving a
+    parameter-sized blend (its in-place writes are still masked, see :func:`assign`).
     """
     known = tree.static_value(gate)
     if known is not None:
         if known:
             return compute()
         return otherwise() if callable(otherwise) else otherwise
-    fallback = otherwise() if callable(otherwise) else otherwise
+    fallback = otherwise() if callable(otherwise) and blend else otherwise
     _blending.append(gate)
     try:
         computed = compute()
     finally:
         _blending.pop()
+    if not blend:
+        return computed
     # A leaf both outcomes share (a window slot neither touched, a buffer written in place
     # by assign) is kept, not blended.
     return optree.tree_map(
@@ -589,9 +601,13 @@ def difference_rows(
     if not exact:
         ring = torch.arange(q, device=device)
         at = slot.to(device)
-        previous = (at - 1) % q
         # <f_t, f_{s-1}> from the stored row, except t = s, whose stored entry is the old f_s.
-        before = torch.where(ring == at, _pick(g, previous), _pick(gram.to(device), previous))
+        if index is not None:
+            previous_row = gram.to(device)[(index - 1) % q]
+            before = torch.where(ring == index, g[(index - 1) % q], previous_row)
+        else:
+            previous = (at - 1) % q
+            before = torch.where(ring == at, _pick(g, previous), _pick(gram.to(device), previous))
         p = g - before
     return g, p - p.roll(1), g - g.roll(1)
 
