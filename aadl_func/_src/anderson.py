@@ -214,7 +214,10 @@ def anderson(
     and the state passed in are left exactly as after the plain step ``y`` of that call (its
     mix is dropped uncounted), ready for the next call, and the exception propagates. The
     state's tensors are updated in place and the returned state holds those same tensors.
-    See ``aadl_func._src.atomic`` and docs/reliability.md.
+    See ``aadl_func._src.atomic`` and docs/reliability.md. That guarantee is the eager one:
+    under ``torch.compile`` (and ``vmap``) the in-place writes are masked blends inside one
+    graph, the returned state carries new counters, and an interrupted compiled call may be
+    half written; ``inplace=False`` never writes its inputs (README, "Compiling").
 
     Returns:
       :class:`Anderson` ``(init, update)``.
