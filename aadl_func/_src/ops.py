@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 
 from aadl_func._src import tree
 
@@ -45,9 +46,19 @@ def per_member(tensors: Sequence[Tensor | None]) -> bool:
     if tree.tracing():
         return False
     for t in tensors:
-        if t is not None and (t.device.type != "cpu" or t.requires_grad):
+        if t is not None and (t.device.type != "cpu" or t.requires_grad or _differentiated(t)):
             return False
     return True
+
+
+def _differentiated(t: Tensor) -> bool:
+    """Whether a torch.func ``grad``/``jvp`` level wraps ``t`` (under ``jvp`` a tensor carries
+    a forward tangent yet reports ``requires_grad=False``)."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if _functorch.is_gradtrackingtensor(t):
+            return True
+        t = _functorch.get_unwrapped(t)
+    return False
 
 
 def _window():
