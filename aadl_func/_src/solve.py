@@ -128,10 +128,10 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
 
     The SVD runs on the CPU whatever ``factor``'s device (``m x m`` values, one LAPACK
     routine everywhere; under ``torch.compile`` on ``factor``'s device instead, so that the
-    compiled step never waits for the host); ``gamma`` comes back on ``factor``'s device. Columns where ``valid``
-    is False are zeroed first and get :math:`\gamma_j = 0`. A non-finite factor gives
-    ``ok = False`` and :math:`\gamma = 0`. No data-dependent Python control flow: it runs
-    under ``torch.func.vmap``.
+    compiled step never waits for the host); ``gamma`` comes back on ``factor``'s device.
+    Columns where ``valid`` is False are zeroed first and get :math:`\gamma_j = 0`. A
+    non-finite factor gives ``ok = False`` and :math:`\gamma = 0`. No data-dependent Python
+    control flow: it runs under ``torch.func.vmap``.
 
     Args:
       factor: ``(m + 1, m + 1)`` upper-triangular float64 ``R`` of :math:`[\Delta F \mid f]`.
