@@ -13,6 +13,14 @@ Three contenders, measured side by side in one process on the same data:
   of ``docs/background.md``, written back with ``vector_to_parameters``.
 * **bound** -- what any Anderson step must at least do: two passes over an ``(m + 1) x n``
   float32 matrix, ``torch.mv`` with the matrix and with its transpose (BLAS, no overhead).
+* **compiled** -- the same aadl_func step under ``torch.compile(..., fullgraph=True)``
+  (inductor; compiled once per row, the first call's time is the ``compile_s`` of the JSON);
+  ``--no-compile`` skips it.
+
+Then one ensemble point (``--ensemble MEMBERS,LOG2_N,M``, default 8 members of n = 2^17,
+m = 10, mode "classic"; ``--ensemble none`` skips it): one ``vmap(update)`` step for all
+members, a Python loop of the members' own pure steps and of their in-place steps, and the
+vmapped step compiled.
 
 ``m`` is ``history_depth``, the number of window entries, as in the issue; ``m = 2`` is
 replaced by 3, the smallest window that can mix. Every step mixes (``frequency=1``, the
@@ -26,6 +34,7 @@ Usage::
     python examples/benchmark.py                  # full table, n = 2^16..2^24 (~2 min)
     python examples/benchmark.py --quick          # a tiny configuration (seconds)
     python examples/benchmark.py --device cuda --threads 16 --out bench_results/gpu.json
+    python examples/benchmark.py --sizes 16 --depths 5 --ensemble none   # one row
 
 A second table, the **small-model row**, measures the other end: the per-step cost of
 ``aa.AcceleratedOptimizer`` (default options) around ``torch.optim.Adam`` / ``SGD`` on a
@@ -48,6 +57,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,6 +114,19 @@ class AadlFunc:
         for leaf in [self.state.anchor, *self.state.residuals]:
             storages[leaf.untyped_storage().data_ptr()] = leaf.untyped_storage().nbytes()
         return sum(storages.values())
+
+
+class Compiled(AadlFunc):
+    """The aadl_func step compiled whole (``fullgraph=True``: a graph break would raise)."""
+
+    def __init__(self, params: torch.Tensor, history_depth: int) -> None:
+        super().__init__(params, history_depth)
+        self.compiled = torch.compile(
+            lambda s, p, g: self.opt.update(s, p, g, inplace=True), fullgraph=True
+        )
+
+    def step(self, grads: torch.Tensor) -> None:
+        self.params, self.state = self.compiled(self.state, self.params, grads)
 
 
 class Bound:
@@ -211,6 +234,25 @@ def measure(n: int, m: int, device: torch.device, args) -> dict:
     assert int(ours.state.num_mixed) > 0
     ours = fresh = None  # free the window before the next contender
 
+    if args.compile:
+        fresh = [grads[i % 4].clone() for i in range(m + 4 + args.repeats)]
+        # A fresh compilation per row: after a recompilation for another shape dynamo would
+        # make the changed sizes dynamic, which is another program than a user's.
+        torch._dynamo.reset()
+        compiled = Compiled(torch.randn(n, device=device, generator=generator), m)
+        synchronize(device)
+        started = time.perf_counter()
+        compiled.step(fresh.pop())
+        synchronize(device)
+        row["compile_s"] = time.perf_counter() - started
+        for _ in range(m + 2):
+            compiled.step(fresh.pop())
+        row["compiled_ms"] = 1e3 * median_time(
+            lambda: compiled.step(fresh.pop()), device, args.repeats, args.budget
+        )
+        assert int(compiled.state.num_mixed) > 0
+        compiled = fresh = None
+
     bound = Bound(n, m, device)
     bound.step()
     row["bound_ms"] = 1e3 * median_time(bound.step, device, args.repeats, args.budget)
@@ -235,6 +277,8 @@ def measure(n: int, m: int, device: torch.device, args) -> dict:
         row["speedup_vs_aadl_style"] = row["aadl_style_ms"] / row["aadl_func_ms"]
         del style, params
     row["ratio_to_bound"] = row["aadl_func_ms"] / row["bound_ms"]
+    if "compiled_ms" in row:
+        row["compiled_ratio_to_bound"] = row["compiled_ms"] / row["bound_ms"]
     return row
 
 
@@ -351,6 +395,75 @@ def small_model_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ensemble_point(members: int, n: int, m: int, device: torch.device, args) -> dict:
+    """One step of an ensemble of ``members`` models (n params each, mode "classic",
+    history_depth m): vmap(update), the members' own pure steps in a loop, their in-place
+    steps in a loop, and the vmapped step compiled. Steps are timed interleaved."""
+    generator = torch.Generator(device=device).manual_seed(members + n + m)
+    opt = aa.anderson(aa.sgd(LR), history_depth=m, relaxation=RELAXATION, mode="classic")
+    h = torch.rand(members, n, device=device, generator=generator) + 0.5
+    target = torch.randn(members, n, device=device, generator=generator)
+    start = torch.randn(members, n, device=device, generator=generator)
+
+    def grad(p, i=None):
+        return h * (p - target) if i is None else h[i] * (p - target[i])
+
+    def pure(s, p, g):
+        return opt.update(s, p, g)
+
+    batched = torch.func.vmap(pure)
+    contenders = {
+        "vmap": [start.clone(), torch.func.vmap(opt.init)(start.clone())],
+        "loop_pure": [[start[i].clone() for i in range(members)], None],
+        "loop_inplace": [[start[i].clone() for i in range(members)], None],
+    }
+    contenders["loop_pure"][1] = [opt.init(p) for p in contenders["loop_pure"][0]]
+    contenders["loop_inplace"][1] = [opt.init(p) for p in contenders["loop_inplace"][0]]
+    if args.compile:
+        torch._dynamo.reset()
+        contenders["compiled_vmap"] = [start.clone(), torch.func.vmap(opt.init)(start.clone())]
+        compiled = torch.compile(batched, fullgraph=True)
+
+    def run(name: str) -> None:
+        entry = contenders[name]
+        if name in ("vmap", "compiled_vmap"):
+            step = batched if name == "vmap" else compiled
+            entry[0], entry[1] = step(entry[1], entry[0], grad(entry[0]))
+            return
+        inplace = name == "loop_inplace"
+        for i in range(members):
+            entry[0][i], entry[1][i] = opt.update(
+                entry[1][i], entry[0][i], grad(entry[0][i], i), inplace=inplace
+            )
+
+    point = {"members": members, "n": n, "log2_n": int(math.log2(n)), "m": m}
+    if args.compile:
+        synchronize(device)
+        started = time.perf_counter()
+        run("compiled_vmap")
+        synchronize(device)
+        point["compile_s"] = time.perf_counter() - started
+    for _ in range(m + 2):  # fill the windows
+        for name in contenders:
+            run(name)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.repeats):
+        for name in contenders:
+            synchronize(device)
+            t0 = time.perf_counter()
+            run(name)
+            synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    for name, values in times.items():
+        point[f"{name}_ms"] = 1e3 * statistics.median(values)
+    point["vmap_over_loop_pure"] = point["vmap_ms"] / point["loop_pure_ms"]
+    if args.compile:
+        point["compiled_vmap_over_loop_pure"] = point["compiled_vmap_ms"] / point["loop_pure_ms"]
+    vmapped = contenders["vmap"][1].num_mixed
+    assert int(vmapped.min()) > 0
+    return point
+
+
 def agreement(device: torch.device) -> float:
     """Relative difference of aadl_func and AADL-style after the same 8 steps (n = 4096, m =
     5): the two compute the same iteration (float64 vs float32 least squares)."""
@@ -377,9 +490,9 @@ def fmt(value, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'n':>6} {'m':>3} | {'aadl_func':>10} {'AADL-style':>11} {'bound':>9} | "
-        f"{'speedup':>8} {'/bound':>7} | {'state P':>7} {'peak P':>7} | "
-        f"{'style st.':>9} {'style pk':>8}"
+        f"{'n':>6} {'m':>3} | {'aadl_func':>10} {'compiled':>9} {'AADL-style':>11} "
+        f"{'bound':>9} | {'speedup':>8} {'/bound':>7} {'c/bound':>7} | {'state P':>7} "
+        f"{'peak P':>7} | {'style st.':>9} {'style pk':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -387,17 +500,19 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"{'2^' + str(r['log2_n']):>6} {r['m']:>3} | "
             f"{r['aadl_func_ms']:>8.2f}ms "
+            + f"{fmt(r.get('compiled_ms'), '>7.2f')}ms "
             + (f"{style_ms:>9.1f}ms " if style_ms is not None else f"{'skipped':>11} ")
             + f"{r['bound_ms']:>7.2f}ms | "
-            f"{fmt(r.get('speedup_vs_aadl_style'), '>7.1f')}x {r['ratio_to_bound']:>6.2f}x | "
+            f"{fmt(r.get('speedup_vs_aadl_style'), '>7.1f')}x {r['ratio_to_bound']:>6.2f}x "
+            f"{fmt(r.get('compiled_ratio_to_bound'), '>6.2f')}x | "
             f"{r['aadl_func_state_P']:>7.1f} {r['aadl_func_step_peak_P']:>7.2f} | "
             f"{fmt(r.get('aadl_style_state_P'), '>9.1f')} "
             f"{fmt(r.get('aadl_style_step_peak_P'), '>8.2f')}"
         )
     lines.append(
         "times: median per step; speedup = AADL-style / aadl_func; /bound = aadl_func / bound; "
-        "state/peak in parameter-sized float32 buffers P (kept between steps / allocated "
-        "during a step)"
+        "c/bound = compiled / bound; state/peak in parameter-sized float32 buffers P (kept "
+        "between steps / allocated during a step, eager)"
     )
     skipped = [r for r in rows if "aadl_style_skipped" in r]
     for r in skipped:
@@ -457,11 +572,22 @@ def main(argv: list[str] | None = None) -> int:
         "--small-only", action="store_true", help="measure only the small-model row"
     )
     parser.add_argument(
+        "--no-compile", dest="compile", action="store_false", help="skip torch.compile"
+    )
+    parser.add_argument(
+        "--ensemble",
+        default="8,17,10",
+        help="MEMBERS,LOG2_N,M of the vmap ensemble point, or 'none'",
+    )
+    parser.add_argument(
         "--no-native",
         action="store_true",
         help="use the torch Gram-row pass instead of the native kernel (for comparison)",
     )
     args = parser.parse_args(argv)
+    # torch's own code warns while inductor compiles; nothing for a reader of this table.
+    warnings.filterwarnings("ignore", message="`torch._prims_common.check` is deprecated")
+    warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated")
     if args.no_native:
         native.set_enabled(False)
     if args.threads is not None:
@@ -469,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sizes, args.depths, args.repeats, args.style_repeats = "10,12", "3,5", 5, 3
         args.small_steps = 30
+        args.ensemble = "4,10,5" if args.ensemble == "8,17,10" else args.ensemble
     device = torch.device(args.device)
     sizes = [] if args.small_only else [1 << int(s) for s in args.sizes.split(",")]
     depths = [max(3, int(m)) for m in args.depths.split(",")]
@@ -483,15 +610,33 @@ def main(argv: list[str] | None = None) -> int:
             r = rows[-1]
             print(
                 f"  n=2^{r['log2_n']} m={m}: aadl_func {r['aadl_func_ms']:.2f} ms, "
+                f"compiled {fmt(r.get('compiled_ms'), '.2f')} ms, "
                 f"AADL-style {fmt(r.get('aadl_style_ms'), '.1f')} ms, "
                 f"bound {r['bound_ms']:.2f} ms",
                 flush=True,
             )
+    point = None
+    if args.ensemble != "none" and not args.small_only:
+        members, log2_n, m = (int(v) for v in args.ensemble.split(","))
+        point = ensemble_point(members, 1 << log2_n, m, device, args)
     relative_difference = None if args.small_only else agreement(device)
     small = small_model_overhead(device, args.small_steps)
     if rows:
         print()
         print(table(rows))
+    if point is not None:
+        print(
+            f"ensemble of {point['members']} x n=2^{point['log2_n']}, m={point['m']} (classic): "
+            f"vmap {point['vmap_ms']:.1f} ms, loop of pure steps {point['loop_pure_ms']:.1f} ms, "
+            f"loop of in-place steps {point['loop_inplace_ms']:.1f} ms"
+            + (
+                f", compiled vmap {point['compiled_vmap_ms']:.1f} ms"
+                if "compiled_vmap_ms" in point
+                else ""
+            )
+            + f"; vmap / loop of pure steps {point['vmap_over_loop_pure']:.2f}x"
+        )
+    if relative_difference is not None:
         print(
             f"aadl_func vs AADL-style after 8 steps: relative difference {relative_difference:.1e}"
         )
@@ -505,11 +650,14 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": "float32",
             "m": "history_depth (window entries)",
             "aadl_func": "update(..., inplace=True)",
+            "compiled": "torch.compile(update(..., inplace=True), fullgraph=True), inductor",
+            "ensemble": "mode classic; vmap(update) vs loops of update / update(inplace=True)",
             "bound": "torch.mv with and with the transpose of an (m + 1) x n float32 matrix",
             "units": "P = one parameter-sized float32 buffer (4 n bytes)",
         },
         "rows": rows,
         "small_model": small,
+        "ensemble": point,
         "agreement_relative_difference": relative_difference,
         "seconds": time.perf_counter() - started,
     }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA machine, finishing in under 5 minutes:
-#   1. the CUDA tests (tests/test_gpu.py) plus the window and memory tests;
+# One prepared check for a CUDA machine, finishing in under 7 minutes:
+#   1. the CUDA tests (tests/test_gpu.py) plus the window and memory tests, and the CUDA
+#      test of tests/test_compile.py (mode="reduce-overhead", no host synchronisation);
 #   2. a short benchmark on the GPU (aadl_func vs the AADL-style step vs the two-pass bound),
 #      written to bench_results/benchmark_cuda.json.
 # Usage: examples/gpu_check.sh            (from anywhere; PYTHON=... picks the interpreter)
@@ -35,9 +36,13 @@ echo "== tests (CUDA, window, memory)"
 timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider \
   tests/test_gpu.py tests/test_window.py tests/test_memory.py || status=1
 
+echo "== compiled step on CUDA (CUDA graphs, no host sync)"
+timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_compile.py -k cuda || status=1
+
 echo "== benchmark (CUDA)"
 timeout 120 "$PYTHON" examples/benchmark.py --device cuda --sizes 20,22,24 --depths 3,10,20 \
-  --repeats 20 --style-repeats 5 --budget 2 --out bench_results/benchmark_cuda.json || status=1
+  --repeats 20 --style-repeats 5 --budget 2 --no-compile --ensemble none \
+  --out bench_results/benchmark_cuda.json || status=1
 
 echo "== benchmark (CPU, the machine's own cores, one size)"
 timeout 60 "$PYTHON" examples/benchmark.py --device cpu --sizes 22 --depths 10 \

@@ -157,9 +157,17 @@ def test_benchmark_quick_configuration(tmp_path, capsys):
     """examples/benchmark.py --quick: the table's numbers come out and are self-consistent."""
     benchmark = load_benchmark()
     out = tmp_path / "bench.json"
-    assert benchmark.main(["--quick", "--out", str(out)]) == 0
+    # torch.compile is left out here (test_compile.py covers it; compiling each row would
+    # take most of this test's time).
+    args = ["--quick", "--no-compile", "--ensemble", "3,10,4", "--out", str(out)]
+    assert benchmark.main(args) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
+    assert all("compiled_ms" not in r for r in rows)
+    point = result["ensemble"]
+    assert (point["members"], point["log2_n"], point["m"]) == (3, 10, 4)
+    for name in ("vmap", "loop_pure", "loop_inplace"):
+        assert point[f"{name}_ms"] > 0
     assert [(r["log2_n"], r["m"]) for r in rows] == [(10, 3), (10, 5), (12, 3), (12, 5)]
     for r in rows:
         assert r["aadl_func_ms"] > 0 and r["bound_ms"] > 0 and r["aadl_style_ms"] > 0

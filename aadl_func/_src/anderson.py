@@ -32,6 +32,8 @@ from aadl_func._src.validation import (
 )
 from aadl_func._src.window import (
     append_difference,
+    assign,
+    blending,
     combine,
     difference_factor,
     difference_rows,
@@ -212,7 +214,10 @@ def anderson(
     and the state passed in are left exactly as after the plain step ``y`` of that call (its
     mix is dropped uncounted), ready for the next call, and the exception propagates. The
     state's tensors are updated in place and the returned state holds those same tensors.
-    See ``aadl_func._src.atomic`` and docs/reliability.md.
+    See ``aadl_func._src.atomic`` and docs/reliability.md. That guarantee is the eager one:
+    under ``torch.compile`` (and ``vmap``) the in-place writes are masked blends inside one
+    graph, the returned state carries new counters, and an interrupted compiled call may be
+    half written; ``inplace=False`` never writes its inputs (README, "Compiling").
 
     Returns:
       :class:`Anderson` ``(init, update)``.
@@ -418,10 +423,19 @@ def _update(
     )
     # ``grads`` come back cast to the params' dtypes where they differ (as torch.optim does).
     p_leaves, spec, grads = check_update_inputs(config, state, params, grads, loss_fn, inplace)
+    transformed = any(tree.is_transformed(p) for p in p_leaves)  # vmap, or torch.compile
+    if tree.tracing():
+        # Traced (torch.compile): the decisions stay on the compute device (tree.decision),
+        # so the counters join them there; the returned state keeps them on that device.
+        state = _counters_on(state, config.compute_device_of(p_leaves))
+    elif transformed:
+        # vmap: counters that every member shares become plain values (tree.shared), so an
+        # ensemble stepping together writes its windows at one slot, O(n) per member.
+        state = state._replace(**{name: tree.shared(getattr(state, name)) for name in _COUNTERS})
     # An eager in-place call writes the caller's buffers, so it commits in two stages and
     # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
     # written back: the transformed call returns its state.
-    eager_in_place = inplace and not any(tree.is_transformed(p) for p in p_leaves)
+    eager_in_place = inplace and not transformed
     guard = InterruptGuard() if eager_in_place else None
     with guard if guard is not None else contextlib.nullcontext():
         # With skip_nonfinite the inner update is computed out of place, so that a non-finite
@@ -454,11 +468,29 @@ def _update(
     return out, new_state
 
 
-def _all_finite(leaves: list[Tensor]) -> Tensor:
-    flag = torch.ones((), dtype=torch.bool)
+_COUNTERS = (
+    "count",
+    "head",
+    "window_size",
+    "num_mixed",
+    "num_rejected",
+    "num_nonfinite",
+    "num_averaged",
+    "num_skipped",
+    "skip_streak",
+)
+
+
+def _counters_on(state: AndersonState, device: torch.device) -> AndersonState:
+    """``state`` with its 0-d counters on ``device`` (a no-op for those already there)."""
+    return state._replace(**{name: getattr(state, name).to(device) for name in _COUNTERS})
+
+
+def _all_finite(leaves: list[Tensor], device: torch.device) -> Tensor:
+    flag = tree.decision(torch.ones((), dtype=torch.bool), device)
     for t in leaves:
         if t.numel():
-            flag = flag & torch.isfinite(t).all().cpu()
+            flag = flag & tree.decision(torch.isfinite(t).all(), device)
     return flag
 
 
@@ -469,7 +501,8 @@ def _run_if_finite(step: _Step, g_leaves: list[Tensor]) -> tuple[list[Tensor] | 
     ``skip_streak`` increased; with ``max_consecutive_skips`` reached it raises instead.
     """
     config, state = step.config, step.state
-    finite = _all_finite(g_leaves) & _all_finite(step.updates)
+    device = step.compute_device
+    finite = _all_finite(g_leaves, device) & _all_finite(step.updates, device)
     if step.shards is not None:
         # Every rank must take the same decision: one all_reduce of one value.
         bad = step.shards.all_sum((~finite).to(torch.float64).reshape(1))
@@ -572,7 +605,11 @@ class _Step:
     def inner_step(self) -> list[Tensor]:
         """``y = x + u``: the plain step, written into the params' buffers if ``inplace``."""
         if self.inplace:
-            return [p.add_(u) for p, u in zip(self.params, self.updates)]
+            if not blending():
+                return [p.add_(u) for p, u in zip(self.params, self.updates)]
+            for p, u in zip(self.params, self.updates):
+                assign(p, p + u)  # inside a blended select (skip_nonfinite, traced)
+            return self.params
         return [p + u for p, u in zip(self.params, self.updates)]
 
     def to_history(self, leaves: list[Tensor], like: list[Tensor]) -> list[Tensor]:
@@ -593,13 +630,13 @@ class _Step:
 
     def slot_valid(self, head: Tensor, num_residuals: Tensor) -> Tensor:
         """Ring-order mask of slots holding one of the newest ``num_residuals`` residuals."""
-        slots = torch.arange(self.q)
+        slots = torch.arange(self.q, device=head.device)
         age = (head - slots) % self.q
         return age < num_residuals
 
     def chronological(self, head: Tensor) -> Tensor:
         """Ring slots from oldest to newest (the newest is ``head``)."""
-        return (head + 1 + torch.arange(self.q)) % self.q
+        return (head + 1 + torch.arange(self.q, device=head.device)) % self.q
 
     def append(
         self,
@@ -633,10 +670,13 @@ class _Step:
         finite = torch.ones((), dtype=torch.bool, device=valid.device)
         for row in rows:
             finite = finite & torch.isfinite(torch.where(valid, row, 0.0)).all()
-        poisoned = ~finite.cpu()
+        poisoned = ~tree.decision(finite, self.compute_device)
 
         def restart() -> tuple:
-            zeros = [torch.zeros_like(r) for r in residual]
+            if blending():  # blended into the slot by select: a broadcast zero, no fill
+                zeros = [r.new_zeros(()).expand_as(r) for r in residual]
+            else:
+                zeros = [torch.zeros_like(r) for r in residual]
             return write_slot(ring, slot, zeros, self.inplace), tuple(map(torch.zeros_like, grams))
 
         g, h, c = local_rows
@@ -755,13 +795,13 @@ class _Step:
             return self.certified_finite()
         # Checked against the params' dtype, which the mix is cast to: a float32 mix of fp16
         # params can be finite and still overflow there. NaN fails both comparisons.
-        flag = torch.ones((), dtype=torch.bool)
+        flag = tree.decision(torch.ones((), dtype=torch.bool), self.compute_device)
         for t, p in zip(leaves, self.params):
             if t.numel() == 0:
                 continue
             limit = torch.finfo(p.dtype).max
             low, high = torch.aminmax(t)
-            flag = flag & ((low >= -limit) & (high <= limit)).cpu()
+            flag = flag & tree.decision((low >= -limit) & (high <= limit), self.compute_device)
         return flag
 
     def to_params(self, leaves: list[Tensor]) -> list[Tensor]:
@@ -787,7 +827,7 @@ class _Step:
             if self.shards is not None:
                 loss_x, loss_y = self.shards.mean_losses(loss_x, loss_y)
             better = torch.isfinite(loss_x) & (loss_x < loss_y)
-            return gate & better.reshape(()).cpu()
+            return gate & tree.decision(better.reshape(()), self.compute_device)
 
         return select(gate, decide, torch.zeros((), dtype=torch.bool))
 
@@ -798,7 +838,7 @@ class _Step:
         if self.inplace:
             for p, v in zip(self.params, chosen):
                 if v is not p:
-                    p.copy_(v)
+                    assign(p, v)
             return self.params
         return list(chosen)
 
@@ -957,7 +997,7 @@ class _Step:
             a = alpha.abs()
             spread = torch.where(a > 0, a * self.chrono_norms, 0.0).sum()
             bound = self.base_bound * a.sum() + self.config.relaxation * spread
-        return (bound <= self.overflow_limit).cpu()
+        return tree.decision(bound <= self.overflow_limit, self.compute_device)
 
 
 class _AadlStep(_Step):
@@ -968,7 +1008,10 @@ class _AadlStep(_Step):
         y_hist = self.to_history(y, anchor)
 
         store = self.count % config.store_each_nth == 0
-        empty = state.window_size == 0
+        # The window is empty exactly until the first stored call (count < store_each_nth);
+        # read from the count, which the members of a vmapped ensemble share (window_size
+        # is per member once a restart may have happened), so the append is not blended.
+        empty = state.count < config.store_each_nth
         num_residuals = torch.clamp(state.window_size - 1, min=0)
 
         anchor_stored = False  # set when the append below already copied y into the anchor
@@ -1010,7 +1053,7 @@ class _AadlStep(_Step):
             if self.inplace:
                 if not anchor_stored:
                     for a, v in zip(anchor, y_hist):
-                        a.copy_(v)
+                        assign(a, v)
                 return anchor
             return self.owned(y_hist, y)
 
@@ -1081,7 +1124,7 @@ class _AadlStep(_Step):
                     anchor,
                     out=into,
                 )
-                ok = weights.ok.cpu() & self.finite(x_hist)
+                ok = tree.decision(weights.ok, self.compute_device) & self.finite(x_hist)
             except BaseException:
                 if into is not None:
                     for p, a in zip(self.params, anchor):
@@ -1097,9 +1140,11 @@ class _AadlStep(_Step):
             zeros = [torch.zeros_like(a, dtype=c) for a, c in zip(anchor, self.compute_dtypes)]
             return zeros, torch.zeros((), dtype=torch.bool)
 
-        x_hist, ok = select(gate, extrapolate, no_mix)
+        # x is only used where mixable = gate & ok holds (the safeguard, the output): a gate
+        # without a value (vmap, compile) computes it unblended.
+        x_hist, ok = select(gate, extrapolate, no_mix, blend=False)
         mixable = gate & ok
-        x = select(mixable, lambda: self.to_params(x_hist), y)
+        x = select(mixable, lambda: self.to_params(x_hist), y, blend=False)
         use_mix = self.safeguard(mixable, x, y)
 
         if self.loss_fn is not None:
@@ -1114,7 +1159,7 @@ class _AadlStep(_Step):
                 ring_moved, new_grams = self.replace_newest(ring, grams, head, residual)
                 if self.inplace:
                     for a, xa in zip(anchor, x_anchor):
-                        a.copy_(xa)
+                        assign(a, xa)
                     x_anchor = anchor
                 else:
                     x_anchor = self.owned(x_anchor, x)
@@ -1196,16 +1241,19 @@ class _ClassicStep(_Step):
                 self.compute_dtypes,
                 ring[0],
             )
-            return x_hist, weights.ok.cpu() & self.finite(x_hist)
+            ok = tree.decision(weights.ok, self.compute_device) & self.finite(x_hist)
+            return x_hist, ok
 
         def no_mix() -> tuple[list[Tensor], Tensor]:
             # Placeholders for the blend under vmap, built only on calls that do not mix.
             zeros = [torch.zeros_like(r, dtype=c) for r, c in zip(ring[0], self.compute_dtypes)]
             return zeros, torch.zeros((), dtype=torch.bool)
 
-        x_hist, ok = select(gate, extrapolate, no_mix)
+        # x is only used where mixable = gate & ok holds (the safeguard, the output): a gate
+        # without a value (vmap, compile) computes it unblended.
+        x_hist, ok = select(gate, extrapolate, no_mix, blend=False)
         mixable = gate & ok
-        x = select(mixable, lambda: self.to_params(x_hist), y)
+        x = select(mixable, lambda: self.to_params(x_hist), y, blend=False)
         use_mix = self.safeguard(mixable, x, y)
         out = self.output(use_mix, x, y)
         final = plain._replace(
@@ -1223,4 +1271,9 @@ def _read_slot(ring: tuple, slot: Tensor) -> list[Tensor]:
     index = tree.static_value(slot)
     if index is not None:
         return list(ring[index])
-    return [torch.stack([entries[i] for entries in ring])[slot] for i in range(len(ring[0]))]
+    # index_select, not ``[slot]``: indexing with a tensor would read its value (torch.compile).
+    at = slot.reshape(1)
+    return [
+        torch.stack([entries[i] for entries in ring]).index_select(0, at.to(ring[0][i].device))[0]
+        for i in range(len(ring[0]))
+    ]

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from aadl_func._src import tree
 from aadl_func._src.window import combine, gram_row
 
 __all__ = ["window_average"]
@@ -84,7 +85,7 @@ def window_average(
 
     Returns:
       ``(mean, triggered)``: the mean per leaf (compute dtype, on the window's device, laid
-      out like ``anchor``) and a 0-d bool on the CPU.
+      out like ``anchor``) and a 0-d bool (on the CPU; see ``tree.decision``).
     """
     q = gram.shape[-1]
     device = gram.device
@@ -111,4 +112,4 @@ def window_average(
     variance_sum = scatter / torch.clamp(k - 1, min=1).to(torch.float64)
     triggered = (k >= 2) & (variance_sum > (tol * tol) * mean_sq) & torch.isfinite(mean_sq)
     triggered = triggered & torch.isfinite(variance_sum)
-    return mean, triggered.cpu()
+    return mean, tree.decision(triggered, device)

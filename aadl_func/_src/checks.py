@@ -47,7 +47,12 @@ HINT = "was it made by another configuration?"
 # -- autograd ---------------------------------------------------------------------------------
 def differentiating() -> bool:
     """Whether a torch.func transform that differentiates (``grad``, ``vjp``, ``jacrev``,
-    ``jvp``, ``jacfwd``, ``hessian``) is active around the caller."""
+    ``jvp``, ``jacfwd``, ``hessian``) is active around the caller.
+
+    Always False while ``torch.compile`` traces (it cannot trace the query): a compiled
+    ``update`` runs without grad, and differentiating through one is not supported."""
+    if tree.tracing():
+        return False
     if _functorch.maybe_current_level() is None:  # no transform at all: the common case
         return False
     stack = _functorch.get_interpreter_stack() or ()

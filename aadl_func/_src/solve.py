@@ -38,6 +38,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from aadl_func._src import tree
+
 __all__ = [
     "MixingWeights",
     "solve_factor",
@@ -125,10 +127,11 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
     directions, and bound :math:`\|\gamma\|_2 \le \sqrt{m}\, \|f\| / (\mathrm{RCOND}\, s)`.
 
     The SVD runs on the CPU whatever ``factor``'s device (``m x m`` values, one LAPACK
-    routine everywhere); ``gamma`` comes back on ``factor``'s device. Columns where ``valid``
-    is False are zeroed first and get :math:`\gamma_j = 0`. A non-finite factor gives
-    ``ok = False`` and :math:`\gamma = 0`. No data-dependent Python control flow: it runs
-    under ``torch.func.vmap``.
+    routine everywhere; under ``torch.compile`` on ``factor``'s device instead, so that the
+    compiled step never waits for the host); ``gamma`` comes back on ``factor``'s device.
+    Columns where ``valid`` is False are zeroed first and get :math:`\gamma_j = 0`. A
+    non-finite factor gives ``ok = False`` and :math:`\gamma = 0`. No data-dependent Python
+    control flow: it runs under ``torch.func.vmap``.
 
     Args:
       factor: ``(m + 1, m + 1)`` upper-triangular float64 ``R`` of :math:`[\Delta F \mid f]`.
@@ -157,17 +160,20 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
         reg = reg.to(device=scale.device, dtype=scale.dtype)
     shift = reg / scale / scale  # reg / s^2, without forming s^2 (which may underflow)
 
-    u, sigma, vh = torch.linalg.svd(r[:m, :m].cpu())
-    rhs = r[:m, m].cpu()
-    shift = shift.cpu()
+    # Eager: on the CPU (one LAPACK routine for every device). Traced by torch.compile: on
+    # the factor's device, so that the graph holds no device-to-host copy.
+    small = device if tree.tracing() else torch.device("cpu")
+    u, sigma, vh = torch.linalg.svd(r[:m, :m].to(small))
+    rhs = r[:m, m].to(small)
+    shift = shift.to(small)
     b = u.mT @ rhs
     denominator = sigma * sigma + shift
     keep = denominator > RCOND * RCOND
     phi = torch.where(keep, sigma / torch.where(keep, denominator, 1.0), 0.0)
     gamma = vh.mT @ (phi * b)
-    gamma = torch.where(valid.cpu(), gamma, 0.0)
+    gamma = torch.where(valid.to(small), gamma, 0.0)
     unresolved = (1.0 - sigma * phi) * b
-    mixed_sq = r[m, m].cpu() ** 2 + (unresolved * unresolved).sum()
+    mixed_sq = r[m, m].to(small) ** 2 + (unresolved * unresolved).sum()
 
     gamma = gamma.to(device)
     ok = ok & torch.isfinite(gamma).all()

@@ -21,7 +21,10 @@ __all__ = [
     "leaf_path",
     "structure_difference",
     "is_transformed",
+    "tracing",
     "static_value",
+    "shared",
+    "decision",
     "flat_view",
 ]
 
@@ -149,9 +152,25 @@ def check_like(
             )
 
 
-# True when a tensor is wrapped by a torch.func transform (vmap, grad, ...). The C predicate
-# itself: it runs about a hundred times per ``update``, a Python wrapper would double its cost.
-is_transformed = _functorch.is_functorch_wrapped_tensor
+def tracing() -> bool:
+    """True while ``torch.compile`` (dynamo) traces the code: tensors have no values then."""
+    return _is_compiling()
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def is_transformed(t: Tensor) -> bool:
+    """True when ``t`` has no concrete value to branch on: wrapped by a torch.func transform
+    (vmap, grad, ...), or traced by ``torch.compile``.
+
+    Under tracing every tensor counts as transformed, so the traced code takes the vmap path:
+    decisions are masks (``torch.where``), never Python branches on values. The functorch
+    query is not asked then: dynamo cannot trace that builtin (it would break the graph).
+    """
+    if _is_compiling():
+        return True
+    return _functorch.is_functorch_wrapped_tensor(t)
 
 
 def static_value(t: Tensor) -> bool | int | None:
@@ -165,6 +184,42 @@ def static_value(t: Tensor) -> bool | int | None:
     if is_transformed(t) or t.device.type != "cpu" or t.dim() != 0:
         return None
     return t.item()
+
+
+def shared(t: Tensor) -> Tensor:
+    """``t`` as a plain tensor when ``vmap`` batches it but every member holds one element.
+
+    A vmapped function's unbatched result comes back from ``vmap`` broadcast along the batch
+    dimension (stride 0), so a counter that every member of an ensemble advances together
+    (``count``, ``head``) arrives at the next vmapped call as a batched tensor over a single
+    element. The stride says so without reading any value; that element, taken as a plain
+    tensor, is then a value :func:`static_value` may read, and the window is written at one
+    slot index for all members (O(n) per member instead of blending every slot). Anything
+    else, and anything under ``torch.compile``, is returned unchanged.
+    """
+    if tracing() or not _functorch.is_batchedtensor(t):
+        return t
+    bdim = _functorch.maybe_get_bdim(t)
+    physical = _functorch.get_unwrapped(t)
+    if bdim is None or _functorch.is_functorch_wrapped_tensor(physical):
+        return t  # batched at several levels (nested transforms): leave it to the masks
+    if physical.shape[bdim] > 1 and physical.stride(bdim) != 0:
+        return t
+    return physical.select(bdim, 0)
+
+
+def decision(flag: Tensor, device: torch.device) -> Tensor:
+    """A 0-d bool decision (a finiteness check, the safeguard's verdict) made ready to combine
+    with the step's counters and gates.
+
+    Eager: moved to the CPU, where the counters live, so that :func:`static_value` can read
+    it and skip work (for a flag computed on an accelerator this copy waits for the device).
+    Under ``torch.compile``: moved to ``device`` (the compute device, where the traced step
+    keeps its counters) and never read, so the traced graph has no device-to-host copy.
+    """
+    if tracing():
+        return flag.to(device)
+    return flag.cpu()
 
 
 def flat_view(t: Tensor) -> Tensor:

@@ -38,7 +38,7 @@ import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import native, tree
+from aadl_func._src import native, ops, tree
 
 __all__ = [
     "chunk_size",
@@ -47,6 +47,8 @@ __all__ = [
     "combine",
     "write_slot",
     "select",
+    "assign",
+    "blending",
     "set_gram_row",
     "difference_rows",
     "append_difference",
@@ -239,6 +241,13 @@ def _gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
 
 def _gram_leaf_transformed(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
     """The same pass for tensors wrapped by a torch.func transform (batched under vmap)."""
+    if ops.per_member([*flats, v]):
+        return ops.gram_row(list(flats), v)
+    if tree.tracing():
+        # Whole-vector expressions: the compiler fuses the widening into one reduction per
+        # slot (no chunks, no float64 copy of the window).
+        v64 = v.to(torch.float64)
+        return torch.stack([torch.sum(f.to(torch.float64) * v64) for f in flats])
     numel = v.shape[0]
     step = chunk_size(len(flats), v.device)
     partial = None
@@ -355,6 +364,15 @@ def _combine_leaf_transformed(
     base: Tensor | None, flats: Sequence[Tensor], w: Tensor, cdt: torch.dtype, template: Tensor
 ) -> Tensor:
     """The same pass under a torch.func transform: chunks gathered with ``torch.stack``."""
+    if ops.per_member([base, *flats, w]):
+        return ops.combine(base, list(flats), w).reshape(template.shape)
+    if tree.tracing():
+        # One elementwise expression, fused by the compiler into a single pass.
+        total = None if base is None else base.to(cdt)
+        for s, f in enumerate(flats):
+            term = w[s] * f.to(cdt)
+            total = term if total is None else total + term
+        return total.reshape(template.shape)
     numel = flats[0].shape[0]
     step = chunk_size(len(flats), flats[0].device)
     pieces = []
@@ -391,20 +409,29 @@ def write_slot(
     """The ring with ``ring[slot] = value``: touches one slot when ``slot`` is concrete.
 
     In place, ``value`` is copied into the slot's buffers (nothing to do when ``value`` is
-    those buffers, e.g. a residual computed straight into its slot). Under a transform the
-    slot index is a (batched) tensor, so every slot is blended with ``torch.where``; that
-    rewrites the window, the price of data-dependent indexing in vmap.
+    those buffers, e.g. a residual computed straight into its slot), with :func:`assign`.
+    When the slot index is not concrete (traced by torch.compile; members of a vmapped
+    ensemble out of step) every slot is blended with ``torch.where``: one pass over the
+    window, the price of data-dependent indexing without reading the index.
     """
     index = tree.static_value(slot)
     if index is not None:
         if inplace:
             for dst, src in zip(ring[index], value):
                 if src is not dst:
-                    dst.copy_(src)
+                    assign(dst, src)
             return ring
         return tuple(list(value) if s == index else entries for s, entries in enumerate(ring))
+    if inplace:
+        # Traced in-place step: every slot is rewritten in place, masked, so the window
+        # keeps its buffers. (The compiler still materialises the new slots before writing
+        # them back: a compiled step allocates about one window; see the README.)
+        for s, entries in enumerate(ring):
+            for dst, src in zip(entries, value):
+                assign(dst, src, where=slot == s)
+        return ring
     return tuple(
-        [torch.where(slot == s, v, e) for v, e in zip(value, entries)]
+        [torch.where((slot == s).to(v.device), v, e) for v, e in zip(value, entries)]
         for s, entries in enumerate(ring)
     )
 
@@ -417,22 +444,71 @@ def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
     return torch.where(hit[None, :], row[:, None], gram)
 
 
-def select(gate: Tensor, compute: Callable[[], T], otherwise: T | Callable[[], T]) -> T:
+# The gates of the blended ``select`` calls whose ``compute`` is running (outermost first).
+_blending: list[Tensor] = []
+
+
+def blending() -> bool:
+    """Whether a blended :func:`select` is computing (its in-place writes must be masked)."""
+    return bool(_blending)
+
+
+def _gates(mask: Tensor | None) -> Tensor | None:
+    for gate in _blending:
+        mask = gate if mask is None else mask & gate.to(mask.device)
+    return mask
+
+
+def assign(dst: Tensor, src: Tensor, where: Tensor | None = None) -> None:
+    """``dst.copy_(src)``, except inside a blended :func:`select` (a gate without a value:
+    vmap, torch.compile), where both outcomes are computed: the write then happens only
+    where the gates hold (and ``where``), so an in-place write is right whatever the gates
+    decide. Every in-place write to the params or the state during a step goes through
+    here."""
+    mask = _gates(where)
+    if mask is None:
+        dst.copy_(src)
+    else:
+        dst.copy_(torch.where(mask.to(dst.device), src, dst))
+
+
+def select(
+    gate: Tensor,
+    compute: Callable[[], T],
+    otherwise: T | Callable[[], T],
+    *,
+    blend: bool = True,
+) -> T:
     """``compute()`` where ``gate`` holds, else ``otherwise`` -- without computing it when the
     gate is a concrete False. Under vmap both are evaluated and blended leaf by leaf.
 
     ``otherwise`` may be a zero-argument callable, called only when its value is needed (a
     concrete False gate, or blending under vmap): placeholders such as a parameter-sized
     zero tensor then cost nothing on the steps that compute.
+
+    ``blend=False``: for a result the caller only uses where ``gate`` holds (it masks the
+    rest itself); a gate without a value then returns ``compute()`` as it is, saving a
+    parameter-sized blend (its in-place writes are still masked, see :func:`assign`).
     """
     known = tree.static_value(gate)
     if known is not None:
         if known:
             return compute()
         return otherwise() if callable(otherwise) else otherwise
-    fallback = otherwise() if callable(otherwise) else otherwise
+    fallback = otherwise() if callable(otherwise) and blend else otherwise
+    _blending.append(gate)
+    try:
+        computed = compute()
+    finally:
+        _blending.pop()
+    if not blend:
+        return computed
+    # A leaf both outcomes share (a window slot neither touched, a buffer written in place
+    # by assign) is kept, not blended.
     return optree.tree_map(
-        lambda new, old: torch.where(gate.to(new.device), new, old), compute(), fallback
+        lambda new, old: old if new is old else torch.where(gate.to(new.device), new, old),
+        computed,
+        fallback,
     )
 
 
@@ -526,11 +602,20 @@ def difference_rows(
     if not exact:
         ring = torch.arange(q, device=device)
         at = slot.to(device)
-        previous = (at - 1) % q
         # <f_t, f_{s-1}> from the stored row, except t = s, whose stored entry is the old f_s.
-        before = torch.where(ring == at, g[previous], gram.to(device)[previous])
+        if index is not None:
+            previous_row = gram.to(device)[(index - 1) % q]
+            before = torch.where(ring == index, g[(index - 1) % q], previous_row)
+        else:
+            previous = (at - 1) % q
+            before = torch.where(ring == at, _pick(g, previous), _pick(gram.to(device), previous))
         p = g - before
     return g, p - p.roll(1), g - g.roll(1)
+
+
+def _pick(t: Tensor, index: Tensor) -> Tensor:
+    """``t[index]`` for a 0-d index tensor, without reading its value (vmap, torch.compile)."""
+    return t.index_select(0, index.reshape(1)).squeeze(0)
 
 
 def _difference_rows_leaf(
@@ -562,14 +647,43 @@ def _difference_rows_leaf(
     return g, p
 
 
+def _difference_rows_traced(
+    flats: Sequence[Tensor], slot: Tensor, exact: bool
+) -> tuple[Tensor, Tensor]:
+    """The pass as whole-vector expressions for the compiler: the slots are selected by
+    masks and every product is widened in registers, so it fuses into one read of the
+    window."""
+    wide = [f.to(torch.float64) for f in flats]
+    at = slot.to(flats[0].device)
+
+    def pick(index: Tensor) -> Tensor:
+        chosen = wide[0]
+        for s in range(1, len(wide)):
+            chosen = torch.where(index == s, wide[s], chosen)
+        return chosen
+
+    newest = pick(at)
+    g = torch.stack([torch.sum(f * newest) for f in wide])
+    if not exact:
+        return g, g[:0]
+    step = newest - pick((at - 1) % len(wide))
+    return g, torch.stack([torch.sum(f * step) for f in wide])
+
+
 def _difference_rows_transformed(
     flats: Sequence[Tensor], slot: Tensor, exact: bool
 ) -> tuple[Tensor, Tensor]:
     """The same pass under a torch.func transform (the slot may be a batched tensor)."""
+    index = tree.static_value(slot)
+    if index is not None and ops.per_member(flats):
+        return ops.difference_rows(list(flats), index, exact)
+    if tree.tracing():
+        return _difference_rows_traced(flats, slot, exact)
     numel = flats[0].shape[0]
     step = chunk_size(len(flats), flats[0].device)
     totals = None
     pick = torch.stack([torch.as_tensor(slot), (torch.as_tensor(slot) - 1) % len(flats)])
+    pick = pick.to(flats[0].device)
     for start in range(0, numel, step):
         stop = min(start + step, numel)
         b = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
