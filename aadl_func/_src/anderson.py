@@ -423,7 +423,7 @@ def _update(
     )
     # ``grads`` come back cast to the params' dtypes where they differ (as torch.optim does).
     p_leaves, spec, grads = check_update_inputs(config, state, params, grads, loss_fn, inplace)
-    transformed = any(tree.is_transformed(p) for p in p_leaves)  # vmap, or torch.compile
+    transformed = tree.any_transformed(p_leaves)  # vmap, or torch.compile
     if tree.tracing():
         # Traced (torch.compile): the decisions stay on the compute device (tree.decision),
         # so the counters join them there; the returned state keeps them on that device.
@@ -567,6 +567,8 @@ class _Step:
         self.count = state.count + 1
         self.q = config.num_slots
         self.ring = tuple(tree.flatten(r, "state.residuals")[0] for r in state.residuals)
+        # The caller's window leaves by field (window_tree): residuals, anchor or iterates.
+        self.caller_window: dict[str, Any] = {"residuals": self.ring}
         self.compute_device = state.gram.device
         self.compute_dtypes = [
             torch.promote_types(
@@ -666,11 +668,11 @@ class _Step:
             # along in the same all_reduce.
             factor = self.shard_factor(ring, slot, grown)
             grams, rows = self.reduce_rows(grams, head, rows, factor=factor)
-        valid = self.slot_valid(slot, grown).to(rows[0].device)
-        finite = torch.ones((), dtype=torch.bool, device=valid.device)
-        for row in rows:
-            finite = finite & torch.isfinite(torch.where(valid, row, 0.0)).all()
-        poisoned = ~tree.decision(finite, self.compute_device)
+        stacked = torch.stack(rows)  # (3, Q): one finiteness check for the three rows
+        if tree.static_value(grown) != self.q:  # a full window has no invalid slot to mask
+            valid = self.slot_valid(slot, grown).to(stacked.device)
+            stacked = torch.where(valid, stacked, 0.0)
+        poisoned = ~tree.decision(torch.isfinite(stacked).all(), self.compute_device)
 
         def restart() -> tuple:
             if blending():  # blended into the slot by select: a broadcast zero, no fill
@@ -736,9 +738,18 @@ class _Step:
             g, h, dr_rhs = self.summed_rows
             gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
         order = self.chronological(head).to(self.compute_device)
-        chrono = gram[order][:, order]
-        later = order[1:]  # d at chronological position j + 1 is the column of gamma_j
-        dr_chrono = dr_gram[later][:, later]
+        newest = tree.static_value(head)
+        if newest is not None:
+            # Eager: the same reordering as the gathers below, as one roll per matrix.
+            shift = (self.q - 1 - newest, self.q - 1 - newest)
+            chrono = gram.roll(shift, (0, 1))
+            dr_chrono = dr_gram.roll(shift, (0, 1))[1:, 1:]
+            dr_rhs = dr_rhs.roll(shift[0])[1:]
+        else:
+            chrono = gram[order][:, order]
+            later = order[1:]  # d at chronological position j + 1 is the column of gamma_j
+            dr_chrono = dr_gram[later][:, later]
+            dr_rhs = dr_rhs[later]
         num_valid = num_residuals.to(self.compute_device)
         reg = self.regularisation(dr_chrono, num_valid)
         if self.exact:
@@ -749,9 +760,7 @@ class _Step:
             valid = self.difference_valid(num_residuals).to(self.compute_device)
             weights = solve_factor(factor, valid, reg)
         else:
-            weights = solve_differences(
-                dr_chrono, dr_rhs[later], torch.diagonal(chrono), num_valid, reg
-            )
+            weights = solve_differences(dr_chrono, dr_rhs, torch.diagonal(chrono), num_valid, reg)
         if self.shards is not None:
             self.weights = weights
             self.chrono_norms = torch.diagonal(chrono).clamp(min=0.0).sqrt()
@@ -801,6 +810,13 @@ class _Step:
                 continue
             limit = torch.finfo(p.dtype).max
             low, high = torch.aminmax(t)
+            if tree.static_value(flag) is not None and not tree.any_transformed([low, high]):
+                # Eager on the CPU: the two values read and compared in Python (no device
+                # wait there), which saves the small comparison operations.
+                lo, hi = low.item(), high.item()
+                if not (lo >= -limit and hi <= limit):
+                    return torch.zeros((), dtype=torch.bool)
+                continue
             flag = flag & tree.decision((low >= -limit) & (high <= limit), self.compute_device)
         return flag
 
@@ -851,6 +867,21 @@ class _Step:
             **fields,
         )
 
+    def window_tree(self, name: str, leaves: Any) -> Any:
+        """The state field ``name`` (``anchor``: one list of leaves; ``residuals`` and
+        ``iterates``: one list per slot) as trees like ``params``. When every leaf is the
+        caller's own tensor (a window written in place, or not written) this is the caller's
+        own field object: nothing to rebuild, and nothing to write back at a commit."""
+        mine = self.caller_window.get(name)
+        if name == "anchor":
+            if mine is not None and _same_leaves(leaves, mine):
+                return getattr(self.state, name)
+            return tree.unflatten(self.spec, list(leaves))
+        if mine is not None and len(leaves) == len(mine):
+            if all(_same_leaves(a, b) for a, b in zip(leaves, mine)):
+                return getattr(self.state, name)
+        return tuple(tree.unflatten(self.spec, list(r)) for r in leaves)
+
     def commit_plain(
         self,
         ring: tuple,
@@ -864,7 +895,7 @@ class _Step:
         append, and the mode's own ``fields``), made the caller's; a Ctrl-C deferred so far is
         raised here."""
         plain = self.new_state(
-            residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
+            residuals=self.window_tree("residuals", ring),
             gram=grams[0],
             dr_gram=grams[1],
             dr_rhs=grams[2],
@@ -1004,6 +1035,7 @@ class _AadlStep(_Step):
     def run(self) -> tuple[Params, AndersonState]:
         config, state = self.config, self.state
         anchor = tree.flatten(state.anchor, "state.anchor")[0]
+        self.caller_window["anchor"] = anchor
         y = self.inner_step()
         y_hist = self.to_history(y, anchor)
 
@@ -1065,7 +1097,7 @@ class _AadlStep(_Step):
         )
         # Commit point (atomic.py): from here on the caller holds a finished plain step.
         plain = self.commit_plain(
-            ring, grams, head, window_size, poisoned, anchor=tree.unflatten(self.spec, list(anchor))
+            ring, grams, head, window_size, poisoned, anchor=self.window_tree("anchor", anchor)
         )
 
         # Step 5, AADL's moving average (see aadl_func._src.average): decided on the window of
@@ -1171,8 +1203,8 @@ class _AadlStep(_Step):
             x = select(averaged, lambda: self.to_params(mean_hist), x)
         out = self.output(use_mix | averaged, x, y)
         final = plain._replace(
-            anchor=tree.unflatten(self.spec, list(anchor)),
-            residuals=tuple(tree.unflatten(self.spec, list(r)) for r in ring),
+            anchor=self.window_tree("anchor", anchor),
+            residuals=self.window_tree("residuals", ring),
             gram=grams[0],
             dr_gram=grams[1],
             dr_rhs=grams[2],
@@ -1191,6 +1223,7 @@ class _ClassicStep(_Step):
     def run(self) -> tuple[Params, AndersonState]:
         config, state = self.config, self.state
         iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
+        self.caller_window["iterates"] = iterates
         store = self.count % config.store_each_nth == 0
 
         def append_pair() -> tuple:
@@ -1226,7 +1259,7 @@ class _ClassicStep(_Step):
             head,
             window_size,
             poisoned,
-            iterates=tuple(tree.unflatten(self.spec, list(r)) for r in iterates),
+            iterates=self.window_tree("iterates", iterates),
         )
 
         gate = self.gate(window_size, 2)
@@ -1265,6 +1298,10 @@ class _ClassicStep(_Step):
             num_nonfinite=plain.num_nonfinite + (gate & ~ok & ~poisoned).long(),
         )
         return tree.unflatten(self.spec, out), self.commit(final)
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _read_slot(ring: tuple, slot: Tensor) -> list[Tensor]:

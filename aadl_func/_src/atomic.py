@@ -33,11 +33,23 @@ __all__ = ["InterruptGuard", "write_back"]
 def write_back(target: Any, source: Any) -> None:
     """Copies every tensor leaf of ``source`` into the matching leaf of ``target`` in place.
 
-    Leaves that already are the same tensor are skipped (the window's slots, written in place).
+    Leaves (and NamedTuple fields) that already are the same object are skipped (the window's
+    slots, written in place).
     Both trees must have one structure; ``target``'s non-tensor leaves cannot be updated, so
     the exception guarantee covers states whose changing leaves are tensors (every state of
     this package and torchopt's).
     """
+    if target is source:
+        return
+    if isinstance(target, Tensor) and isinstance(source, Tensor):
+        target.copy_(source)
+        return
+    if type(target) is type(source) and hasattr(target, "_fields"):
+        # A NamedTuple (the state): field by field, so that a field the step left as it was
+        # (the same object, e.g. a window written in place) costs nothing.
+        for dst, src in zip(target, source):
+            write_back(dst, src)
+        return
     targets, target_spec = optree.tree_flatten(target, none_is_leaf=True)
     sources, source_spec = optree.tree_flatten(source, none_is_leaf=True)
     if target_spec != source_spec:

@@ -251,7 +251,7 @@ def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> Mi
 def solve_coefficients(
     dr_gram: Tensor,
     dr_rhs: Tensor,
-    residual_scale: Tensor,
+    residual_scale: Tensor | float,
     reg: float = 0.0,
     valid: Tensor | None = None,
 ) -> Tensor:
@@ -280,12 +280,15 @@ def solve_coefficients(
     Returns:
       ``(m,)`` float64 :math:`\gamma`.
     """
-    unit = torch.where(residual_scale > 0, residual_scale, torch.ones_like(residual_scale))
+    if isinstance(residual_scale, Tensor):
+        unit = torch.where(residual_scale > 0, residual_scale, torch.ones_like(residual_scale))
+    else:
+        unit = float(residual_scale) if residual_scale > 0 else 1.0
     h, b = dr_gram, dr_rhs
     if valid is not None:
         # Invalid unknowns get a decoupled diagonal of the problem's own scale: gamma_j = 0.
         h = torch.where(valid[:, None] & valid[None, :], h, 0.0)
-        h = h + torch.diag(torch.where(valid, 0.0, unit))
+        h = h + torch.diag(torch.where(valid, 0.0, torch.as_tensor(unit, dtype=h.dtype)))
         b = torch.where(valid, b, 0.0)
 
     eigvals, eigvecs = torch.linalg.eigh(h)
@@ -297,7 +300,10 @@ def solve_coefficients(
         gamma = torch.where(valid, gamma, 0.0)
     # Inputs at the edge of the float64 range can still round to Inf/NaN: fall back to
     # gamma = 0, the plain newest iterate, rather than let them reach the parameters.
-    return torch.where(torch.isfinite(gamma).all(), gamma, 0.0)
+    finite = torch.isfinite(gamma).all()
+    if tree.static_value(finite) is True:  # eager: the common case needs no blend
+        return gamma
+    return torch.where(finite, gamma, 0.0)
 
 
 def solve_differences(
@@ -330,19 +336,35 @@ def solve_differences(
     q = residual_sq.shape[-1]
     dev = residual_sq.device
     num_valid = torch.as_tensor(num_valid, device=dev)
-    valid = torch.arange(q, device=dev) >= q - num_valid
-    gamma_valid = valid[:-1]
-    pair = gamma_valid[:, None] & gamma_valid[None, :]
-    h = torch.where(pair, dr_gram, 0.0)
-    c = torch.where(gamma_valid, dr_rhs, 0.0)
-    norms = torch.where(valid, residual_sq, 0.0)
-    ok = torch.isfinite(h).all() & torch.isfinite(c).all() & torch.isfinite(norms).all()
-    h, c, norms = (torch.where(ok, t, 0.0) for t in (h, c, norms))
+    if tree.static_value(num_valid) == q:
+        # Eager, full window (the steady state): every mask below would be all True, and
+        # torch.where with an all-True mask returns its input, so skipping them changes no
+        # bit; it saves a dozen small operations per step.
+        gamma_valid = None
+        h, c, norms = dr_gram, dr_rhs, residual_sq
+    else:
+        valid = torch.arange(q, device=dev) >= q - num_valid
+        gamma_valid = valid[:-1]
+        pair = gamma_valid[:, None] & gamma_valid[None, :]
+        h = torch.where(pair, dr_gram, 0.0)
+        c = torch.where(gamma_valid, dr_rhs, 0.0)
+        norms = torch.where(valid, residual_sq, 0.0)
+    ok = torch.isfinite(torch.cat([h.reshape(-1), c, norms])).all()
+    if tree.static_value(ok) is not True:  # eager and finite: the blend would change nothing
+        h, c, norms = (torch.where(ok, t, 0.0) for t in (h, c, norms))
     # Scaled to max_i ||f_i||^2 = 1, as in solve_weights: O(1) entries whatever the scale.
     unit = norms.max()
-    unit = torch.where(unit > 0, unit, torch.ones_like(unit))
+    known = tree.static_value(unit)
+    if known is not None:
+        # Eager: the scale as a Python float, which divides exactly as the 0-d tensor would
+        # (one IEEE division), with fewer small operations.
+        unit = known if known > 0 else 1.0
+        one = 1.0
+    else:
+        unit = torch.where(unit > 0, unit, torch.ones_like(unit))
+        one = torch.ones_like(unit)
     h, c = h / unit, c / unit
-    gamma = solve_coefficients(h, c, torch.ones_like(unit), reg / unit, valid=gamma_valid)
+    gamma = solve_coefficients(h, c, one, reg / unit, valid=gamma_valid)
     alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
     mixed_sq = norms[-1] / unit - 2.0 * (gamma @ c) + gamma @ h @ gamma
     return MixingWeights(gamma, alpha, (mixed_sq.clamp(min=0.0) * unit).sqrt(), ok)

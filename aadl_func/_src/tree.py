@@ -7,6 +7,7 @@ containers users pass, so states built here also flatten under ``torch.func``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import optree
@@ -21,6 +22,7 @@ __all__ = [
     "leaf_path",
     "structure_difference",
     "is_transformed",
+    "any_transformed",
     "tracing",
     "static_value",
     "shared",
@@ -173,6 +175,15 @@ def is_transformed(t: Tensor) -> bool:
     return _functorch.is_functorch_wrapped_tensor(t)
 
 
+def any_transformed(tensors: Iterable[Tensor | None]) -> bool:
+    """:func:`is_transformed` for any of ``tensors`` (``None`` entries ignored), with one
+    Python call for the lot: the window's passes ask it per leaf on every step."""
+    if _is_compiling():
+        return True
+    wrapped = _functorch.is_functorch_wrapped_tensor
+    return any(wrapped(t) for t in tensors if t is not None)
+
+
 def static_value(t: Tensor) -> bool | int | None:
     """The Python value of a 0-d CPU tensor when it is concrete, else ``None``.
 
@@ -229,10 +240,10 @@ def flat_view(t: Tensor) -> Tensor:
     dense tensor share its strides, so their flat views line up element by element, which lets
     us stream window slots in chunks without copying them (``channels_last`` included).
     """
+    if t.is_contiguous():
+        return t.reshape(-1)  # a view (of a batched or traced tensor too)
     if is_transformed(t):
         return t.reshape(-1)
-    if t.is_contiguous():
-        return t.view(-1)
     order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
     permuted = t.permute(order)
     if permuted.is_contiguous():

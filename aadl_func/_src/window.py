@@ -189,7 +189,7 @@ def gram_row(
     for leaf_index, v in enumerate(vector):
         flats = [tree.flat_view(slot[leaf_index]) for slot in slots]
         v_flat = tree.flat_view(v)
-        if tree.is_transformed(v_flat) or any(tree.is_transformed(f) for f in flats):
+        if tree.any_transformed([v_flat, *flats]):
             partial = _gram_leaf_transformed(flats, v_flat)
         else:
             partial = _gram_leaf(flats, v_flat)
@@ -295,10 +295,7 @@ def combine(
         w = weights.to(device=device, dtype=cdt)
         flats = [tree.flat_view(slot[leaf_index]) for slot in slots]
         base_flat = None if base is None else tree.flat_view(base[leaf_index])
-        transformed = any(tree.is_transformed(t) for t in [w, *flats]) or (
-            base_flat is not None and tree.is_transformed(base_flat)
-        )
-        if transformed:
+        if tree.any_transformed([w, base_flat, *flats]):
             result = _combine_leaf_transformed(base_flat, flats, w, cdt, template)
             results.append(result if out is None else out[leaf_index].copy_(result))
             continue
@@ -438,6 +435,13 @@ def write_slot(
 
 def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
     """Symmetric Gram with row and column ``slot`` replaced by ``row``."""
+    known = tree.static_value(slot)
+    if known is not None and not tree.any_transformed([gram, row]):
+        # Eager: the same entries as the masked blend below, in three operations.
+        gram = gram.clone()
+        gram[known] = row
+        gram[:, known] = row
+        return gram
     index = torch.arange(gram.shape[-1], device=gram.device)
     hit = index == slot.to(gram.device)
     gram = torch.where(hit[:, None], row[None, :], gram)
@@ -591,7 +595,7 @@ def difference_rows(
     index = tree.static_value(slot)
     for leaf_index in leaves:
         flats = [tree.flat_view(s[leaf_index]) for s in slots]
-        if index is None or any(tree.is_transformed(f) for f in flats):
+        if index is None or tree.any_transformed(flats):
             parts = _difference_rows_transformed(flats, slot, exact)
         else:
             parts = _difference_rows_leaf(flats, index, exact)
@@ -719,7 +723,7 @@ def difference_factor(
     """
     q = len(slots)
     factor = torch.zeros(q, q, dtype=torch.float64, device=device)
-    concrete = not (tree.is_transformed(order) or tree.is_transformed(valid))
+    concrete = not tree.any_transformed([order, valid])
     positions = (order.tolist(), valid.tolist()) if concrete else None
     for leaf_index in range(len(slots[0])):
         flats = [tree.flat_view(s[leaf_index]) for s in slots]
@@ -729,7 +733,7 @@ def difference_factor(
         # Under a transform, or when autograd records (differentiating through mix or a pure
         # update): the differentiable path (no out= writes, no LAPACK-only geqrf).
         differentiable = torch.is_grad_enabled() and any(f.requires_grad for f in flats)
-        if positions is None or differentiable or any(tree.is_transformed(f) for f in flats):
+        if positions is None or differentiable or tree.any_transformed(flats):
             factor = _factor_leaf_transformed(flats, order, valid, factor.to(here))
         else:
             factor = _factor_leaf(flats, *positions, factor.to(here))
