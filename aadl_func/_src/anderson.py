@@ -565,6 +565,9 @@ class _Step:
         self.inplace = inplace
         self.loss_fn = loss_fn
         self.count = state.count + 1
+        # Eager: the call's number as an int, from which the call-count gates are read
+        # without tensor operations (None under vmap / torch.compile).
+        self.count_value = tree.static_value(self.count)
         self.q = config.num_slots
         self.ring = tuple(tree.flatten(r, "state.residuals")[0] for r in state.residuals)
         # The caller's window leaves by field (window_tree): residuals, anchor or iterates.
@@ -684,7 +687,7 @@ class _Step:
         g, h, c = local_rows
         updated = (set_gram_row(grams[0], slot, g), set_gram_row(grams[1], slot, h), c)
         ring, grams = select(poisoned, restart, (ring, updated))
-        num_residuals = torch.where(poisoned, torch.zeros_like(grown), grown)
+        num_residuals = _where(poisoned, lambda: torch.zeros_like(grown), grown)
         if self.shards is not None:
             self.summed_rows = select(poisoned, lambda: tuple(map(torch.zeros_like, rows)), rows)
         return ring, grams, slot, num_residuals, poisoned
@@ -722,7 +725,8 @@ class _Step:
         return (self.count > config.wait_iterations) & (self.count % config.frequency == 0)
 
     def solve(self, ring: tuple, grams: tuple, head: Tensor, num_residuals: Tensor):
-        """The mixing weights of the window (chronological) and the chronological slot order.
+        """The mixing weights of the window (chronological) and the chronological slot order
+        (a tensor of ring slots; eagerly, the newest slot as an int: see :meth:`to_ring_order`).
 
         A float64 window: a float64 QR factor of ``[DF | f_last]`` streamed from the ring
         (summed over ranks by stacking every rank's factor) and
@@ -737,19 +741,17 @@ class _Step:
                 (gram, dr_gram, _), self.summed_rows = self.reduce_rows(grams, head, factor=factor)
             g, h, dr_rhs = self.summed_rows
             gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
-        order = self.chronological(head).to(self.compute_device)
         newest = tree.static_value(head)
         if newest is not None:
-            # Eager: the same reordering as the gathers below, as one roll per matrix.
-            shift = (self.q - 1 - newest, self.q - 1 - newest)
-            chrono = gram.roll(shift, (0, 1))
-            dr_chrono = dr_gram.roll(shift, (0, 1))[1:, 1:]
-            dr_rhs = dr_rhs.roll(shift[0])[1:]
+            # Eager: a cached index instead of index arithmetic on every call.
+            slots, later = _chronological_slots(self.q, newest, gram.device)
         else:
-            chrono = gram[order][:, order]
-            later = order[1:]  # d at chronological position j + 1 is the column of gamma_j
-            dr_chrono = dr_gram[later][:, later]
-            dr_rhs = dr_rhs[later]
+            slots = self.chronological(head).to(self.compute_device)
+            later = slots[1:]  # d at chronological position j + 1 is the column of gamma_j
+        residual_sq = torch.diagonal(gram).index_select(0, slots)  # ||f_i||^2, oldest first
+        dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
+        dr_rhs = dr_rhs.index_select(0, later)
+        order = newest if newest is not None else slots
         num_valid = num_residuals.to(self.compute_device)
         reg = self.regularisation(dr_chrono, num_valid)
         if self.exact:
@@ -760,10 +762,12 @@ class _Step:
             valid = self.difference_valid(num_residuals).to(self.compute_device)
             weights = solve_factor(factor, valid, reg)
         else:
-            weights = solve_differences(dr_chrono, dr_rhs, torch.diagonal(chrono), num_valid, reg)
+            weights = solve_differences(
+                dr_chrono, dr_rhs, residual_sq, num_valid, reg, residual_norm=False
+            )
         if self.shards is not None:
             self.weights = weights
-            self.chrono_norms = torch.diagonal(chrono).clamp(min=0.0).sqrt()
+            self.chrono_norms = residual_sq.clamp(min=0.0).sqrt()
         return weights, order
 
     def regularisation(self, dr_chrono: Tensor, num_valid: Tensor) -> float | Tensor:
@@ -795,7 +799,11 @@ class _Step:
             return window_size
         return torch.where(rejected, window_size.clamp(max=1), window_size)
 
-    def to_ring_order(self, chrono_values: Tensor, order: Tensor) -> Tensor:
+    def to_ring_order(self, chrono_values: Tensor, order: Tensor | int) -> Tensor:
+        """Values by chronological position (oldest first) moved to their ring slots;
+        ``order`` from :meth:`solve`."""
+        if isinstance(order, int):  # the newest slot: position j is slot (order + 1 + j) % Q
+            return chrono_values.roll(order + 1)
         return torch.zeros_like(chrono_values).index_copy(0, order, chrono_values)
 
     def finite(self, leaves: list[Tensor]) -> Tensor:
@@ -863,7 +871,11 @@ class _Step:
         return self.state._replace(
             count=self.count,
             inner_state=self.inner_state,
-            skip_streak=torch.zeros_like(self.state.skip_streak),
+            skip_streak=_where(
+                _flag(tree.static_value(self.state.skip_streak) == 0),
+                self.state.skip_streak,
+                lambda: torch.zeros_like(self.state.skip_streak),
+            ),
             **fields,
         )
 
@@ -901,7 +913,7 @@ class _Step:
             dr_rhs=grams[2],
             head=head,
             window_size=window_size,
-            num_nonfinite=self.state.num_nonfinite + poisoned.long(),
+            num_nonfinite=_add_if(self.state.num_nonfinite, poisoned),
             **fields,
         )
         self.commit(plain)
@@ -927,11 +939,26 @@ class _Step:
         config = self.config
         if self.plain:
             return torch.zeros((), dtype=torch.bool)
+        size = tree.static_value(window_size)
+        if self.count_value is not None and size is not None:
+            return _flag(self.count_mixes() and size >= minimum)
         return (
             (self.count > config.wait_iterations)
             & (self.count % config.frequency == 0)
             & (window_size >= minimum)
         )
+
+    def count_mixes(self) -> bool:
+        """:meth:`may_mix` from the call's number (eager only)."""
+        config = self.config
+        count = self.count_value
+        return count > config.wait_iterations and count % config.frequency == 0
+
+    def stores(self) -> Tensor:
+        """Whether this call stores its plain step in the window (every ``store_each_nth``)."""
+        if self.count_value is not None:
+            return _flag(self.count_value % self.config.store_each_nth == 0)
+        return self.count % self.config.store_each_nth == 0
 
     # -- sharded params (DTensor / FSDP2; see distributed.py) ------------------------------
     def reduce_rows(
@@ -1039,11 +1066,15 @@ class _AadlStep(_Step):
         y = self.inner_step()
         y_hist = self.to_history(y, anchor)
 
-        store = self.count % config.store_each_nth == 0
+        store = self.stores()
         # The window is empty exactly until the first stored call (count < store_each_nth);
         # read from the count, which the members of a vmapped ensemble share (window_size
         # is per member once a restart may have happened), so the append is not blended.
-        empty = state.count < config.store_each_nth
+        empty = (
+            _flag(self.count_value - 1 < config.store_each_nth)
+            if self.count_value is not None
+            else state.count < config.store_each_nth
+        )
         num_residuals = torch.clamp(state.window_size - 1, min=0)
 
         anchor_stored = False  # set when the append below already copied y into the anchor
@@ -1090,11 +1121,11 @@ class _AadlStep(_Step):
             return self.owned(y_hist, y)
 
         anchor = select(store, store_anchor, anchor)
-        window_size = torch.where(
-            store,
-            torch.where(empty, torch.ones_like(num_residuals), num_residuals + 1),
-            state.window_size,
-        )
+
+        def grown() -> Tensor:
+            return _where(empty, lambda: torch.ones_like(num_residuals), lambda: num_residuals + 1)
+
+        window_size = _where(store, grown, state.window_size)
         # Commit point (atomic.py): from here on the caller holds a finished plain step.
         plain = self.commit_plain(
             ring, grams, head, window_size, poisoned, anchor=self.window_tree("anchor", anchor)
@@ -1209,12 +1240,12 @@ class _AadlStep(_Step):
             dr_gram=grams[1],
             dr_rhs=grams[2],
             window_size=self.restarted(plain.window_size, mixable & ~use_mix),
-            num_mixed=plain.num_mixed + use_mix.long(),
-            num_rejected=plain.num_rejected + (mixable & ~use_mix).long(),
+            num_mixed=_add_if(plain.num_mixed, use_mix),
+            num_rejected=_add_if(plain.num_rejected, mixable & ~use_mix),
             # A poisoned append was counted at the commit; a failed mix on a poisoned call
             # is the same event.
-            num_nonfinite=plain.num_nonfinite + (gate & ~ok & ~poisoned).long(),
-            num_averaged=plain.num_averaged + averaged.long(),
+            num_nonfinite=_add_if(plain.num_nonfinite, gate & ~ok & ~poisoned),
+            num_averaged=_add_if(plain.num_averaged, averaged),
         )
         return tree.unflatten(self.spec, out), self.commit(final)
 
@@ -1224,7 +1255,7 @@ class _ClassicStep(_Step):
         config, state = self.config, self.state
         iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
         self.caller_window["iterates"] = iterates
-        store = self.count % config.store_each_nth == 0
+        store = self.stores()
 
         def append_pair() -> tuple:
             slot = (state.head + 1) % self.q
@@ -1291,13 +1322,60 @@ class _ClassicStep(_Step):
         out = self.output(use_mix, x, y)
         final = plain._replace(
             window_size=self.restarted(plain.window_size, mixable & ~use_mix),
-            num_mixed=plain.num_mixed + use_mix.long(),
-            num_rejected=plain.num_rejected + (mixable & ~use_mix).long(),
+            num_mixed=_add_if(plain.num_mixed, use_mix),
+            num_rejected=_add_if(plain.num_rejected, mixable & ~use_mix),
             # A poisoned append was counted at the commit; a failed mix on a poisoned call
             # is the same event.
-            num_nonfinite=plain.num_nonfinite + (gate & ~ok & ~poisoned).long(),
+            num_nonfinite=_add_if(plain.num_nonfinite, gate & ~ok & ~poisoned),
         )
         return tree.unflatten(self.spec, out), self.commit(final)
+
+
+# Eager decisions that are known in Python are these two tensors (never written to): making
+# a fresh 0-d tensor, or combining counters with tensor operations, costs more per call.
+_TRUE = torch.tensor(True)
+_FALSE = torch.tensor(False)
+
+
+def _flag(value: bool) -> Tensor:
+    """A known decision as a 0-d bool CPU tensor (shared constants)."""
+    return _TRUE if value else _FALSE
+
+
+def _where(flag: Tensor, then: Any, otherwise: Any) -> Tensor:
+    """``torch.where(flag, then, otherwise)`` for 0-d values; a concrete flag picks one side
+    without an operation. ``then``/``otherwise`` may be zero-argument callables, called only
+    when their value is needed."""
+    known = tree.static_value(flag)
+    if known is not None:
+        chosen = then if known else otherwise
+        return chosen() if callable(chosen) else chosen
+    then = then() if callable(then) else then
+    otherwise = otherwise() if callable(otherwise) else otherwise
+    return torch.where(flag, then, otherwise)
+
+
+def _add_if(counter: Tensor, flag: Tensor) -> Tensor:
+    """``counter + flag`` (a 0-d int64 counter, a 0-d bool); with a concrete flag the counter
+    itself when False (nothing to write back) and one addition when True."""
+    known = tree.static_value(flag)
+    if known is not None:
+        return counter + 1 if known else counter
+    return counter + flag.long()
+
+
+_SLOT_ORDERS: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _chronological_slots(q: int, newest: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The ring slots oldest first when ``newest`` is the newest one, and those after the
+    oldest (the slots of the differences' newer ends), cached: a handful of tiny index
+    tensors per device, shared read-only by every step."""
+    key = (q, newest, device)
+    if key not in _SLOT_ORDERS:
+        slots = torch.tensor([(newest + 1 + j) % q for j in range(q)], device=device)
+        _SLOT_ORDERS[key] = (slots, slots[1:])
+    return _SLOT_ORDERS[key]
 
 
 def _same_leaves(a: Any, b: Any) -> bool:

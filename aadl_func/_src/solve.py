@@ -72,14 +72,15 @@ class MixingWeights(NamedTuple):
       gamma: ``(q - 1,)`` float64, the least-squares coefficients on the residual differences.
       alpha: ``(q,)`` float64 affine weights, ``alpha = (gamma_0, gamma_1 - gamma_0, ...,
         1 - gamma_{q-2})``; they sum to one and minimise ``||sum_i alpha_i f_i||``.
-      residual_norm: 0-d float64, ``||sum_i alpha_i f_i||`` (the mixed residual).
+      residual_norm: 0-d float64, ``||sum_i alpha_i f_i||`` (the mixed residual); None
+        where the caller did not ask for it (``update``).
       ok: 0-d bool, False when the Gram matrix or the factor was not finite (the weights
         then fall back to ``alpha = e_last``, the plain iterate).
     """
 
     gamma: Tensor
     alpha: Tensor
-    residual_norm: Tensor
+    residual_norm: Tensor | None
     ok: Tensor
 
 
@@ -100,6 +101,13 @@ def stack_factors(blocks: Sequence[Tensor]) -> Tensor:
     stacked = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-2)
     # mode="reduced": differentiable (mode="r" has no derivative); the blocks are small.
     return torch.linalg.qr(stacked, mode="reduced").R
+
+
+def _affine_weights(gamma: Tensor) -> Tensor:
+    """``alpha = (gamma_0, gamma_1 - gamma_0, ..., 1 - gamma_{m-1})``: ``[gamma, 1] - [0, gamma]``,
+    three operations (the same roundings as forming each difference)."""
+    pad = torch.nn.functional.pad
+    return pad(gamma, (0, 1), value=1.0) - pad(gamma, (1, 0))
 
 
 def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> MixingWeights:
@@ -178,7 +186,7 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
     gamma = gamma.to(device)
     ok = ok & torch.isfinite(gamma).all()
     gamma = torch.where(ok, gamma, 0.0)
-    alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
+    alpha = _affine_weights(gamma)
     residual_norm = torch.where(ok, mixed_sq.to(device).sqrt() * scale, 0.0)
     return MixingWeights(gamma, alpha, residual_norm, ok)
 
@@ -292,7 +300,9 @@ def solve_coefficients(
         b = torch.where(valid, b, 0.0)
 
     eigvals, eigvecs = torch.linalg.eigh(h)
-    shifted = eigvals.clamp(min=0.0) + reg
+    shifted = eigvals.clamp(min=0.0)
+    if not (isinstance(reg, float) and reg == 0.0):  # + 0.0 could only flip the sign of a 0
+        shifted = shifted + reg
     keep = shifted > RTOL * unit
     inverse = torch.where(keep, 1.0 / torch.where(keep, shifted, 1.0), 0.0)
     gamma = eigvecs @ (inverse * (eigvecs.mT @ b))
@@ -312,6 +322,8 @@ def solve_differences(
     residual_sq: Tensor,
     num_valid: Tensor | int,
     reg: float = 0.0,
+    *,
+    residual_norm: bool = True,
 ) -> MixingWeights:
     r"""Solves the mixing problem from the inner products of the residual differences.
 
@@ -328,6 +340,8 @@ def solve_differences(
       residual_sq: ``(q,)`` float64 :math:`\|f_i\|^2`, chronological.
       num_valid: how many of the newest residuals are valid (0-d tensor or int).
       reg: absolute Tikhonov weight on :math:`\gamma`, ``>= 0``.
+      residual_norm: False skips computing it (``update`` does not use it); the field is
+        then None.
 
     Returns:
       :class:`MixingWeights`; ``residual_norm`` is
@@ -365,6 +379,8 @@ def solve_differences(
         one = torch.ones_like(unit)
     h, c = h / unit, c / unit
     gamma = solve_coefficients(h, c, one, reg / unit, valid=gamma_valid)
-    alpha = torch.cat([gamma[:1], gamma[1:] - gamma[:-1], 1.0 - gamma[-1:]])
+    alpha = _affine_weights(gamma)
+    if not residual_norm:
+        return MixingWeights(gamma, alpha, None, ok)
     mixed_sq = norms[-1] / unit - 2.0 * (gamma @ c) + gamma @ h @ gamma
     return MixingWeights(gamma, alpha, (mixed_sq.clamp(min=0.0) * unit).sqrt(), ok)
