@@ -817,7 +817,11 @@ class _Step:
             if t.numel() == 0:
                 continue
             limit = torch.finfo(p.dtype).max
-            low, high = torch.aminmax(t)
+            if tree.is_transformed(t):
+                # Batched, aminmax runs as a per-row reduction ~10x slower than amin + amax.
+                low, high = t.amin(), t.amax()
+            else:
+                low, high = torch.aminmax(t)
             if tree.static_value(flag) is not None and not tree.any_transformed([low, high]):
                 # Eager on the CPU: the two values read and compared in Python (no device
                 # wait there), which saves the small comparison operations.

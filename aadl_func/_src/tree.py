@@ -26,6 +26,7 @@ __all__ = [
     "tracing",
     "static_value",
     "shared",
+    "uniform_value",
     "decision",
     "flat_view",
 ]
@@ -220,6 +221,32 @@ def shared(t: Tensor) -> Tensor:
     if physical.shape[bdim] > 1 and physical.stride(bdim) != 0:
         return t
     return physical.select(bdim, 0)
+
+
+def uniform_value(flag: Tensor) -> bool | None:
+    """The value every member holds when ``vmap`` batches a 0-d bool ``flag`` and all of its
+    members agree, else ``None``.
+
+    An ensemble whose members decide alike (all mix, or none) then takes that one branch, as
+    each member's own step would, instead of computing both and blending them element by
+    element. Read from the physical CPU tensor of a single vmap level (eager only: under
+    ``torch.compile``, nested transforms or on an accelerator it returns ``None``).
+    """
+    if _is_compiling() or not _functorch.is_batchedtensor(flag):
+        return None
+    physical = _functorch.get_unwrapped(flag)
+    if (
+        _functorch.is_functorch_wrapped_tensor(physical)
+        or physical.dtype != torch.bool
+        or physical.device.type != "cpu"
+        or physical.numel() == 0
+    ):
+        return None
+    if physical.all().item():
+        return True
+    if not physical.any().item():
+        return False
+    return None
 
 
 def decision(flag: Tensor, device: torch.device) -> Tensor:

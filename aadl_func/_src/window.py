@@ -484,7 +484,8 @@ def select(
     blend: bool = True,
 ) -> T:
     """``compute()`` where ``gate`` holds, else ``otherwise`` -- without computing it when the
-    gate is a concrete False. Under vmap both are evaluated and blended leaf by leaf.
+    gate is a concrete False (or, under vmap, False for every member). Under vmap with members
+    that disagree, and under torch.compile, both are evaluated and blended leaf by leaf.
 
     ``otherwise`` may be a zero-argument callable, called only when its value is needed (a
     concrete False gate, or blending under vmap): placeholders such as a parameter-sized
@@ -495,6 +496,8 @@ def select(
     parameter-sized blend (its in-place writes are still masked, see :func:`assign`).
     """
     known = tree.static_value(gate)
+    if known is None:
+        known = tree.uniform_value(gate)  # a vmapped ensemble whose members agree
     if known is not None:
         if known:
             return compute()
