@@ -435,15 +435,15 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _plain_vectors(tensors: Sequence[Tensor], dtype: torch.dtype, n: int) -> bool:
-    """Plain 1-d, stride-1 CPU tensors of ``dtype`` and length ``n``."""
+    """Plain CPU tensors of ``dtype`` whose ``n`` elements lie contiguously in memory (a 1-d
+    stride-1 vector, or any C-contiguous tensor: the kernels only see a pointer and ``n``)."""
     for t in tensors:
         if (
             type(t) is not torch.Tensor
-            or t.device.type != "cpu"
             or t.dtype != dtype
-            or t.dim() != 1
-            or t.shape[0] != n
-            or (n > 1 and t.stride(0) != 1)
+            or not t.is_cpu
+            or t.numel() != n
+            or not t.is_contiguous()
         ):
             return False
     return True
@@ -482,9 +482,9 @@ def _call(kernel: Callable, q: int, n: int, *leading: Any) -> Tensor:
 def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
     r"""``out[j] = sum_i f64(rows[j][i]) * f64(vector[i])`` as a ``(len(rows),)`` float64 tensor.
 
-    Returns None when the kernel is off or unavailable, or when the tensors are not all
-    1-d, stride-1 CPU tensors of length ``n`` in float32 or bfloat16 (the caller then takes
-    its torch path). Plain tensors only: under a torch.func transform the caller never gets
+    Returns None when the kernel is off or unavailable, or when ``vector`` is not a 1-d,
+    stride-1 CPU tensor of length ``n`` in float32 or bfloat16 and the rows contiguous CPU
+    tensors of ``n`` elements of its dtype (the caller then takes its torch path). Plain tensors only: under a torch.func transform the caller never gets
     here.
     """
     if not _enabled or not rows or vector.dtype not in _KERNELS or vector.dim() != 1:
@@ -500,12 +500,12 @@ def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
 
 
 def can_append(rows: Sequence[Tensor], slot: int, newest: Tensor, anchor: Tensor) -> bool:
-    """Whether :func:`append_differences` applies to one leaf: float32 vectors as
-    :func:`float64_dots` takes them, the slot overlapping neither ``newest`` nor ``anchor``
+    """Whether :func:`append_differences` applies to one leaf: float32 CPU tensors of one
+    size, each contiguous (C order, any shape), the slot overlapping neither ``newest`` nor ``anchor``
     nor these each other, and the kernel available."""
-    if not _enabled or not rows or newest.dim() != 1 or not 0 <= slot < len(rows):
+    if not _enabled or not rows or not 0 <= slot < len(rows):
         return False
-    n = newest.shape[0]
+    n = newest.numel()
     if not _plain_vectors([*rows, newest, anchor], torch.float32, n):
         return False
     if n > 0 and (
@@ -531,7 +531,7 @@ def append_differences(
         return None
     results = []
     for rows, newest, anchor in leaves:
-        q, n = len(rows), newest.shape[0]
+        q, n = len(rows), newest.numel()
         # Written behind torch's back: bump the version counters as an in-place op would.
         torch.autograd.graph.increment_version([rows[slot], anchor])
         pointers = _pointers(rows)

@@ -117,19 +117,21 @@ def new_ring(
 
 
 def _runs(flats: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
-    """Groups consecutive flat slots into ``(first slot, (k, n) view)`` runs.
+    """Groups consecutive slots into ``(first slot, (k, n) view)`` runs.
 
-    Slots ``i .. i + k - 1`` form a run when they are equally spaced, non-overlapping views
-    of one storage (as :func:`new_ring` makes them); the run is then a strided matrix over
-    that storage, no copy made. Any other slot is a run of one.
+    Slots ``i .. i + k - 1`` form a run when they are equally spaced, non-overlapping,
+    contiguous views of one storage (as :func:`new_ring` makes them); the run is then a
+    strided matrix over that storage, no copy made. Any other slot is a run of one. The
+    slots are flat views or C-contiguous tensors of any shape (their ``n`` elements in
+    order either way).
     """
     runs: list[tuple[int, Tensor]] = []
-    numel = flats[0].shape[0]
+    numel = flats[0].numel()
     start = 0
     while start < len(flats):
         first = flats[start]
         stop = start + 1
-        if first.stride(0) == 1 and numel > 0:
+        if numel > 0 and first.is_contiguous():
             ptr = first.untyped_storage().data_ptr()
             spacing = None
             while stop < len(flats):
@@ -137,7 +139,7 @@ def _runs(flats: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
                 if (
                     f.dtype != first.dtype
                     or f.device != first.device
-                    or f.stride(0) != 1
+                    or not f.is_contiguous()
                     or f.untyped_storage().data_ptr() != ptr
                 ):
                     break
@@ -151,7 +153,7 @@ def _runs(flats: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
                 runs.append((start, view))
                 start = stop
                 continue
-        runs.append((start, first.unsqueeze(0)))
+        runs.append((start, first.reshape(1, numel)))
         start = stop
     return runs
 
@@ -293,9 +295,10 @@ def combine(
         cdt = compute_dtypes[leaf_index]
         device = slots[0][leaf_index].device
         w = weights.to(device=device, dtype=cdt)
-        flats = [tree.flat_view(slot[leaf_index]) for slot in slots]
+        leaves = [slot[leaf_index] for slot in slots]
         base_flat = None if base is None else tree.flat_view(base[leaf_index])
-        if tree.any_transformed([w, base_flat, *flats]):
+        if tree.any_transformed([w, base_flat, *leaves]):
+            flats = [tree.flat_view(t) for t in leaves]
             result = _combine_leaf_transformed(base_flat, flats, w, cdt, template)
             results.append(result if out is None else out[leaf_index].copy_(result))
             continue
@@ -309,7 +312,12 @@ def combine(
                     f"strides {template.stride()}, got {result.dtype} on {result.device} with "
                     f"strides {result.stride()}"
                 )
-        _combine_leaf(base_flat, flats, w, tree.flat_view(result))
+        flat_result = tree.flat_view(result)
+        if result.is_contiguous() and all(t.is_contiguous() for t in leaves):
+            flats = leaves  # in C order, as the flat views of base and result: no views needed
+        else:  # e.g. channels_last: every operand as a dense view in storage order
+            flats = [tree.flat_view(t) for t in leaves]
+        _combine_leaf(base_flat, flats, w, flat_result)
         results.append(result)
     return results
 
@@ -540,7 +548,11 @@ def append_difference(
         slots = [entry[leaf_index] for entry in ring]
         if not (y.stride() == a.stride() == slots[slot].stride()):
             return None
-        leaves.append(([tree.flat_view(t) for t in slots], tree.flat_view(y), tree.flat_view(a)))
+        if y.is_contiguous():  # the kernel takes contiguous tensors as they are
+            leaves.append((slots, y, a))
+        else:  # e.g. channels_last: dense 1-d views in storage order
+            flats = [tree.flat_view(t) for t in slots]
+            leaves.append((flats, tree.flat_view(y), tree.flat_view(a)))
     rows = native.append_differences(leaves, slot)
     if rows is None:
         return None
