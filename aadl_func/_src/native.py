@@ -484,8 +484,8 @@ def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
 
     Returns None when the kernel is off or unavailable, or when ``vector`` is not a 1-d,
     stride-1 CPU tensor of length ``n`` in float32 or bfloat16 and the rows contiguous CPU
-    tensors of ``n`` elements of its dtype (the caller then takes its torch path). Plain tensors only: under a torch.func transform the caller never gets
-    here.
+    tensors of ``n`` elements of its dtype (the caller then takes its torch path). Plain
+    tensors only: under a torch.func transform the caller never gets here.
     """
     if not _enabled or not rows or vector.dtype not in _KERNELS or vector.dim() != 1:
         return None
@@ -501,8 +501,8 @@ def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
 
 def can_append(rows: Sequence[Tensor], slot: int, newest: Tensor, anchor: Tensor) -> bool:
     """Whether :func:`append_differences` applies to one leaf: float32 CPU tensors of one
-    size, each contiguous (C order, any shape), the slot overlapping neither ``newest`` nor ``anchor``
-    nor these each other, and the kernel available."""
+    size, each contiguous (C order, any shape), the slot overlapping neither ``newest`` nor
+    ``anchor`` nor these each other, and the kernel available."""
     if not _enabled or not rows or not 0 <= slot < len(rows):
         return False
     n = newest.numel()
