@@ -128,6 +128,24 @@ def test_append_differences_writes_torch_sub_bits_and_returns_the_row(n):
 
 
 @needs_kernel
+def test_append_differences_takes_contiguous_tensors_of_any_shape_as_their_flat_views():
+    """A (32, 64) weight's window slots go to the kernel as they are (no flat view per slot):
+    the same bits as the flat views; a channels_last tensor (not C-contiguous) is refused."""
+    q, slot, shape = 4, 2, (32, 64)
+    rows = [torch.randn(shape) for _ in range(q)]
+    newest, anchor = torch.randn(shape), torch.randn(shape)
+    flat = ([r.clone().reshape(-1) for r in rows], newest.reshape(-1), anchor.clone().reshape(-1))
+    (row,) = native.append_differences([(rows, newest, anchor)], slot)
+    (flat_row,) = native.append_differences([flat], slot)
+    assert torch.equal(row, flat_row)
+    assert all(torch.equal(r.reshape(-1), f) for r, f in zip(rows, flat[0]))
+    assert torch.equal(anchor, newest)
+    image = [torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last) for _ in range(q)]
+    y, a = (torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last) for _ in range(2))
+    assert not native.can_append(image, slot, y, a)
+
+
+@needs_kernel
 def test_append_differences_refuses_overlaps_and_other_dtypes_without_writing():
     q, n = 3, 100
     buffer = torch.randn(q * n)
