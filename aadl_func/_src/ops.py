@@ -68,6 +68,11 @@ def _window():
     return window
 
 
+def _wrapped(tensors: Sequence[Tensor | None]) -> bool:
+    """Whether a member's tensors are still wrapped by another transform level."""
+    return any(t is not None and _functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
 def _member(t: Tensor | None, dim: int | None, b: int) -> Tensor | None:
     return t if t is None or dim is None else t.select(dim, b)
 
@@ -77,11 +82,15 @@ def _rows(rows: Sequence[Tensor], dims: Sequence[int | None], b: int) -> list[Te
 
 
 # -- the Gram row <r_s, v> -------------------------------------------------------------
+def _gram_row(rows: list[Tensor], vector: Tensor) -> Tensor:
+    partial = _window()._gram_leaf(rows, vector)
+    return partial if partial is not None else vector.new_zeros(len(rows), dtype=torch.float64)
+
+
 @torch.library.custom_op("aadl_func::gram_row", mutates_args=())
 def gram_row(rows: list[Tensor], vector: Tensor) -> Tensor:
     """``(len(rows),)`` float64 ``<rows[s], vector>``."""
-    partial = _window()._gram_leaf(rows, vector)
-    return partial if partial is not None else vector.new_zeros(len(rows), dtype=torch.float64)
+    return _gram_row(rows, vector)
 
 
 @gram_row.register_fake
@@ -94,7 +103,11 @@ def _(info, in_dims, rows: list[Tensor], vector: Tensor):
     row_dims, vector_dim = in_dims
     out = torch.empty(info.batch_size, len(rows), dtype=torch.float64, device=vector.device)
     for b in range(info.batch_size):
-        out[b] = gram_row(_rows(rows, row_dims, b), _member(vector, vector_dim, b))
+        member_rows, member_vector = _rows(rows, row_dims, b), _member(vector, vector_dim, b)
+        # Plain members run the eager pass directly (no operator dispatch per member);
+        # members batched at another level too (nested vmap) go through that level's rule.
+        run = gram_row if _wrapped([*member_rows, member_vector]) else _gram_row
+        out[b] = run(member_rows, member_vector)
     return out, 0
 
 
@@ -103,6 +116,10 @@ def _(info, in_dims, rows: list[Tensor], vector: Tensor):
 def difference_rows(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor, Tensor]:
     """``(<r_t, r_s>, <r_t, r_s - r_{s-1}>)`` over ``t`` in float64; the second is empty
     unless ``exact`` (window.difference_rows)."""
+    return _difference_rows(rows, slot, exact)
+
+
+def _difference_rows(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor, Tensor]:
     q = len(rows)
     parts = _window()._difference_rows_leaf(rows, slot, exact)
     zeros = rows[0].new_zeros(q if exact else 0, dtype=torch.float64)
@@ -128,7 +145,9 @@ def _(info, in_dims, rows: list[Tensor], slot: int, exact: bool):
     g = torch.empty(size, q, dtype=torch.float64, device=device)
     p = torch.empty(size, q if exact else 0, dtype=torch.float64, device=device)
     for b in range(size):
-        g[b], p[b] = difference_rows(_rows(rows, row_dims, b), slot, exact)
+        member_rows = _rows(rows, row_dims, b)
+        run = difference_rows if _wrapped(member_rows) else _difference_rows
+        g[b], p[b] = run(member_rows, slot, exact)
     return (g, p), (0, 0)
 
 
@@ -156,8 +175,7 @@ def _(info, in_dims, base: Tensor | None, rows: list[Tensor], weights: Tensor):
         member_base = _member(base, base_dim, b)
         member_rows = _rows(rows, row_dims, b)
         member_weights = _member(weights, weight_dim, b)
-        tensors = [member_base, *member_rows, member_weights]
-        if any(t is not None and tree.is_transformed(t) for t in tensors):
+        if _wrapped([member_base, *member_rows, member_weights]):
             # Batched at another level too (nested vmap): that level's rule takes over.
             out[b] = combine(member_base, member_rows, member_weights)
         else:
