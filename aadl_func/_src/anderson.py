@@ -21,7 +21,7 @@ from aadl_func._src.checks import (
 )
 from aadl_func._src.mix import aadl_coefficients
 from aadl_func._src.solve import solve_differences, solve_factor, stack_factors
-from aadl_func._src.state import AndersonState
+from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.validation import (
     check_bool,
     check_choice,
@@ -431,7 +431,7 @@ def _update(
     elif transformed:
         # vmap: counters that every member shares become plain values (tree.shared), so an
         # ensemble stepping together writes its windows at one slot, O(n) per member.
-        state = state._replace(**{name: tree.shared(getattr(state, name)) for name in _COUNTERS})
+        state = state._replace(**{name: tree.shared(getattr(state, name)) for name in COUNTERS})
     # An eager in-place call writes the caller's buffers, so it commits in two stages and
     # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
     # written back: the transformed call returns its state.
@@ -468,22 +468,9 @@ def _update(
     return out, new_state
 
 
-_COUNTERS = (
-    "count",
-    "head",
-    "window_size",
-    "num_mixed",
-    "num_rejected",
-    "num_nonfinite",
-    "num_averaged",
-    "num_skipped",
-    "skip_streak",
-)
-
-
 def _counters_on(state: AndersonState, device: torch.device) -> AndersonState:
     """``state`` with its 0-d counters on ``device`` (a no-op for those already there)."""
-    return state._replace(**{name: getattr(state, name).to(device) for name in _COUNTERS})
+    return state._replace(**{name: getattr(state, name).to(device) for name in COUNTERS})
 
 
 def _all_finite(leaves: list[Tensor], device: torch.device) -> Tensor:

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import tree
-from aadl_func._src.state import AndersonState
+from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.validation import (
     check_bool,
     check_callable,
@@ -177,7 +177,7 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
     (structure, shape, dtype, device), which would otherwise mix garbage or fail halfway
     through a step.
     """
-    for name in _COUNTERS:
+    for name in COUNTERS:
         value = getattr(state, name)
         if not (isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.int64):
             raise TypeError(
@@ -249,19 +249,6 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
     check_inner = getattr(config.inner, "check_state", None)
     if callable(check_inner):
         check_inner(state.inner_state, p_leaves, spec, name="state.inner_state", owner=OWNER)
-
-
-_COUNTERS = (
-    "count",
-    "head",
-    "window_size",
-    "num_mixed",
-    "num_rejected",
-    "num_nonfinite",
-    "num_averaged",
-    "num_skipped",
-    "skip_streak",
-)
 
 
 def _describe(value: object, *, device: bool = False) -> str:

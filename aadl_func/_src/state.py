@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["AndersonState"]
+__all__ = ["AndersonState", "COUNTERS"]
 
 
 class AndersonState(NamedTuple):
@@ -60,6 +60,19 @@ class AndersonState(NamedTuple):
     num_skipped: Tensor
     skip_streak: Tensor
 
+
+# The 0-d int64 counters of the state (checked and moved together).
+COUNTERS = (
+    "count",
+    "head",
+    "window_size",
+    "num_mixed",
+    "num_rejected",
+    "num_nonfinite",
+    "num_averaged",
+    "num_skipped",
+    "skip_streak",
+)
 
 # ``torch.load(weights_only=True)`` (the default) only rebuilds allow-listed classes.
 torch.serialization.add_safe_globals([AndersonState])
