@@ -674,7 +674,7 @@ class _Step:
         g, h, c = local_rows
         updated = (set_gram_row(grams[0], slot, g), set_gram_row(grams[1], slot, h), c)
         ring, grams = select(poisoned, restart, (ring, updated))
-        num_residuals = _where(poisoned, lambda: torch.zeros_like(grown), grown)
+        num_residuals = select(poisoned, lambda: torch.zeros_like(grown), grown)
         if self.shards is not None:
             self.summed_rows = select(poisoned, lambda: tuple(map(torch.zeros_like, rows)), rows)
         return ring, grams, slot, num_residuals, poisoned
@@ -862,9 +862,9 @@ class _Step:
         return self.state._replace(
             count=self.count,
             inner_state=self.inner_state,
-            skip_streak=_where(
+            skip_streak=select(
                 _flag(tree.static_value(self.state.skip_streak) == 0),
-                self.state.skip_streak,
+                lambda: self.state.skip_streak,
                 lambda: torch.zeros_like(self.state.skip_streak),
             ),
             **fields,
@@ -1114,9 +1114,9 @@ class _AadlStep(_Step):
         anchor = select(store, store_anchor, anchor)
 
         def grown() -> Tensor:
-            return _where(empty, lambda: torch.ones_like(num_residuals), lambda: num_residuals + 1)
+            return select(empty, lambda: torch.ones_like(num_residuals), lambda: num_residuals + 1)
 
-        window_size = _where(store, grown, state.window_size)
+        window_size = select(store, grown, state.window_size)
         # Commit point (atomic.py): from here on the caller holds a finished plain step.
         plain = self.commit_plain(
             ring, grams, head, window_size, poisoned, anchor=self.window_tree("anchor", anchor)
@@ -1331,19 +1331,6 @@ _FALSE = torch.tensor(False)
 def _flag(value: bool) -> Tensor:
     """A known decision as a 0-d bool CPU tensor (shared constants)."""
     return _TRUE if value else _FALSE
-
-
-def _where(flag: Tensor, then: Any, otherwise: Any) -> Tensor:
-    """``torch.where(flag, then, otherwise)`` for 0-d values; a concrete flag picks one side
-    without an operation. ``then``/``otherwise`` may be zero-argument callables, called only
-    when their value is needed."""
-    known = tree.static_value(flag)
-    if known is not None:
-        chosen = then if known else otherwise
-        return chosen() if callable(chosen) else chosen
-    then = then() if callable(then) else then
-    otherwise = otherwise() if callable(otherwise) else otherwise
-    return torch.where(flag, then, otherwise)
 
 
 def _add_if(counter: Tensor, flag: Tensor) -> Tensor:
