@@ -707,8 +707,12 @@ class _Step:
         return self.factor(ring, head, num_residuals)
 
     def may_mix(self) -> Tensor:
-        """The call-count gates of a mix (the window size is checked by the caller)."""
+        """The call-count gates of a mix (the window size is checked by the caller): past
+        ``wait_iterations`` and on the ``frequency``; eagerly read from the call's number."""
         config = self.config
+        if self.count_value is not None:
+            count = self.count_value
+            return _flag(count > config.wait_iterations and count % config.frequency == 0)
         return (self.count > config.wait_iterations) & (self.count % config.frequency == 0)
 
     def solve(self, ring: tuple, grams: tuple, head: Tensor, num_residuals: Tensor):
@@ -804,12 +808,13 @@ class _Step:
             if t.numel() == 0:
                 continue
             limit = torch.finfo(p.dtype).max
-            if tree.is_transformed(t):
+            transformed = tree.is_transformed(t)
+            if transformed:
                 # Batched, aminmax runs as a per-row reduction ~10x slower than amin + amax.
                 low, high = t.amin(), t.amax()
             else:
                 low, high = torch.aminmax(t)
-            if tree.static_value(flag) is not None and not tree.any_transformed([low, high]):
+            if not transformed and tree.static_value(flag) is not None:
                 # Eager on the CPU: the two values read and compared in Python (no device
                 # wait there), which saves the small comparison operations.
                 lo, hi = low.item(), high.item()
@@ -927,23 +932,13 @@ class _Step:
     def gate(self, window_size: Tensor, minimum: int) -> Tensor:
         """Whether this call mixes: past ``wait_iterations``, on the ``frequency``, with enough
         window (and never in the wrapper's ``plain`` recovery)."""
-        config = self.config
         if self.plain:
             return torch.zeros((), dtype=torch.bool)
+        may_mix = self.may_mix()
         size = tree.static_value(window_size)
-        if self.count_value is not None and size is not None:
-            return _flag(self.count_mixes() and size >= minimum)
-        return (
-            (self.count > config.wait_iterations)
-            & (self.count % config.frequency == 0)
-            & (window_size >= minimum)
-        )
-
-    def count_mixes(self) -> bool:
-        """:meth:`may_mix` from the call's number (eager only)."""
-        config = self.config
-        count = self.count_value
-        return count > config.wait_iterations and count % config.frequency == 0
+        if size is not None and tree.static_value(may_mix) is not None:
+            return _flag(bool(may_mix) and size >= minimum)
+        return may_mix & (window_size >= minimum)
 
     def stores(self) -> Tensor:
         """Whether this call stores its plain step in the window (every ``store_each_nth``)."""
@@ -1011,8 +1006,7 @@ class _Step:
         ``max|x| + max|u|``, also when ``x`` already holds ``y``). Mode "classic": the iterates.
         """
         config = self.config
-        may_mix = (self.count > config.wait_iterations) & (self.count % config.frequency == 0)
-        known = tree.static_value(may_mix)
+        known = tree.static_value(self.may_mix())
         device = self.compute_device
         if known is not None and not known:
             return torch.zeros((), dtype=torch.float64, device=device)
