@@ -404,3 +404,97 @@ def test_cuda_step_runs_as_cuda_graph_without_host_sync(mode):
     assert worst < 1e-4
     assert int(state.num_mixed) == int(eager_state.num_mixed) > 0
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+# -- large slots: the in-place slot write that skips missed slots -------------------------
+@pytest.fixture
+def copy_if_everywhere(monkeypatch):
+    """Every compiled masked write of these small problems takes ``traced.copy_if_`` (by
+    default only tensors of 2^18 elements and more do, where it pays for its call)."""
+    from aadl_func._src import window
+
+    monkeypatch.setattr(window, "_TRACED_COPY_MIN_NUMEL", 0)
+
+
+def _calls(graphs, name: str) -> int:
+    return sum(name in str(node.target) for gm in graphs for node in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c]["inplace"]])
+def test_compiled_inplace_with_copy_if_equals_eager(case, copy_if_everywhere):
+    """The same comparison as above with every masked write going through ``copy_if_``
+    (functionalised by AOT autograd as the real compiler does): equal to eager, one graph."""
+    test_compiled_update_is_one_graph_and_equals_eager(case)
+
+
+def test_copy_if_writes_only_on_a_hit():
+    from aadl_func._src.traced import copy_if_
+
+    dst = torch.arange(6.0).reshape(2, 3)
+    src = torch.full((2, 3), -1.0)
+    pointer = dst.data_ptr()
+    copy_if_(dst, torch.tensor(False), src)
+    assert torch.equal(dst, torch.arange(6.0).reshape(2, 3))
+    copy_if_(dst, torch.tensor(True), src)
+    assert torch.equal(dst, src) and dst.data_ptr() == pointer
+    low = torch.zeros(3, dtype=torch.bfloat16)  # the history dtype may be narrower
+    copy_if_(low, torch.tensor(True), torch.tensor([1.0, 2.5, 3.0]))
+    assert low.tolist() == [1.0, 2.5, 3.0]
+    # A mask off the CPU is never read on the host: the masked blend runs on its device.
+    meta = torch.empty(3, device="meta")
+    copy_if_(meta, torch.tensor(True, device="meta"), torch.empty(3, device="meta"))
+
+
+def test_copy_if_under_vmap_masks_each_member():
+    from aadl_func._src.traced import copy_if_
+
+    dst = torch.zeros(3, 4)
+    src = torch.arange(12.0).reshape(3, 4)
+    hits = torch.tensor([True, False, True])
+
+    def write(d, h, s):
+        copy_if_(d, h, s)
+        return d
+
+    vmap(write)(dst, hits, src)
+    expected = torch.where(hits[:, None], src, torch.zeros(3, 4))
+    assert torch.equal(dst, expected)
+    shared = torch.zeros(3, 4)
+    vmap(write, in_dims=(0, None, None))(shared, torch.tensor(True), src[0])
+    assert torch.equal(shared, src[0].expand(3, 4))
+
+
+@pytest.mark.filterwarnings(*INDUCTOR_WARNINGS)
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+def test_inductor_inplace_step_rewrites_one_slot(mode, copy_if_everywhere):
+    """Inductor keeps ``copy_if_`` in place on the window's own buffers: after every step the
+    state holds the same buffers, and once the window is full exactly one residual slot
+    changed; 30 steps equal the eager ones to float32 rounding, one compilation."""
+    problem = quadratic(torch.float32)
+    opt = aa.anderson(aa.sgd(0.2, momentum=0.3), history_depth=4, mode=mode)
+
+    def step(state, params):
+        grads = torch.func.grad(problem.loss)(params)
+        return opt.update(state, params, grads, inplace=True, loss_fn=problem.loss)
+
+    backend = Recorder("inductor")
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    eager_params, params = clone(problem.x0), clone(problem.x0)
+    eager_state, state = opt.init(eager_params), opt.init(params)
+    pointers = [t.data_ptr() for slot in state.residuals for t in slot.values()]
+    worst = 0.0
+    for k in range(30):
+        before = [clone(slot) for slot in state.residuals]
+        eager_params, eager_state = step(eager_state, eager_params)
+        params, state = compiled(state, params)
+        worst = max(worst, rel(params, eager_params))
+        assert [t.data_ptr() for slot in state.residuals for t in slot.values()] == pointers
+        if k >= 6:
+            changed = [
+                not all(torch.equal(a[key], b[key]) for key in a)
+                for a, b in zip(state.residuals, before)
+            ]
+            assert changed.count(True) == 1, (k, changed)
+    assert worst < 1e-4
+    assert int(state.num_mixed) == int(eager_state.num_mixed) > 0
+    assert len(backend.graphs) == 1 and _calls(backend.graphs, "copy_if_") > 0

@@ -38,7 +38,7 @@ import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import native, ops, tree
+from aadl_func._src import native, ops, traced, tree
 
 __all__ = [
     "chunk_size",
@@ -417,7 +417,9 @@ def write_slot(
     those buffers, e.g. a residual computed straight into its slot), with :func:`assign`.
     When the slot index is not concrete (traced by torch.compile; members of a vmapped
     ensemble out of step) every slot is blended with ``torch.where``: one pass over the
-    window, the price of data-dependent indexing without reading the index.
+    window, the price of data-dependent indexing without reading the index. A compiled
+    in-place step with the index on the CPU writes large slots through ``traced.copy_if_``
+    instead, which copies into the one slot that matches and leaves the others untouched.
     """
     index = tree.static_value(slot)
     if index is not None:
@@ -428,9 +430,12 @@ def write_slot(
             return ring
         return tuple(list(value) if s == index else entries for s, entries in enumerate(ring))
     if inplace:
-        # Traced in-place step: every slot is rewritten in place, masked, so the window
-        # keeps its buffers. (The compiler still materialises the new slots before writing
-        # them back: a compiled step allocates about one window; see the README.)
+        # Traced in-place step: every slot is written in place under its mask, so the window
+        # keeps its buffers (large slots through ``traced.copy_if_``: one slot's traffic).
+        if slot.device.type == "cpu":
+            value = [
+                traced.materialize(v) if v.numel() >= _TRACED_COPY_MIN_NUMEL else v for v in value
+            ]
         for s, entries in enumerate(ring):
             for dst, src in zip(entries, value):
                 assign(dst, src, where=slot == s)
@@ -456,6 +461,11 @@ def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
     return torch.where(hit[None, :], row[:, None], gram)
 
 
+# From this size a compiled masked write goes through ``traced.copy_if_`` (one slot's
+# traffic instead of a pass over the tensor); below it the fused blend costs less than the
+# operator's call (measured: 2^16 float32 slots, m = 5, the blend is the faster).
+_TRACED_COPY_MIN_NUMEL = 1 << 18
+
 # The gates of the blended ``select`` calls whose ``compute`` is running (outermost first).
 _blending: list[Tensor] = []
 
@@ -480,6 +490,10 @@ def assign(dst: Tensor, src: Tensor, where: Tensor | None = None) -> None:
     mask = _gates(where)
     if mask is None:
         dst.copy_(src)
+    elif tree.tracing() and mask.device.type == "cpu" and dst.numel() >= _TRACED_COPY_MIN_NUMEL:
+        # Compiled, the mask a host value: skip the write on a miss instead of rewriting
+        # ``dst`` (traced.py). A mask on an accelerator keeps the fused blend below.
+        traced.copy_if_(dst, mask, src)
     else:
         dst.copy_(torch.where(mask.to(dst.device), src, dst))
 
