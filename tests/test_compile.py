@@ -409,11 +409,13 @@ def test_cuda_step_runs_as_cuda_graph_without_host_sync(mode):
 # -- large slots: the in-place slot write that skips missed slots -------------------------
 @pytest.fixture
 def copy_if_everywhere(monkeypatch):
-    """Every compiled masked write of these small problems takes ``traced.copy_if_`` (by
-    default only tensors of 2^18 elements and more do, where it pays for its call)."""
+    """Every compiled in-place ring write of these small problems takes ``traced.copy_if_``
+    (by default only windows of 4 slots or more with 2^18 elements per leaf do, where it
+    pays for its calls)."""
     from aadl_func._src import window
 
     monkeypatch.setattr(window, "_TRACED_COPY_MIN_NUMEL", 0)
+    monkeypatch.setattr(window, "_TRACED_COPY_MIN_SLOTS", 0)
 
 
 def _calls(graphs, name: str) -> int:
@@ -422,8 +424,19 @@ def _calls(graphs, name: str) -> int:
 
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c]["inplace"]])
 def test_compiled_inplace_with_copy_if_equals_eager(case, copy_if_everywhere):
-    """The same comparison as above with every masked write going through ``copy_if_``
+    """The same comparison as above with every ring write going through ``copy_if_``
     (functionalised by AOT autograd as the real compiler does): equal to eager, one graph."""
+    test_compiled_update_is_one_graph_and_equals_eager(case)
+
+
+@pytest.mark.parametrize("case", ["aadl-sgd-momentum-wd-inplace-safeguard"])
+def test_compiled_inplace_with_copy_if_for_large_leaves_only(case, monkeypatch):
+    """Leaves decide one by one: the 6 x 5 matrix takes ``copy_if_``, the 5-vector the masked
+    rewrite, in the same step."""
+    from aadl_func._src import window
+
+    monkeypatch.setattr(window, "_TRACED_COPY_MIN_NUMEL", 10)
+    monkeypatch.setattr(window, "_TRACED_COPY_MIN_SLOTS", 0)
     test_compiled_update_is_one_graph_and_equals_eager(case)
 
 

@@ -431,14 +431,22 @@ def write_slot(
         return tuple(list(value) if s == index else entries for s, entries in enumerate(ring))
     if inplace:
         # Traced in-place step: every slot is written in place under its mask, so the window
-        # keeps its buffers (large slots through ``traced.copy_if_``: one slot's traffic).
-        if slot.device.type == "cpu":
-            value = [
-                traced.materialize(v) if v.numel() >= _TRACED_COPY_MIN_NUMEL else v for v in value
-            ]
+        # keeps its buffers. Large leaves go through ``traced.copy_if_`` (one slot's traffic,
+        # not a pass over the window), their new entry computed once for all slots (an
+        # expanded constant, e.g. the zeros of a reset, needs no buffer).
+        large = _skips_misses(ring, slot, value)
+        value = [
+            traced.materialize(v) if big and 0 not in v.stride() else v
+            for v, big in zip(value, large)
+        ]
         for s, entries in enumerate(ring):
-            for dst, src in zip(entries, value):
-                assign(dst, src, where=slot == s)
+            hit = slot == s
+            gated = _gates(hit) if any(large) else None
+            for dst, src, big in zip(entries, value, large):
+                if big:
+                    traced.copy_if_(dst, gated, src)
+                else:
+                    assign(dst, src, where=hit)
         return ring
     return tuple(
         [torch.where((slot == s).to(v.device), v, e) for v, e in zip(value, entries)]
@@ -461,10 +469,25 @@ def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
     return torch.where(hit[None, :], row[:, None], gram)
 
 
-# From this size a compiled masked write goes through ``traced.copy_if_`` (one slot's
-# traffic instead of a pass over the tensor); below it the fused blend costs less than the
-# operator's call (measured: 2^16 float32 slots, m = 5, the blend is the faster).
+# A compiled in-place ring write goes through ``traced.copy_if_`` from this many elements per
+# slot and this many slots. Below, the masked rewrite of every slot, fused with the pass that
+# computes the new entry, costs less than the operators' calls and the one extra pass over
+# the entry (measured on this 2-core machine: 2^16 and m = 5, the blend faster; 2^20 and
+# 2^22 with m = 3, even or the blend 1.08x faster; m = 10 at 2^22, copy_if_ 0.83x).
 _TRACED_COPY_MIN_NUMEL = 1 << 18
+_TRACED_COPY_MIN_SLOTS = 4
+
+
+def _skips_misses(
+    ring: tuple[list[Tensor], ...], slot: Tensor, value: Sequence[Tensor]
+) -> list[bool]:
+    """Per leaf, whether a traced in-place :func:`write_slot` uses ``traced.copy_if_``:
+    compiled, the slot index a host value (on an accelerator the fused blend keeps the step
+    free of host reads), and a window large enough to pay for the operators."""
+    if not (tree.tracing() and slot.device.type == "cpu" and len(ring) >= _TRACED_COPY_MIN_SLOTS):
+        return [False] * len(value)
+    return [v.device.type == "cpu" and v.numel() >= _TRACED_COPY_MIN_NUMEL for v in value]
+
 
 # The gates of the blended ``select`` calls whose ``compute`` is running (outermost first).
 _blending: list[Tensor] = []
@@ -490,10 +513,6 @@ def assign(dst: Tensor, src: Tensor, where: Tensor | None = None) -> None:
     mask = _gates(where)
     if mask is None:
         dst.copy_(src)
-    elif tree.tracing() and mask.device.type == "cpu" and dst.numel() >= _TRACED_COPY_MIN_NUMEL:
-        # Compiled, the mask a host value: skip the write on a miss instead of rewriting
-        # ``dst`` (traced.py). A mask on an accelerator keeps the fused blend below.
-        traced.copy_if_(dst, mask, src)
     else:
         dst.copy_(torch.where(mask.to(dst.device), src, dst))
 
