@@ -339,19 +339,25 @@ INDUCTOR_WARNINGS = [
 ]
 
 
-@pytest.mark.filterwarnings(*INDUCTOR_WARNINGS)
-def test_whole_user_step_compiles_with_inductor():
-    """grads (torch.func.grad), update with the safeguard and in-place buffers, in one
-    inductor graph: 50 steps equal the eager ones to float32 rounding, one compilation."""
-    problem = quadratic(torch.float32)
-    opt = aa.anderson(aa.sgd(0.2, momentum=0.3, weight_decay=1e-3), history_depth=5)
+def user_step_with_inductor(opt, problem: Quadratic):
+    """A user's whole in-place step (grads by ``torch.func.grad``, ``update`` with the
+    safeguard), eager and compiled by inductor under a recording backend."""
 
     def step(state, params):
         grads = torch.func.grad(problem.loss)(params)
         return opt.update(state, params, grads, inplace=True, loss_fn=problem.loss)
 
     backend = Recorder("inductor")
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    return step, torch.compile(step, fullgraph=True, backend=backend), backend
+
+
+@pytest.mark.filterwarnings(*INDUCTOR_WARNINGS)
+def test_whole_user_step_compiles_with_inductor():
+    """grads (torch.func.grad), update with the safeguard and in-place buffers, in one
+    inductor graph: 50 steps equal the eager ones to float32 rounding, one compilation."""
+    problem = quadratic(torch.float32)
+    opt = aa.anderson(aa.sgd(0.2, momentum=0.3, weight_decay=1e-3), history_depth=5)
+    step, compiled, backend = user_step_with_inductor(opt, problem)
     eager_params, params = clone(problem.x0), clone(problem.x0)
     eager_state, state = opt.init(eager_params), opt.init(params)
     worst = 0.0
@@ -485,13 +491,7 @@ def test_inductor_inplace_step_rewrites_one_slot(mode, copy_if_everywhere):
     changed; 30 steps equal the eager ones to float32 rounding, one compilation."""
     problem = quadratic(torch.float32)
     opt = aa.anderson(aa.sgd(0.2, momentum=0.3), history_depth=4, mode=mode)
-
-    def step(state, params):
-        grads = torch.func.grad(problem.loss)(params)
-        return opt.update(state, params, grads, inplace=True, loss_fn=problem.loss)
-
-    backend = Recorder("inductor")
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    step, compiled, backend = user_step_with_inductor(opt, problem)
     eager_params, params = clone(problem.x0), clone(problem.x0)
     eager_state, state = opt.init(eager_params), opt.init(params)
     pointers = [t.data_ptr() for slot in state.residuals for t in slot.values()]
