@@ -416,12 +416,10 @@ def test_cuda_step_runs_as_cuda_graph_without_host_sync(mode):
 @pytest.fixture
 def copy_if_everywhere(monkeypatch):
     """Every compiled in-place ring write of these small problems takes ``traced.copy_if_``
-    (by default only windows of 4 slots or more with 2^18 elements per leaf do, where it
-    pays for its calls)."""
+    (by default only leaves of 2^18 elements or more do, where it pays for its calls)."""
     from aadl_func._src import window
 
     monkeypatch.setattr(window, "_TRACED_COPY_MIN_NUMEL", 0)
-    monkeypatch.setattr(window, "_TRACED_COPY_MIN_SLOTS", 0)
 
 
 def _calls(graphs, name: str) -> int:
@@ -442,7 +440,6 @@ def test_compiled_inplace_with_copy_if_for_large_leaves_only(case, monkeypatch):
     from aadl_func._src import window
 
     monkeypatch.setattr(window, "_TRACED_COPY_MIN_NUMEL", 10)
-    monkeypatch.setattr(window, "_TRACED_COPY_MIN_SLOTS", 0)
     test_compiled_update_is_one_graph_and_equals_eager(case)
 
 

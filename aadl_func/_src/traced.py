@@ -11,9 +11,9 @@ copying the one slot takes 0.35 ms (measured on this 2-core machine).
 On the CPU it reads the 0-d mask (a host value, no synchronisation) and copies only on a
 hit; elsewhere it writes the masked blend, which keeps the step free of host syncs.
 
-A value written under several masks (the new entry, offered to every slot) goes through
-:func:`materialize` first: inductor otherwise recomputes it into a buffer of its own for each
-opaque operator that reads it (``Q`` parameter-sized writes instead of one).
+The operator is tagged ``flexible_layout`` (``dst.copy_`` takes any strides): without the
+tag, inductor fixes the layout of each call's ``src`` by computing it into a buffer of its
+own, ``Q`` parameter-sized writes for one entry offered to ``Q`` slots instead of one.
 
 One operator per slot on purpose: an operator that mutates a *list* of tensors is
 functionalised by torch 2.13's inductor into clones of every slot (and crashed at
@@ -25,10 +25,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["copy_if_", "materialize"]
+__all__ = ["copy_if_"]
 
 
-@torch.library.custom_op("aadl_func::copy_if_", mutates_args=("dst",))
+@torch.library.custom_op(
+    "aadl_func::copy_if_", mutates_args=("dst",), tags=(torch.Tag.flexible_layout,)
+)
 def copy_if_(dst: Tensor, mask: Tensor, src: Tensor) -> None:
     """``dst.copy_(src)`` where the 0-d bool ``mask`` holds; ``dst`` unchanged otherwise."""
     if mask.device.type == "cpu":
@@ -41,17 +43,6 @@ def copy_if_(dst: Tensor, mask: Tensor, src: Tensor) -> None:
 @copy_if_.register_fake
 def _(dst: Tensor, mask: Tensor, src: Tensor) -> None:
     return None
-
-
-@torch.library.custom_op("aadl_func::materialize", mutates_args=())
-def materialize(t: Tensor) -> Tensor:
-    """A copy of ``t`` the compiler computes once, into one buffer that its readers share."""
-    return t.clone()
-
-
-@materialize.register_fake
-def _(t: Tensor) -> Tensor:
-    return torch.empty_like(t)
 
 
 @copy_if_.register_vmap
