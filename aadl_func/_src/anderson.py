@@ -1067,6 +1067,11 @@ class _AadlStep(_Step):
         def append_residual() -> tuple:
             nonlocal anchor_stored
             slot = tree.static_value((state.head + 1) % self.q) if self.inplace else None
+            if slot is not None and tree.any_transformed(y_hist):
+                # A vmapped ensemble stepping together (a shared head): batched tensors have
+                # neither ``out=`` nor raw pointers, so the difference takes the route below
+                # and is then copied into its one slot.
+                slot = None
             g = None
             if slot is not None:
                 # In place the difference goes straight into its ring slot (rounded to the
@@ -1147,6 +1152,10 @@ class _AadlStep(_Step):
             if not self.inplace or self.loss_fn is not None or config.average:
                 return None
             if self.shards is not None or tree.static_value(store) is not True:
+                return None
+            if tree.any_transformed(self.params):
+                # vmap (members stepping together know ``store``): undoing a rejected mix
+                # below needs ``ok`` as a value, which a batched flag is not.
                 return None
             for p, a, c in zip(self.params, anchor, self.compute_dtypes):
                 if not (p.dtype == a.dtype == c) or (p.device, p.stride()) != (
