@@ -41,13 +41,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_vmapped_ensemble_equals_each_member_bit_for_bit(case, inplace):
+def ensemble(case: str, seed: int):
+    """The case's optimizer, a member's step ``step(state, params, h, target, inplace)`` on
+    the quadratic ``0.5 sum h (w - target)^2``, the members' data and their own states."""
     options = dict(CASES[case])
     safeguard = options.pop("safeguard", False)
     dtype = options.pop("dtype", torch.float32)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     h = torch.rand(MEMBERS, N, generator=gen, dtype=dtype) + 0.2
     target = torch.randn(MEMBERS, N, generator=gen, dtype=dtype)
     start = torch.randn(MEMBERS, N, generator=gen, dtype=dtype)
@@ -59,24 +59,35 @@ def test_vmapped_ensemble_equals_each_member_bit_for_bit(case, inplace):
         return opt.update(state, params, grads, loss_fn=loss, inplace=inplace)
 
     members = [{"w": start[i].clone()} for i in range(MEMBERS)]
-    members = [(p, opt.init(p)) for p in members]
+    return opt, step, (h, target, start), [(p, opt.init(p)) for p in members]
+
+
+def assert_members_equal(case: str, k: int, params, state, members) -> None:
+    """Each member's own run against its row of the vmapped one: bit for bit (the float64
+    QR route of mode "aadl": to rounding), with the same decisions."""
+    for i, (p, s) in enumerate(members):
+        if case == "aadl-float64":
+            torch.testing.assert_close(params["w"][i], p["w"], rtol=1e-12, atol=1e-12)
+        else:
+            assert torch.equal(params["w"][i], p["w"]), f"member {i} differs at step {k}"
+        assert int(state.num_mixed[i]) == int(s.num_mixed)
+        assert int(state.num_rejected[i]) == int(s.num_rejected)
+        assert int(state.window_size[i]) == int(s.window_size)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_vmapped_ensemble_equals_each_member_bit_for_bit(case, inplace):
+    opt, step, (h, target, start), members = ensemble(case, seed=7)
     params = {"w": start.clone()}
     state = optree.tree_map(lambda *xs: torch.stack(xs), *[s for _, s in members])
     assert state.count.stride() != (0,)  # batched counters: nothing known under vmap
-    exact = not (case == "aadl-float64")
     for k in range(STEPS):
         params, state = vmap(step)(state, params, h, target)
         members = [step(s, p, h[i], target[i], inplace) for i, (p, s) in enumerate(members)]
-        for i, (p, s) in enumerate(members):
-            if exact:
-                assert torch.equal(params["w"][i], p["w"]), f"member {i} differs at step {k}"
-            else:
-                torch.testing.assert_close(params["w"][i], p["w"], rtol=1e-12, atol=1e-12)
-            assert int(state.num_mixed[i]) == int(s.num_mixed)
-            assert int(state.num_rejected[i]) == int(s.num_rejected)
-            assert int(state.window_size[i]) == int(s.window_size)
+        assert_members_equal(case, k, params, state, members)
     assert int(state.num_mixed.min()) > 0
-    if safeguard:
+    if CASES[case].get("safeguard"):
         assert int(state.num_rejected.max()) > 0
 
 
@@ -86,33 +97,15 @@ def test_vmapped_inplace_ensemble_from_vmapped_init_equals_each_member(case):
     so the ring slot and the store gate are known) and the vmapped step writes in place. It
     takes the eager shortcuts that need only those values, and none that need a tensor's
     raw buffer or a per-member verdict: every member still equals its own in-place run."""
-    options = dict(CASES[case])
-    safeguard = options.pop("safeguard", False)
-    dtype = options.pop("dtype", torch.float32)
-    gen = torch.Generator().manual_seed(11)
-    h = torch.rand(MEMBERS, N, generator=gen, dtype=dtype) + 0.2
-    target = torch.randn(MEMBERS, N, generator=gen, dtype=dtype)
-    start = torch.randn(MEMBERS, N, generator=gen, dtype=dtype)
-    opt = aa.anderson(aa.adam(0.05), history_depth=4, **options)
-
-    def step(state, params, hh, tt):
-        loss = (lambda q: 0.5 * (hh * (q["w"] - tt) ** 2).sum()) if safeguard else None
-        grads = {"w": hh * (params["w"] - tt)}
-        return opt.update(state, params, grads, loss_fn=loss, inplace=True)
-
-    members = [{"w": start[i].clone()} for i in range(MEMBERS)]
-    members = [(p, opt.init(p)) for p in members]
+    opt, step, (h, target, start), members = ensemble(case, seed=11)
     params = {"w": start.clone()}
     state = vmap(opt.init)(params)
-    exact = not (case == "aadl-float64")
+
+    def inplace_step(state, params, hh, tt):
+        return step(state, params, hh, tt, inplace=True)
+
     for k in range(STEPS):
-        params, state = vmap(step)(state, params, h, target)
-        members = [step(s, p, h[i], target[i]) for i, (p, s) in enumerate(members)]
-        for i, (p, s) in enumerate(members):
-            if exact:
-                assert torch.equal(params["w"][i], p["w"]), f"member {i} differs at step {k}"
-            else:
-                torch.testing.assert_close(params["w"][i], p["w"], rtol=1e-12, atol=1e-12)
-            assert int(state.num_mixed[i]) == int(s.num_mixed)
-            assert int(state.num_rejected[i]) == int(s.num_rejected)
+        params, state = vmap(inplace_step)(state, params, h, target)
+        members = [inplace_step(s, p, h[i], target[i]) for i, (p, s) in enumerate(members)]
+        assert_members_equal(case, k, params, state, members)
     assert int(state.num_mixed.min()) > 0
