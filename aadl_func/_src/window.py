@@ -435,13 +435,8 @@ def write_slot(
         # not a pass over the window).
         large = _skips_misses(ring, slot, value)
         for s, entries in enumerate(ring):
-            hit = slot == s
-            gated = _gates(hit) if any(large) else None
             for dst, src, big in zip(entries, value, large):
-                if big:
-                    traced.copy_if_(dst, gated, src)
-                else:
-                    assign(dst, src, where=hit)
+                assign(dst, src, where=slot == s, skip_misses=big)
         return ring
     return tuple(
         [torch.where((slot == s).to(v.device), v, e) for v, e in zip(value, entries)]
@@ -499,15 +494,23 @@ def _gates(mask: Tensor | None) -> Tensor | None:
     return mask
 
 
-def assign(dst: Tensor, src: Tensor, where: Tensor | None = None) -> None:
+def assign(
+    dst: Tensor, src: Tensor, where: Tensor | None = None, *, skip_misses: bool = False
+) -> None:
     """``dst.copy_(src)``, except inside a blended :func:`select` (a gate without a value:
     vmap, torch.compile), where both outcomes are computed: the write then happens only
     where the gates hold (and ``where``), so an in-place write is right whatever the gates
     decide. Every in-place write to the params or the state during a step goes through
-    here."""
+    here.
+
+    ``skip_misses``: the masked write goes through ``traced.copy_if_``, which copies on a
+    hit and leaves ``dst`` untouched otherwise instead of rewriting it (a compiled step's
+    large ring slots, see :func:`write_slot`)."""
     mask = _gates(where)
     if mask is None:
         dst.copy_(src)
+    elif skip_misses:
+        traced.copy_if_(dst, mask, src)
     else:
         dst.copy_(torch.where(mask.to(dst.device), src, dst))
 
