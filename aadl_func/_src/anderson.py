@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import distributed, tree
+from aadl_func._src import distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard, write_back
 from aadl_func._src.average import window_average
 from aadl_func._src.checks import (
@@ -474,10 +474,9 @@ def _counters_on(state: AndersonState, device: torch.device) -> AndersonState:
 
 
 def _all_finite(leaves: list[Tensor], device: torch.device) -> Tensor:
-    flag = tree.decision(torch.ones((), dtype=torch.bool), device)
+    flag = flags.TRUE
     for t in leaves:
-        if t.numel():
-            flag = flag & tree.decision(torch.isfinite(t).all(), device)
+        flag = flags.both(flag, flags.all_finite(t, device))
     return flag
 
 
@@ -489,12 +488,12 @@ def _run_if_finite(step: _Step, g_leaves: list[Tensor]) -> tuple[list[Tensor] | 
     """
     config, state = step.config, step.state
     device = step.compute_device
-    finite = _all_finite(g_leaves, device) & _all_finite(step.updates, device)
+    finite = flags.both(_all_finite(g_leaves, device), _all_finite(step.updates, device))
     if step.shards is not None:
         # Every rank must take the same decision: one all_reduce of one value.
         bad = step.shards.all_sum((~finite).to(torch.float64).reshape(1))
         finite = (bad == 0).reshape(())
-    if tree.static_value(finite) is False:
+    if flags.value(finite) is False:
         check_skip_allowed(config, state, "anderson.update")
 
     def skipped() -> tuple[Any, AndersonState]:
@@ -551,21 +550,17 @@ class _Step:
         self.inner_state = inner_state
         self.inplace = inplace
         self.loss_fn = loss_fn
-        self.count = state.count + 1
         # Eager: the call's number as an int, from which the call-count gates are read
         # without tensor operations (None under vmap / torch.compile).
-        self.count_value = tree.static_value(self.count)
+        self.count, self.count_value = _advance(state.count, 1)
         self.q = config.num_slots
         self.ring = tuple(tree.flatten(r, "state.residuals")[0] for r in state.residuals)
         # The caller's window leaves by field (window_tree): residuals, anchor or iterates.
         self.caller_window: dict[str, Any] = {"residuals": self.ring}
         self.compute_device = state.gram.device
-        self.compute_dtypes = [
-            torch.promote_types(
-                torch.promote_types(p.dtype, config.history_dtype_of(p)), torch.float32
-            )
-            for p in p_leaves
-        ]
+        self.compute_dtypes, self.overflow_limit = _arithmetic(
+            config.history_dtype, tuple(p.dtype for p in p_leaves)
+        )
         # A float64 window is mixed through a QR factor of its differences (accurate to
         # eps * cond); other windows through their float64 Gram matrices (O(m n)).
         self.exact = all(leaf.dtype == torch.float64 for leaf in self.ring[0])
@@ -578,9 +573,6 @@ class _Step:
         self.base_bound: Tensor | None = None
         self.weights: Any = None
         self.chrono_norms: Tensor | None = None
-        self.overflow_limit = 0.5 * min(
-            torch.finfo(d).max for d in [p.dtype for p in p_leaves] + self.compute_dtypes
-        )
 
     # -- helpers ---------------------------------------------------------------------------
     def owned(self, values: list[Tensor], callers: list[Tensor]) -> list[Tensor]:
@@ -648,10 +640,10 @@ class _Step:
 
         Returns ``(ring, grams, head, num_residuals, poisoned)``.
         """
-        slot = (head + 1) % self.q
+        slot, _ = _advance(head, 1, modulo=self.q)
         ring = write_slot(ring, slot, residual, self.inplace)
         rows = local_rows = difference_rows(ring, slot, self.compute_device, grams[0], g=g)
-        grown = torch.clamp(num_residuals + 1, max=self.q)
+        grown, _ = _advance(num_residuals, 1, high=self.q)
         if self.shards is not None:
             # The state keeps the newest rows as this rank's partial sums; the decisions below
             # use the sums over ranks. A float64 window's factor for this call's mix rides
@@ -662,7 +654,7 @@ class _Step:
         if tree.static_value(grown) != self.q:  # a full window has no invalid slot to mask
             valid = self.slot_valid(slot, grown).to(stacked.device)
             stacked = torch.where(valid, stacked, 0.0)
-        poisoned = ~tree.decision(torch.isfinite(stacked).all(), self.compute_device)
+        poisoned = flags.negate(flags.all_finite(stacked, self.compute_device))
 
         def restart() -> tuple:
             if blending():  # blended into the slot by select: a broadcast zero, no fill
@@ -702,7 +694,7 @@ class _Step:
 
     def shard_factor(self, ring: tuple, head: Tensor, num_residuals: Tensor) -> Tensor | None:
         """This rank's factor for the step's all_reduce: float64 windows, on calls that may mix."""
-        if not self.exact or tree.static_value(self.may_mix()) is False:
+        if not self.exact or flags.value(self.may_mix()) is False:
             return None
         return self.factor(ring, head, num_residuals)
 
@@ -712,7 +704,7 @@ class _Step:
         config = self.config
         if self.count_value is not None:
             count = self.count_value
-            return _flag(count > config.wait_iterations and count % config.frequency == 0)
+            return flags.known(count > config.wait_iterations and count % config.frequency == 0)
         return (self.count > config.wait_iterations) & (self.count % config.frequency == 0)
 
     def solve(self, ring: tuple, grams: tuple, head: Tensor, num_residuals: Tensor):
@@ -788,6 +780,9 @@ class _Step:
         entry (aadl) or pair (classic); older slots count again only once overwritten."""
         if not self.config.restart_on_reject:
             return window_size
+        known = flags.value(rejected)
+        if known is not None:
+            return window_size.clamp(max=1) if known else window_size
         return torch.where(rejected, window_size.clamp(max=1), window_size)
 
     def to_ring_order(self, chrono_values: Tensor, order: Tensor | int) -> Tensor:
@@ -803,7 +798,7 @@ class _Step:
             return self.certified_finite()
         # Checked against the params' dtype, which the mix is cast to: a float32 mix of fp16
         # params can be finite and still overflow there. NaN fails both comparisons.
-        flag = tree.decision(torch.ones((), dtype=torch.bool), self.compute_device)
+        flag = flags.TRUE
         for t, p in zip(leaves, self.params):
             if t.numel() == 0:
                 continue
@@ -814,14 +809,16 @@ class _Step:
                 low, high = t.amin(), t.amax()
             else:
                 low, high = torch.aminmax(t)
-            if not transformed and tree.static_value(flag) is not None:
+            if not transformed and flags.value(flag) is not None:
                 # Eager on the CPU: the two values read and compared in Python (no device
                 # wait there), which saves the small comparison operations.
                 lo, hi = low.item(), high.item()
                 if not (lo >= -limit and hi <= limit):
-                    return torch.zeros((), dtype=torch.bool)
+                    return flags.FALSE
                 continue
-            flag = flag & tree.decision((low >= -limit) & (high <= limit), self.compute_device)
+            flag = flags.both(
+                flag, tree.decision((low >= -limit) & (high <= limit), self.compute_device)
+            )
         return flag
 
     def to_params(self, leaves: list[Tensor]) -> list[Tensor]:
@@ -847,9 +844,11 @@ class _Step:
             if self.shards is not None:
                 loss_x, loss_y = self.shards.mean_losses(loss_x, loss_y)
             better = torch.isfinite(loss_x) & (loss_x < loss_y)
-            return gate & tree.decision(better.reshape(()), self.compute_device)
+            return flags.both(
+                gate, flags.settle(tree.decision(better.reshape(()), self.compute_device))
+            )
 
-        return select(gate, decide, torch.zeros((), dtype=torch.bool))
+        return select(gate, decide, flags.FALSE)
 
     def output(self, use_mix: Tensor, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
         """The returned params: ``x`` where ``use_mix`` else ``y``, in the params' buffers if
@@ -868,7 +867,7 @@ class _Step:
             count=self.count,
             inner_state=self.inner_state,
             skip_streak=select(
-                _flag(tree.static_value(self.state.skip_streak) == 0),
+                flags.known(tree.static_value(self.state.skip_streak) == 0),
                 lambda: self.state.skip_streak,
                 lambda: torch.zeros_like(self.state.skip_streak),
             ),
@@ -909,10 +908,13 @@ class _Step:
             dr_rhs=grams[2],
             head=head,
             window_size=window_size,
-            num_nonfinite=_add_if(self.state.num_nonfinite, poisoned),
+            num_nonfinite=flags.add_if(self.state.num_nonfinite, poisoned),
             **fields,
         )
-        self.commit(plain)
+        # In place, the caller's state now holds these values: building the final state
+        # from it leaves the fields the mix does not change as the caller's own tensors,
+        # which the final commit then need not copy again.
+        plain = self.commit(plain)
         if self.guard is not None:
             self.guard.checkpoint()
         return plain
@@ -933,17 +935,18 @@ class _Step:
         """Whether this call mixes: past ``wait_iterations``, on the ``frequency``, with enough
         window (and never in the wrapper's ``plain`` recovery)."""
         if self.plain:
-            return torch.zeros((), dtype=torch.bool)
+            return flags.FALSE
         may_mix = self.may_mix()
         size = tree.static_value(window_size)
-        if size is not None and tree.static_value(may_mix) is not None:
-            return _flag(bool(may_mix) and size >= minimum)
-        return may_mix & (window_size >= minimum)
+        mixes = flags.value(may_mix)
+        if size is not None and mixes is not None:
+            return flags.known(mixes and size >= minimum)
+        return flags.both(may_mix, window_size >= minimum)
 
     def stores(self) -> Tensor:
         """Whether this call stores its plain step in the window (every ``store_each_nth``)."""
         if self.count_value is not None:
-            return _flag(self.count_value % self.config.store_each_nth == 0)
+            return flags.known(self.count_value % self.config.store_each_nth == 0)
         return self.count % self.config.store_each_nth == 0
 
     # -- sharded params (DTensor / FSDP2; see distributed.py) ------------------------------
@@ -1006,7 +1009,7 @@ class _Step:
         ``max|x| + max|u|``, also when ``x`` already holds ``y``). Mode "classic": the iterates.
         """
         config = self.config
-        known = tree.static_value(self.may_mix())
+        known = flags.value(self.may_mix())
         device = self.compute_device
         if known is not None and not known:
             return torch.zeros((), dtype=torch.float64, device=device)
@@ -1056,17 +1059,18 @@ class _AadlStep(_Step):
         # read from the count, which the members of a vmapped ensemble share (window_size
         # is per member once a restart may have happened), so the append is not blended.
         empty = (
-            _flag(self.count_value - 1 < config.store_each_nth)
+            flags.known(self.count_value - 1 < config.store_each_nth)
             if self.count_value is not None
             else state.count < config.store_each_nth
         )
-        num_residuals = torch.clamp(state.window_size - 1, min=0)
+        num_residuals, _ = _advance(state.window_size, -1, low=0)
 
         anchor_stored = False  # set when the append below already copied y into the anchor
 
         def append_residual() -> tuple:
             nonlocal anchor_stored
-            slot = tree.static_value((state.head + 1) % self.q) if self.inplace else None
+            head = tree.static_value(state.head) if self.inplace else None
+            slot = None if head is None else (head + 1) % self.q
             if slot is not None and tree.any_transformed(y_hist):
                 # A vmapped ensemble stepping together (a shared head): batched tensors have
                 # neither ``out=`` nor raw pointers, so the difference takes the route below
@@ -1096,10 +1100,10 @@ class _AadlStep(_Step):
             grams,
             state.head,
             num_residuals,
-            torch.zeros((), dtype=torch.bool),
+            flags.FALSE,
         )
         ring, grams, head, num_residuals, poisoned = select(
-            store & ~empty, append_residual, no_append
+            flags.both(store, flags.negate(empty)), append_residual, no_append
         )
 
         def store_anchor() -> list[Tensor]:
@@ -1113,18 +1117,25 @@ class _AadlStep(_Step):
         anchor = select(store, store_anchor, anchor)
 
         def grown() -> Tensor:
-            return select(empty, lambda: torch.ones_like(num_residuals), lambda: num_residuals + 1)
+            return select(
+                empty,
+                lambda: torch.ones_like(num_residuals),
+                lambda: _advance(num_residuals, 1)[0],
+            )
 
         window_size = select(store, grown, state.window_size)
         # Commit point (atomic.py): from here on the caller holds a finished plain step.
         plain = self.commit_plain(
             ring, grams, head, window_size, poisoned, anchor=self.window_tree("anchor", anchor)
         )
+        # The committed tensors (the caller's, in place), so that the final state shares them
+        # unless the safeguard moves the newest entry.
+        grams = (plain.gram, plain.dr_gram, plain.dr_rhs)
 
         # Step 5, AADL's moving average (see aadl_func._src.average): decided on the window of
         # plain iterates before any mix. When it applies, the window is too noisy to
         # extrapolate from, so this call skips the mix (and its loss evaluations).
-        averaged = torch.zeros((), dtype=torch.bool)
+        averaged = flags.FALSE
         if config.average and not self.plain:
 
             def average() -> tuple[list[Tensor], Tensor]:
@@ -1141,7 +1152,7 @@ class _AadlStep(_Step):
             no_mean = [torch.zeros_like(a, dtype=c) for a, c in zip(anchor, self.compute_dtypes)]
             mean_hist, averaged = select(window_size >= 2, average, (no_mean, averaged))
 
-        gate = self.gate(window_size, 3) & ~averaged
+        gate = flags.both(self.gate(window_size, 3), flags.negate(averaged))
 
         def mix_into_params() -> list[Tensor] | None:
             """The params' buffers when the mix can be written straight into them, saving a
@@ -1151,7 +1162,7 @@ class _AadlStep(_Step):
             rejected mix."""
             if not self.inplace or self.loss_fn is not None or config.average:
                 return None
-            if self.shards is not None or tree.static_value(store) is not True:
+            if self.shards is not None or flags.value(store) is not True:
                 return None
             if tree.any_transformed(self.params):
                 # vmap (members stepping together know ``store``): undoing a rejected mix
@@ -1167,7 +1178,7 @@ class _AadlStep(_Step):
 
         def extrapolate() -> tuple[list[Tensor], Tensor]:
             weights, order = self.solve(ring, grams, head, num_residuals)
-            coefficients = aadl_coefficients(weights.alpha, config.relaxation)
+            minus_c = aadl_coefficients(weights.alpha, config.relaxation, negated=True)
             into = mix_into_params()
             try:
                 x_hist = combine(
@@ -1176,18 +1187,21 @@ class _AadlStep(_Step):
                     # anchor -> params.
                     anchor if into is None else into,
                     [ring],
-                    -self.to_ring_order(coefficients, order),
+                    self.to_ring_order(minus_c, order),
                     self.compute_dtypes,
                     anchor,
                     out=into,
                 )
-                ok = tree.decision(weights.ok, self.compute_device) & self.finite(x_hist)
+                ok = flags.both(
+                    flags.settle(tree.decision(weights.ok, self.compute_device)),
+                    self.finite(x_hist),
+                )
             except BaseException:
                 if into is not None:
                     for p, a in zip(self.params, anchor):
                         p.copy_(a)  # back to y: the caller holds the plain step
                 raise
-            if into is not None and not tree.static_value(ok):
+            if into is not None and not flags.value(ok):
                 for p, a in zip(self.params, anchor):
                     p.copy_(a)  # back to y
             return x_hist, ok
@@ -1195,12 +1209,12 @@ class _AadlStep(_Step):
         def no_mix() -> tuple[list[Tensor], Tensor]:
             # Placeholders for the blend under vmap, built only on calls that do not mix.
             zeros = [torch.zeros_like(a, dtype=c) for a, c in zip(anchor, self.compute_dtypes)]
-            return zeros, torch.zeros((), dtype=torch.bool)
+            return zeros, flags.FALSE
 
         # x is only used where mixable = gate & ok holds (the safeguard, the output): a gate
         # without a value (vmap, compile) computes it unblended.
         x_hist, ok = select(gate, extrapolate, no_mix, blend=False)
-        mixable = gate & ok
+        mixable = flags.both(gate, ok)
         x = select(mixable, lambda: self.to_params(x_hist), y, blend=False)
         use_mix = self.safeguard(mixable, x, y)
 
@@ -1226,20 +1240,22 @@ class _AadlStep(_Step):
 
         if config.average:
             x = select(averaged, lambda: self.to_params(mean_hist), x)
-        out = self.output(use_mix | averaged, x, y)
+        out = self.output(flags.either(use_mix, averaged), x, y)
+        rejected = flags.both(mixable, flags.negate(use_mix))
+        failed = flags.both(gate, flags.both(flags.negate(ok), flags.negate(poisoned)))
         final = plain._replace(
             anchor=self.window_tree("anchor", anchor),
             residuals=self.window_tree("residuals", ring),
             gram=grams[0],
             dr_gram=grams[1],
             dr_rhs=grams[2],
-            window_size=self.restarted(plain.window_size, mixable & ~use_mix),
-            num_mixed=_add_if(plain.num_mixed, use_mix),
-            num_rejected=_add_if(plain.num_rejected, mixable & ~use_mix),
+            window_size=self.restarted(plain.window_size, rejected),
+            num_mixed=flags.add_if(plain.num_mixed, use_mix),
+            num_rejected=flags.add_if(plain.num_rejected, rejected),
             # A poisoned append was counted at the commit; a failed mix on a poisoned call
             # is the same event.
-            num_nonfinite=_add_if(plain.num_nonfinite, gate & ~ok & ~poisoned),
-            num_averaged=_add_if(plain.num_averaged, averaged),
+            num_nonfinite=flags.add_if(plain.num_nonfinite, failed),
+            num_averaged=flags.add_if(plain.num_averaged, averaged),
         )
         return tree.unflatten(self.spec, out), self.commit(final)
 
@@ -1252,7 +1268,7 @@ class _ClassicStep(_Step):
         store = self.stores()
 
         def append_pair() -> tuple:
-            slot = (state.head + 1) % self.q
+            slot, _ = _advance(state.head, 1, modulo=self.q)
             # x_k is copied into the window before an in-place step overwrites params.
             point = self.owned(self.to_history(self.params, iterates[0]), self.params)
             new_iterates = write_slot(iterates, slot, point, self.inplace)
@@ -1272,7 +1288,7 @@ class _ClassicStep(_Step):
             (state.gram, state.dr_gram, state.dr_rhs),
             state.head,
             state.window_size,
-            torch.zeros((), dtype=torch.bool),
+            flags.FALSE,
         )
         iterates, ring, grams, head, window_size, poisoned = select(store, append_pair, unchanged)
 
@@ -1299,50 +1315,91 @@ class _ClassicStep(_Step):
                 self.compute_dtypes,
                 ring[0],
             )
-            ok = tree.decision(weights.ok, self.compute_device) & self.finite(x_hist)
+            ok = flags.both(
+                flags.settle(tree.decision(weights.ok, self.compute_device)), self.finite(x_hist)
+            )
             return x_hist, ok
 
         def no_mix() -> tuple[list[Tensor], Tensor]:
             # Placeholders for the blend under vmap, built only on calls that do not mix.
             zeros = [torch.zeros_like(r, dtype=c) for r, c in zip(ring[0], self.compute_dtypes)]
-            return zeros, torch.zeros((), dtype=torch.bool)
+            return zeros, flags.FALSE
 
         # x is only used where mixable = gate & ok holds (the safeguard, the output): a gate
         # without a value (vmap, compile) computes it unblended.
         x_hist, ok = select(gate, extrapolate, no_mix, blend=False)
-        mixable = gate & ok
+        mixable = flags.both(gate, ok)
         x = select(mixable, lambda: self.to_params(x_hist), y, blend=False)
         use_mix = self.safeguard(mixable, x, y)
         out = self.output(use_mix, x, y)
+        rejected = flags.both(mixable, flags.negate(use_mix))
+        failed = flags.both(gate, flags.both(flags.negate(ok), flags.negate(poisoned)))
         final = plain._replace(
-            window_size=self.restarted(plain.window_size, mixable & ~use_mix),
-            num_mixed=_add_if(plain.num_mixed, use_mix),
-            num_rejected=_add_if(plain.num_rejected, mixable & ~use_mix),
+            window_size=self.restarted(plain.window_size, rejected),
+            num_mixed=flags.add_if(plain.num_mixed, use_mix),
+            num_rejected=flags.add_if(plain.num_rejected, rejected),
             # A poisoned append was counted at the commit; a failed mix on a poisoned call
             # is the same event.
-            num_nonfinite=_add_if(plain.num_nonfinite, gate & ~ok & ~poisoned),
+            num_nonfinite=flags.add_if(plain.num_nonfinite, failed),
         )
         return tree.unflatten(self.spec, out), self.commit(final)
 
 
-# Eager decisions that are known in Python are these two tensors (never written to): making
-# a fresh 0-d tensor, or combining counters with tensor operations, costs more per call.
-_TRUE = torch.tensor(True)
-_FALSE = torch.tensor(False)
+def _advance(
+    counter: Tensor,
+    step: int,
+    *,
+    modulo: int | None = None,
+    low: int | None = None,
+    high: int | None = None,
+) -> tuple[Tensor, int | None]:
+    """``counter + step`` (a 0-d int64 counter), then taken ``% modulo`` or clamped to
+    ``[low, high]``: a new tensor and, eagerly, its value as an int (else ``None``).
+
+    An eager counter is read once and the result made in one operation; the same chain of
+    tensor operations (``clamp(w - 1, min=0)``: two) costs a few microseconds per link,
+    which adds up over the counters a step advances. Under vmap or torch.compile the chain
+    is applied to the tensor.
+    """
+    value = tree.static_value(counter)
+    if value is None:
+        result = counter + step
+        if modulo is not None:
+            result = result % modulo
+        if low is not None or high is not None:
+            result = torch.clamp(result, min=low, max=high)
+        return result, None
+    value += step
+    if modulo is not None:
+        value %= modulo
+    if low is not None:
+        value = max(value, low)
+    if high is not None:
+        value = min(value, high)
+    return torch.scalar_tensor(value, dtype=torch.int64), value
 
 
-def _flag(value: bool) -> Tensor:
-    """A known decision as a 0-d bool CPU tensor (shared constants)."""
-    return _TRUE if value else _FALSE
+_ARITHMETIC: dict[tuple, tuple[tuple[torch.dtype, ...], float]] = {}
 
 
-def _add_if(counter: Tensor, flag: Tensor) -> Tensor:
-    """``counter + flag`` (a 0-d int64 counter, a 0-d bool); with a concrete flag the counter
-    itself when False (nothing to write back) and one addition when True."""
-    known = tree.static_value(flag)
-    if known is not None:
-        return counter + 1 if known else counter
-    return counter + flag.long()
+def _arithmetic(
+    history_dtype: torch.dtype | None, param_dtypes: tuple[torch.dtype, ...]
+) -> tuple[tuple[torch.dtype, ...], float]:
+    """Per params leaf, the dtype the mix is computed in (the params' and the history's,
+    at least float32), and the overflow limit of :meth:`_Step.finite`'s certificate: half
+    the largest value of every params and compute dtype. Cached for eager calls, which ask
+    on every step (a traced step computes it once, at trace time)."""
+    key = (history_dtype, param_dtypes)
+    if not tree.tracing() and key in _ARITHMETIC:
+        return _ARITHMETIC[key]
+    compute = tuple(
+        torch.promote_types(torch.promote_types(d, history_dtype or d), torch.float32)
+        for d in param_dtypes
+    )
+    result = compute, 0.5 * min(torch.finfo(d).max for d in [*param_dtypes, *compute])
+    if not tree.tracing():
+        _ARITHMETIC[key] = result
+    return result
 
 
 _SLOT_ORDERS: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}

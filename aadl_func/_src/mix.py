@@ -98,7 +98,7 @@ def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:
     return weights
 
 
-def aadl_coefficients(alpha: Tensor, relaxation: float) -> Tensor:
+def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False) -> Tensor:
     r"""Weights ``c`` with ``mix = x_last - sum_j c_j DX[:, j]`` (float64, oldest first).
 
     Writing every window entry through the newest one, :math:`x_i = x_{k-1} - \sum_{j \ge i}
@@ -106,7 +106,12 @@ def aadl_coefficients(alpha: Tensor, relaxation: float) -> Tensor:
     :math:`\sum_i \alpha_i((1-\beta) x_i + \beta x_{i+1})` becomes
     :math:`x_{k-1} - \sum_j (A_j - \beta \alpha_j) \Delta x_j` with
     :math:`A = \mathrm{cumsum}(\alpha)`.
+
+    ``negated=True`` returns ``-c``, formed by the swapped subtraction (``b - a`` rounds to
+    exactly ``-(a - b)``), one operation fewer than negating ``c``.
     """
+    if negated:
+        return relaxation * alpha - torch.cumsum(alpha, 0)
     return torch.cumsum(alpha, 0) - relaxation * alpha
 
 

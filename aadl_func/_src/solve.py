@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import tree
+from aadl_func._src import flags, tree
 
 __all__ = [
     "MixingWeights",
@@ -103,11 +103,22 @@ def stack_factors(blocks: Sequence[Tensor]) -> Tensor:
     return torch.linalg.qr(stacked, mode="reduced").R
 
 
+_ENDS: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+
+
 def _affine_weights(gamma: Tensor) -> Tensor:
-    """``alpha = (gamma_0, gamma_1 - gamma_0, ..., 1 - gamma_{m-1})``: ``[gamma, 1] - [0, gamma]``,
-    three operations (the same roundings as forming each difference)."""
-    pad = torch.nn.functional.pad
-    return pad(gamma, (0, 1), value=1.0) - pad(gamma, (1, 0))
+    """``alpha = (gamma_0, gamma_1 - gamma_0, ..., 1 - gamma_{m-1})``: the differences of
+    ``[0, gamma, 1]``, one operation (each difference rounded once).
+
+    The two ends are constants, kept per device and dtype (read only), except under
+    torch.compile, which makes them in the graph."""
+    key = (gamma.device, gamma.dtype)
+    ends = _ENDS.get(key) if not tree.tracing() else None
+    if ends is None:
+        ends = tuple(torch.full((1,), v, dtype=gamma.dtype, device=gamma.device) for v in (0, 1))
+        if not tree.tracing():
+            _ENDS[key] = ends
+    return torch.diff(gamma, prepend=ends[0], append=ends[1])
 
 
 def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> MixingWeights:
@@ -304,14 +315,15 @@ def solve_coefficients(
     if not (isinstance(reg, float) and reg == 0.0):  # + 0.0 could only flip the sign of a 0
         shifted = shifted + reg
     keep = shifted > RTOL * unit
-    inverse = torch.where(keep, 1.0 / torch.where(keep, shifted, 1.0), 0.0)
+    # 1 / inf = +0 for the dropped eigenvalues: no 1 / 0 (nor its gradient) anywhere.
+    inverse = torch.where(keep, shifted, torch.inf).reciprocal()
     gamma = eigvecs @ (inverse * (eigvecs.mT @ b))
     if valid is not None:
         gamma = torch.where(valid, gamma, 0.0)
     # Inputs at the edge of the float64 range can still round to Inf/NaN: fall back to
     # gamma = 0, the plain newest iterate, rather than let them reach the parameters.
-    finite = torch.isfinite(gamma).all()
-    if tree.static_value(finite) is True:  # eager: the common case needs no blend
+    finite = flags.all_finite(gamma)
+    if finite is flags.TRUE:  # eager: the common case needs no blend
         return gamma
     return torch.where(finite, gamma, 0.0)
 
@@ -349,7 +361,8 @@ def solve_differences(
     """
     q = residual_sq.shape[-1]
     dev = residual_sq.device
-    num_valid = torch.as_tensor(num_valid, device=dev)
+    if not (isinstance(num_valid, Tensor) and num_valid.device == dev):
+        num_valid = torch.as_tensor(num_valid, device=dev)
     if tree.static_value(num_valid) == q:
         # Eager, full window (the steady state): every mask below would be all True, and
         # torch.where with an all-True mask returns its input, so skipping them changes no
@@ -363,8 +376,8 @@ def solve_differences(
         h = torch.where(pair, dr_gram, 0.0)
         c = torch.where(gamma_valid, dr_rhs, 0.0)
         norms = torch.where(valid, residual_sq, 0.0)
-    ok = torch.isfinite(torch.cat([h.reshape(-1), c, norms])).all()
-    if tree.static_value(ok) is not True:  # eager and finite: the blend would change nothing
+    ok = flags.all_finite(torch.cat([h.reshape(-1), c, norms]))
+    if ok is not flags.TRUE:  # eager and finite: the blend would change nothing
         h, c, norms = (torch.where(ok, t, 0.0) for t in (h, c, norms))
     # Scaled to max_i ||f_i||^2 = 1, as in solve_weights: O(1) entries whatever the scale.
     unit = norms.max()

@@ -193,10 +193,11 @@ def static_value(t: Tensor) -> bool | int | None:
     lets us skip work whose result would be discarded by ``torch.where``. Under a transform we
     return ``None`` and the caller blends both outcomes instead.
     """
-    # is_transformed, inlined: this runs a few dozen times per eager call.
+    # is_transformed, inlined: this runs a couple of dozen times per eager call (``ndim`` and
+    # ``is_cpu`` rather than ``dim()`` and ``device.type``, which builds a device object).
     if _is_compiling() or _functorch.is_functorch_wrapped_tensor(t):
         return None
-    if t.dim() != 0 or t.device.type != "cpu":
+    if t.ndim or not t.is_cpu:
         return None
     return t.item()
 

@@ -38,7 +38,7 @@ import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import native, ops, traced, tree
+from aadl_func._src import flags, native, ops, traced, tree
 
 __all__ = [
     "chunk_size",
@@ -534,7 +534,7 @@ def select(
     rest itself); a gate without a value then returns ``compute()`` as it is, saving a
     parameter-sized blend (its in-place writes are still masked, see :func:`assign`).
     """
-    known = tree.static_value(gate)
+    known = flags.value(gate)
     if known is None:
         known = tree.uniform_value(gate)  # a vmapped ensemble whose members agree
     if known is not None:
@@ -587,8 +587,9 @@ def append_difference(
     rows = native.append_differences(leaves, slot)
     if rows is None:
         return None
-    row = torch.zeros(len(ring), dtype=torch.float64, device=device)
-    for leaf_row in rows:
+    # Summed from the first leaf's row (the kernel never returns -0.0, so 0 + row = row).
+    row = rows[0].to(device)
+    for leaf_row in rows[1:]:
         row = row + leaf_row.to(device)
     return row
 
@@ -632,8 +633,8 @@ def difference_rows(
       ``(g, h, c)``.
     """
     q = len(slots)
-    p = torch.zeros(q, dtype=torch.float64, device=device)
     exact = all(s.dtype == torch.float64 for s in slots[0])
+    p = torch.zeros(q, dtype=torch.float64, device=device) if exact else None
     if g is not None and exact:
         raise ValueError("difference_rows: a precomputed `g` needs a float32/bf16/fp16 window")
     leaves = [] if g is not None else range(len(slots[0]))
@@ -649,18 +650,20 @@ def difference_rows(
             g = g + parts[0].to(device)
             if exact:
                 p = p + parts[1].to(device)
+    c = g - g.roll(1)
     if not exact:
-        ring = torch.arange(q, device=device)
-        at = slot.to(device)
-        # <f_t, f_{s-1}> from the stored row, except t = s, whose stored entry is the old f_s.
+        # p_t = <f_t, d_s> = g_t - <f_t, f_{s-1}>, the last from the stored row s - 1, except
+        # t = s, whose stored entry is the old f_s: there p_s = g_s - g_{s-1} = c_s.
         if index is not None:
-            previous_row = gram.to(device)[(index - 1) % q]
-            before = torch.where(ring == index, g[(index - 1) % q], previous_row)
+            p = g - gram.to(device)[(index - 1) % q]
+            p[index] = c[index]
         else:
+            ring = torch.arange(q, device=device)
+            at = slot.to(device)
             previous = (at - 1) % q
             before = torch.where(ring == at, _pick(g, previous), _pick(gram.to(device), previous))
-        p = g - before
-    return g, p - p.roll(1), g - g.roll(1)
+            p = g - before
+    return g, p - p.roll(1), c
 
 
 def _pick(t: Tensor, index: Tensor) -> Tensor:

@@ -1,0 +1,121 @@
+"""A step's decisions (0-d bool tensors) and the logic that combines them.
+
+``update`` expresses every decision (store, mix, accept, poisoned, ...) as a 0-d bool tensor,
+so that it runs under ``vmap`` (one decision per member) and under ``torch.compile`` (no
+branch on a value). In an eager call most decisions are known in Python: they are then the
+two shared constants :data:`TRUE` and :data:`FALSE`, and :func:`both`, :func:`either`,
+:func:`negate` and :func:`value` work on them with identity tests instead of tensor
+operations. A tensor operation on a 0-d tensor costs microseconds; an eager step combines
+a few dozen decisions, which made that logic a sizeable part of a small model's step.
+
+The constants are never written to (decisions are not stored in the state; counters are
+int64 tensors of their own). A decision that is not a constant (batched, traced, or a fresh
+eager flag not yet passed through :func:`settle`) goes through the tensor operations, so
+every result is the same tensor value as before; only the way to it is shorter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from aadl_func._src import tree
+
+__all__ = [
+    "TRUE",
+    "FALSE",
+    "known",
+    "value",
+    "settle",
+    "both",
+    "either",
+    "negate",
+    "add_if",
+    "all_finite",
+]
+
+TRUE = torch.tensor(True)
+FALSE = torch.tensor(False)
+
+
+def known(flag: bool) -> Tensor:
+    """A decision known in Python, as its shared constant."""
+    return TRUE if flag else FALSE
+
+
+def value(flag: Tensor) -> bool | None:
+    """The Python value of a decision when it has one (eager), else ``None`` (vmap, compile)."""
+    if flag is TRUE:
+        return True
+    if flag is FALSE:
+        return False
+    return tree.static_value(flag)
+
+
+def settle(flag: Tensor) -> Tensor:
+    """``flag`` as its constant when its value can be read (eager: one host read of a CPU
+    value), so that the decisions combined with it later cost no tensor operation."""
+    known_value = value(flag)
+    if known_value is None:
+        return flag
+    return TRUE if known_value else FALSE
+
+
+def both(a: Tensor, b: Tensor) -> Tensor:
+    """``a & b``."""
+    if a is FALSE or b is FALSE:
+        return FALSE
+    if a is TRUE:
+        return b
+    if b is TRUE:
+        return a
+    return a & b
+
+
+def either(a: Tensor, b: Tensor) -> Tensor:
+    """``a | b``."""
+    if a is TRUE or b is TRUE:
+        return TRUE
+    if a is FALSE:
+        return b
+    if b is FALSE:
+        return a
+    return a | b
+
+
+def negate(a: Tensor) -> Tensor:
+    """``~a``."""
+    if a is TRUE:
+        return FALSE
+    if a is FALSE:
+        return TRUE
+    return ~a
+
+
+def add_if(counter: Tensor, flag: Tensor) -> Tensor:
+    """``counter + flag`` (a 0-d int64 counter, a 0-d bool); with a known flag the counter
+    itself when False (nothing to write back) and one addition when True."""
+    known_value = value(flag)
+    if known_value is not None:
+        return counter + 1 if known_value else counter
+    return counter + flag.long()
+
+
+def all_finite(t: Tensor, device: torch.device | None = None) -> Tensor:
+    """The decision "every element of ``t`` is finite" (no Inf, no NaN); with ``device``,
+    made ready to combine as :func:`aadl_func._src.tree.decision` makes it.
+
+    Eager, for a CPU tensor: its smallest and largest elements, in one reduction, compared in
+    Python (NaN, which ``aminmax`` propagates, fails both comparisons), a constant decision;
+    ``isfinite(t).all()`` runs several kernels and costs a few times more. Otherwise (vmap,
+    torch.compile, an accelerator) that tensor expression, which reads no value.
+    """
+    if t.numel() == 0:
+        return TRUE
+    if t.is_cpu and not tree.is_transformed(t):
+        low, high = torch.aminmax(t)
+        return known(-math.inf < low.item() and high.item() < math.inf)
+    flag = torch.isfinite(t).all()
+    return flag if device is None else tree.decision(flag, device)
