@@ -844,9 +844,7 @@ class _Step:
             if self.shards is not None:
                 loss_x, loss_y = self.shards.mean_losses(loss_x, loss_y)
             better = torch.isfinite(loss_x) & (loss_x < loss_y)
-            return flags.both(
-                gate, flags.settle(tree.decision(better.reshape(()), self.compute_device))
-            )
+            return flags.both(gate, flags.decision(better.reshape(()), self.compute_device))
 
         return select(gate, decide, flags.FALSE)
 
@@ -1193,8 +1191,7 @@ class _AadlStep(_Step):
                     out=into,
                 )
                 ok = flags.both(
-                    flags.settle(tree.decision(weights.ok, self.compute_device)),
-                    self.finite(x_hist),
+                    flags.decision(weights.ok, self.compute_device), self.finite(x_hist)
                 )
             except BaseException:
                 if into is not None:
@@ -1315,9 +1312,7 @@ class _ClassicStep(_Step):
                 self.compute_dtypes,
                 ring[0],
             )
-            ok = flags.both(
-                flags.settle(tree.decision(weights.ok, self.compute_device)), self.finite(x_hist)
-            )
+            ok = flags.both(flags.decision(weights.ok, self.compute_device), self.finite(x_hist))
             return x_hist, ok
 
         def no_mix() -> tuple[list[Tensor], Tensor]:

@@ -29,6 +29,7 @@ __all__ = [
     "known",
     "value",
     "settle",
+    "decision",
     "both",
     "either",
     "negate",
@@ -58,9 +59,13 @@ def settle(flag: Tensor) -> Tensor:
     """``flag`` as its constant when its value can be read (eager: one host read of a CPU
     value), so that the decisions combined with it later cost no tensor operation."""
     known_value = value(flag)
-    if known_value is None:
-        return flag
-    return TRUE if known_value else FALSE
+    return flag if known_value is None else known(known_value)
+
+
+def decision(flag: Tensor, device: torch.device) -> Tensor:
+    """:func:`aadl_func._src.tree.decision` (a flag made ready to combine with the step's
+    counters and gates), then :func:`settle`d."""
+    return settle(tree.decision(flag, device))
 
 
 def both(a: Tensor, b: Tensor) -> Tensor:
@@ -118,4 +123,4 @@ def all_finite(t: Tensor, device: torch.device | None = None) -> Tensor:
         low, high = torch.aminmax(t)
         return known(-math.inf < low.item() and high.item() < math.inf)
     flag = torch.isfinite(t).all()
-    return flag if device is None else tree.decision(flag, device)
+    return flag if device is None else decision(flag, device)
