@@ -207,28 +207,28 @@ def test_compiled_update_is_one_graph_and_equals_eager(case):
             grads["b"] = grads["b"].clone().index_fill_(0, torch.tensor([1]), float("nan"))
         return grads
 
+    counters = ("count", "window_size", "num_mixed", "num_rejected", "num_averaged")
     for k in range(STEPS):
         grads = gradient(eager_params, k)
-        eager_params, eager_state = step(eager_state, eager_params, grads)
-        grads = gradient(compiled_params, k)
-        inputs = (compiled_state, compiled_params, grads)
+        # Every call is compared from the same state and params: a whole trajectory need
+        # not be (without the safeguard some cases diverge, and there the two runs' float32
+        # roundings, fused in another order, part within a few calls).
+        inputs = (clone(eager_state), clone(eager_params), clone(grads))
         before = copy.deepcopy(inputs) if not spec["inplace"] and k < 8 else None
-        compiled_params, compiled_state = compiled(compiled_state, compiled_params, grads)
+        params, state = compiled(*inputs)
         if before is not None:  # pure: the inputs are left as they were
             for x, y in zip(optree.tree_leaves(inputs), optree.tree_leaves(before)):
                 assert torch.equal(x, y)
-        worst = max(worst, rel(compiled_params, eager_params))
-    tolerance = 1e-9 if spec["dtype"] == torch.float64 else 1e-4
+        eager_params, eager_state = step(eager_state, eager_params, grads)
+        worst = max(worst, rel(params, eager_params))
+        for name in (*counters, "num_skipped"):
+            assert int(getattr(state, name)) == int(getattr(eager_state, name)), (k, name)
+        # The compiled step also threads its own state from call to call.
+        grads = gradient(compiled_params, k)
+        compiled_params, compiled_state = compiled(compiled_state, compiled_params, grads)
+    tolerance = 1e-9 if spec["dtype"] == torch.float64 else 1e-5
     assert worst < tolerance, f"compiled differs from eager by {worst:.1e}"
-    for name in (
-        "count",
-        "window_size",
-        "num_mixed",
-        "num_rejected",
-        "num_averaged",
-        "num_skipped",
-    ):
-        assert int(getattr(compiled_state, name)) == int(getattr(eager_state, name)), name
+    assert int(compiled_state.count) == int(eager_state.count)  # skipped calls are not counted
     if spec["safeguard"]:
         assert 0 < int(eager_state.num_mixed) and 0 < int(eager_state.num_rejected)
     else:
@@ -366,7 +366,9 @@ def test_vmapped_inplace_ensemble_from_vmapped_init(mode, dtype):
         ]
         if k >= 1:  # (mode "aadl" appends its first difference on the second call)
             assert changed.count(True) == 1, (k, changed)
-    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    # float64: rounding (the members' slots are summed in other groupings than a member's
+    # own ring buffer), which ten unsafeguarded mixes amplify.
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-5
     for i, (p, s) in enumerate(expected):
         assert rel({k: v[i] for k, v in params.items()}, p) < tolerance
         assert int(state.num_mixed[i]) == int(s.num_mixed) > 0

@@ -19,7 +19,7 @@ from aadl_func._src.checks import (
     check_update_inputs,
     keep_requires_grad,
 )
-from aadl_func._src.mix import aadl_coefficients
+from aadl_func._src.mix import aadl_coefficients, classic_coefficients
 from aadl_func._src.solve import solve_differences, solve_factor, stack_factors
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.validation import (
@@ -377,12 +377,15 @@ def _init(config: _Config, params: Params) -> AndersonState:
         per_leaf = [_window_buffer(config, p, q) for p in leaves]
         return tuple(tree.unflatten(spec, [slots[s] for slots in per_leaf]) for s in range(q))
 
+    anchor_leaves = [_anchor_buffer(config, p) for p in leaves]
     if config.mode == "aadl":
-        anchor = tree.unflatten(spec, [_anchor_buffer(config, p) for p in leaves])
         iterates: tuple = ()
     else:
-        anchor = ()
+        # Classic's anchor starts at the params the state is made for, so the first pair's
+        # difference x_0 - anchor is 0 (that difference is never weighted, see _ClassicStep).
+        anchor_leaves = [a.copy_(p.detach()) for a, p in zip(anchor_leaves, leaves)]
         iterates = ring()
+    anchor = tree.unflatten(spec, anchor_leaves)
     device = config.compute_device_of(leaves)
     return AndersonState(
         count=_counter(),
@@ -586,6 +589,18 @@ class _Step:
             return values
         return [v.clone() if v is c else v for v, c in zip(values, callers)]
 
+    def store_anchor(
+        self, anchor: list[Tensor], values: list[Tensor], callers: list[Tensor]
+    ) -> list[Tensor]:
+        """The anchor after ``anchor = values`` (the newest entry, in the params' dtype):
+        copied into its buffers in place, else ``values`` owned by the window (``callers``:
+        the caller's tensors that ``values`` may be, see :meth:`owned`)."""
+        if self.inplace:
+            for a, v in zip(anchor, values):
+                assign(a, v)
+            return anchor
+        return self.owned(values, callers)
+
     def inner_step(self) -> list[Tensor]:
         """``y = x + u``: the plain step, written into the params' buffers if ``inplace``."""
         if self.inplace:
@@ -676,9 +691,13 @@ class _Step:
 
         Only the newest residual changed, so the rows of ``head`` and ``dr_rhs`` are recomputed;
         the difference it forms with its successor belongs to the oldest slot, which is unused.
+        Sharded, the rows come from this rank's data alone (``direct``): the row of the
+        previous residual in ``grams`` was summed over ranks by this call's reduction.
         """
         ring = write_slot(ring, head, residual, self.inplace)
-        g, h, c = difference_rows(ring, head, self.compute_device, grams[0])
+        g, h, c = difference_rows(
+            ring, head, self.compute_device, grams[0], direct=self.shards is not None
+        )
         return ring, (set_gram_row(grams[0], head, g), set_gram_row(grams[1], head, h), c)
 
     def difference_valid(self, num_residuals: Tensor) -> Tensor:
@@ -1001,27 +1020,29 @@ class _Step:
         return (gram, dr_gram, dr_rhs), summed
 
     def local_base_bound(self) -> Tensor:
-        """This rank's largest magnitude of the combination's base (0 if no mix can happen).
+        r"""This rank's largest magnitude of the combination's base (0 if no mix can happen).
 
         Mode "aadl": the anchor, old (``state.anchor``) or new (``y = x + u``, bounded by
-        ``max|x| + max|u|``, also when ``x`` already holds ``y``). Mode "classic": the iterates.
+        ``max|x| + max|u|``, also when ``x`` already holds ``y``). Mode "classic": every
+        iterate :math:`x_i = a - \sum_{j > i} \Delta x_j`, bounded by
+        ``max|a| + Q max|dx|`` over the old anchor and differences and the new ones
+        (``a = x``, ``dx = x - a_old``).
         """
         config = self.config
         known = flags.value(self.may_mix())
         device = self.compute_device
         if known is not None and not known:
             return torch.zeros((), dtype=torch.float64, device=device)
+        anchor = distributed.max_abs(tree.flatten(self.state.anchor, "state.anchor")[0], device)
+        newest = distributed.max_abs(self.params, device)
         if config.mode == "aadl":
-            anchor = tree.flatten(self.state.anchor, "state.anchor")[0]
-            newest = distributed.max_abs(self.params, device)
             newest = newest + distributed.max_abs(self.updates, device)
-            return torch.maximum(distributed.max_abs(anchor, device), newest)
-        iterates = [
+            return torch.maximum(anchor, newest)
+        differences = [
             leaf for entry in self.state.iterates for leaf in tree.flatten(entry, "iterates")[0]
         ]
-        return torch.maximum(
-            distributed.max_abs(iterates, device), distributed.max_abs(self.params, device)
-        )
+        step = torch.maximum(distributed.max_abs(differences, device), anchor + newest)
+        return torch.maximum(anchor, newest) + self.q * step
 
     def certified_finite(self) -> Tensor:
         r"""Whether the mix is certainly finite, from reduced quantities only (same on all ranks).
@@ -1105,12 +1126,9 @@ class _AadlStep(_Step):
         )
 
         def store_anchor() -> list[Tensor]:
-            if self.inplace:
-                if not anchor_stored:
-                    for a, v in zip(anchor, y_hist):
-                        assign(a, v)
+            if self.inplace and anchor_stored:
                 return anchor
-            return self.owned(y_hist, y)
+            return self.store_anchor(anchor, y_hist, y)
 
         anchor = select(store, store_anchor, anchor)
 
@@ -1260,15 +1278,22 @@ class _AadlStep(_Step):
 class _ClassicStep(_Step):
     def run(self) -> tuple[Params, AndersonState]:
         config, state = self.config, self.state
+        # The points x_i are kept as the newest one (the anchor, in the params' dtype) and
+        # the differences dx_i = x_i - x_{i-1} of consecutive ones (history dtype), so that a
+        # low-precision window rounds the steps, not the points themselves.
+        anchor = tree.flatten(state.anchor, "state.anchor")[0]
         iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
+        self.caller_window["anchor"] = anchor
         self.caller_window["iterates"] = iterates
         store = self.stores()
 
         def append_pair() -> tuple:
             slot, _ = _advance(state.head, 1, modulo=self.q)
             # x_k is copied into the window before an in-place step overwrites params.
-            point = self.owned(self.to_history(self.params, iterates[0]), self.params)
-            new_iterates = write_slot(iterates, slot, point, self.inplace)
+            point = self.to_history(self.params, anchor)
+            step = [(x - a).to(d.dtype) for x, a, d in zip(point, anchor, iterates[0])]
+            step = self.to_history(step, iterates[0])
+            new_iterates = write_slot(iterates, slot, step, self.inplace)
             residual = self.owned(self.to_history(self.updates, self.ring[0]), self.updates)
             ring, grams, head, size, poisoned = self.append(
                 self.ring,
@@ -1277,17 +1302,21 @@ class _ClassicStep(_Step):
                 state.window_size,
                 residual,
             )
-            return new_iterates, ring, grams, head, size, poisoned
+            new_anchor = self.store_anchor(anchor, point, self.params)
+            return new_iterates, new_anchor, ring, grams, head, size, poisoned
 
         unchanged = (
             iterates,
+            anchor,
             self.ring,
             (state.gram, state.dr_gram, state.dr_rhs),
             state.head,
             state.window_size,
             flags.FALSE,
         )
-        iterates, ring, grams, head, window_size, poisoned = select(store, append_pair, unchanged)
+        iterates, anchor, ring, grams, head, window_size, poisoned = select(
+            store, append_pair, unchanged
+        )
 
         y = self.inner_step()
         # Commit point (atomic.py): from here on the caller holds a finished plain step.
@@ -1297,6 +1326,7 @@ class _ClassicStep(_Step):
             head,
             window_size,
             poisoned,
+            anchor=self.window_tree("anchor", anchor),
             iterates=self.window_tree("iterates", iterates),
         )
 
@@ -1304,14 +1334,22 @@ class _ClassicStep(_Step):
 
         def extrapolate() -> tuple[list[Tensor], Tensor]:
             weights, order = self.solve(ring, grams, head, window_size)
-            alpha = self.to_ring_order(weights.alpha, order)
-            x_hist = combine(
+            alpha = weights.alpha
+            # The sum of the steps comes first and the anchor is added last (a fresh tensor,
+            # in place), so that the sum rounds alike on every path, as without an anchor.
+            steps = combine(
                 None,
                 [iterates, ring],
-                torch.cat([alpha, config.relaxation * alpha]),
+                torch.cat(
+                    [
+                        self.to_ring_order(classic_coefficients(alpha), order),
+                        self.to_ring_order(config.relaxation * alpha, order),
+                    ]
+                ),
                 self.compute_dtypes,
-                ring[0],
+                anchor,
             )
+            x_hist = [v.add_(a) for v, a in zip(steps, anchor)]
             ok = flags.both(flags.decision(weights.ok, self.compute_device), self.finite(x_hist))
             return x_hist, ok
 

@@ -202,35 +202,37 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
         check_leaf_devices(OWNER, name, leaves, history_devices, where, spec=window_spec)
 
     empty_anchor = isinstance(state.anchor, tuple) and len(state.anchor) == 0
-    if config.mode == "aadl":
-        if not (isinstance(state.iterates, tuple) and len(state.iterates) == 0) or empty_anchor:
-            raise ValueError(
-                f"{OWNER}: `state` has no anchor or holds iterates, so it was made in mode "
-                f"'classic', not {config.mode!r}"
-            )
-        # The anchor keeps the params' own dtype: a params dtype change is reported as such.
-        a_leaves, a_spec = tree.flatten(state.anchor, "state.anchor", owner=OWNER)
-        tree.check_like(
-            "params", p_leaves, spec, a_leaves, a_spec, ref_name="state.anchor", owner=OWNER
+    # Both modes keep the newest point as an anchor; mode "classic" also keeps a ring of the
+    # differences of its points (``iterates``), mode "aadl" none.
+    iterates = state.iterates if isinstance(state.iterates, tuple) else None
+    if config.mode == "aadl" and (iterates is None or len(iterates) != 0 or empty_anchor):
+        raise ValueError(
+            f"{OWNER}: `state` has no anchor or holds iterate differences, so it was made "
+            f"in mode 'classic', not {config.mode!r}"
         )
-        check_leaf_dtypes(
-            OWNER,
-            "params",
-            p_leaves,
-            [a.dtype for a in a_leaves],
-            "the dtype of the params the state was made for",
-            spec=spec,
+    if config.mode == "classic" and (iterates is None or len(iterates) != q or empty_anchor):
+        raise ValueError(
+            f"{OWNER}: `state` has no anchor or lacks {q} iterate differences, so it was "
+            f"made in mode 'aadl', with another history_depth or by an earlier version, "
+            f"not for mode {config.mode!r}"
         )
-        check_window("state.residuals[0]", state.residuals[0])
-        check_leaf_devices(OWNER, "state.anchor", a_leaves, history_devices, where, spec=a_spec)
-    else:
-        if not empty_anchor or not isinstance(state.iterates, tuple) or len(state.iterates) != q:
-            raise ValueError(
-                f"{OWNER}: `state` has an anchor or lacks {q} iterates, so it was made in mode "
-                f"'aadl' or with another history_depth, not mode {config.mode!r}"
-            )
-        check_window("state.residuals[0]", state.residuals[0])
+    # The anchor keeps the params' own dtype: a params dtype change is reported as such.
+    a_leaves, a_spec = tree.flatten(state.anchor, "state.anchor", owner=OWNER)
+    tree.check_like(
+        "params", p_leaves, spec, a_leaves, a_spec, ref_name="state.anchor", owner=OWNER
+    )
+    check_leaf_dtypes(
+        OWNER,
+        "params",
+        p_leaves,
+        [a.dtype for a in a_leaves],
+        "the dtype of the params the state was made for",
+        spec=spec,
+    )
+    check_window("state.residuals[0]", state.residuals[0])
+    if config.mode == "classic":
         check_window("state.iterates[0]", state.iterates[0])
+    check_leaf_devices(OWNER, "state.anchor", a_leaves, history_devices, where, spec=a_spec)
     compute_device = config.compute_device_of(p_leaves)
     for name, shape in (("gram", (q, q)), ("dr_gram", (q, q)), ("dr_rhs", (q,))):
         value = getattr(state, name)

@@ -115,6 +115,19 @@ def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False
     return torch.cumsum(alpha, 0) - relaxation * alpha
 
 
+def classic_coefficients(alpha: Tensor) -> Tensor:
+    r"""Weights ``w`` with :math:`\sum_i \alpha_i x_i = x_{\mathrm{last}} + \sum_j w_j
+    \Delta x_j` (float64, oldest first), :math:`\Delta x_j = x_j - x_{j-1}`.
+
+    Writing every point through the newest one, :math:`x_i = x_{\mathrm{last}} - \sum_{j > i}
+    \Delta x_j`, and using :math:`\sum_i \alpha_i = 1`:
+    :math:`w_j = -\sum_{i < j} \alpha_i`, so :math:`w_0 = 0`: the oldest difference (to a
+    point outside the window) is never used. Mode "classic" keeps its points this way.
+    """
+    partial = torch.cumsum(alpha, 0)
+    return torch.cat([torch.zeros_like(partial[:1]), -partial[:-1]])
+
+
 def mix(history: Any, *, relaxation: float = 1.0, reg: float = 0.0) -> Any:
     r"""AADL's Anderson extrapolation of a window of iterates (pure, float64 inside).
 

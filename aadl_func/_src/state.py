@@ -19,12 +19,14 @@ class AndersonState(NamedTuple):
     Attributes:
       count: 0-d int64, number of ``update`` calls so far.
       inner_state: the inner optimizer's state.
-      anchor: mode "aadl": the newest window entry, a pytree like ``params`` (params' dtype,
-        history device). Mode "classic": ``()``.
+      anchor: the newest window entry, a pytree like ``params`` (params' dtype, history
+        device). Mode "classic": the newest point ``x_i`` (at ``init``, the params given).
       residuals: ring of ``Q`` pytrees like ``params`` (history dtype and device). Mode "aadl":
         ``Q = history_depth - 1`` differences ``x_{i+1} - x_i`` of consecutive window entries.
         Mode "classic": ``Q = history_depth`` residuals ``g(x_i) - x_i``.
-      iterates: mode "classic": ring of the ``Q`` points ``x_i``; mode "aadl": ``()``.
+      iterates: mode "classic": ring of the ``Q`` differences ``x_i - x_{i-1}`` of
+        consecutive points (history dtype and device; the oldest one's is never used), so a
+        low-precision window rounds the steps, not the points. Mode "aadl": ``()``.
       gram: ``(Q, Q)`` float64 Gram matrix of ``residuals`` in ring order (compute device).
       dr_gram: ``(Q, Q)`` float64 Gram matrix of the consecutive differences
         ``d_t = residuals[t] - residuals[t - 1]`` (ring order; the oldest slot's entry is

@@ -349,20 +349,38 @@ def _combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, resul
                     torch.addmv(base[start:stop], matrix, wk, out=out)
         return
     # Widening (e.g. a bf16 window into float32): convert a chunk of every slot in cache.
+    # A float32 result is accumulated in float64 and rounded once: the products of float32
+    # weights and bf16/fp16 values are exact there, so every element rounds to the same
+    # float32 whatever order BLAS sums it in, which changes with the vector's length and
+    # alignment (a shard of it, say). Rounded to bf16 in the next stored step, a one-ulp
+    # difference would otherwise grow into a different run.
     q = len(flats)
+    acc = _accumulator(cdt, base, flats)
+    w = w.to(acc)
     step = _buffer_width(q, numel, result.device)
-    buffer = torch.empty(q, step, dtype=cdt, device=result.device)
+    buffer = torch.empty(q, step, dtype=acc, device=result.device)
+    sums = torch.empty(step, dtype=acc, device=result.device)
     for start in range(0, numel, step):
         stop = min(start + step, numel)
         b = buffer if stop - start == step else buffer[:, : stop - start]
         for first, block in runs:
             b[first : first + block.shape[0]].copy_(block[:, start:stop])
+        total = sums[: stop - start]
         if base is None:
-            torch.mv(b.mT, w, out=result[start:stop])
-        elif in_place:
-            result[start:stop].addmv_(b.mT, w)
+            torch.mv(b.mT, w, out=total)
         else:
-            torch.addmv(base[start:stop].to(cdt), b.mT, w, out=result[start:stop])
+            total.copy_(base[start:stop]).addmv_(b.mT, w)
+        result[start:stop].copy_(total)
+
+
+def _accumulator(cdt: torch.dtype, base: Tensor | None, flats: Sequence[Tensor]) -> torch.dtype:
+    """The dtype a combination accumulates in: float64 for a float32 result widened from
+    narrower operands (a bf16/fp16 window or params), so that it is rounded once and comes
+    out the same on every path (see :func:`_combine_leaf`); else the compute dtype."""
+    operands = [*flats, base] if base is not None else flats
+    if cdt == torch.float32 and any(t.dtype != cdt for t in operands):
+        return torch.float64
+    return cdt
 
 
 def _combine_leaf_transformed(
@@ -371,23 +389,25 @@ def _combine_leaf_transformed(
     """The same pass under a torch.func transform: chunks gathered with ``torch.stack``."""
     if ops.per_member([base, *flats, w]):
         return ops.combine(base, list(flats), w).reshape(template.shape)
+    acc = _accumulator(cdt, base, flats)
+    w = w.to(acc)
     if tree.tracing():
         # One elementwise expression, fused by the compiler into a single pass.
-        total = None if base is None else base.to(cdt)
+        total = None if base is None else base.to(acc)
         for s, f in enumerate(flats):
-            term = w[s] * f.to(cdt)
+            term = w[s] * f.to(acc)
             total = term if total is None else total + term
-        return total.reshape(template.shape)
+        return total.to(cdt).reshape(template.shape)
     numel = flats[0].shape[0]
     step = chunk_size(len(flats), flats[0].device)
     pieces = []
     for start in range(0, numel, step):
         stop = min(start + step, numel)
-        block = torch.stack([f[start:stop] for f in flats]).to(cdt)
+        block = torch.stack([f[start:stop] for f in flats]).to(acc)
         if base is None:
-            pieces.append(torch.mv(block.mT, w))
+            pieces.append(torch.mv(block.mT, w).to(cdt))
         else:
-            pieces.append(torch.addmv(base[start:stop].to(cdt), block.mT, w))
+            pieces.append(torch.addmv(base[start:stop].to(acc), block.mT, w).to(cdt))
     if not pieces:
         return torch.zeros_like(template, dtype=cdt)
     return torch.cat(pieces).reshape(template.shape)
@@ -421,6 +441,8 @@ def write_slot(
     in-place step with the index on the CPU writes large slots through ``traced.copy_if_``
     instead, which copies into the one slot that matches and leaves the others untouched.
     """
+    if tree.tracing():
+        value = [stored_value(v) for v in value]
     index = tree.static_value(slot)
     if index is not None:
         if inplace:
@@ -442,6 +464,25 @@ def write_slot(
         [torch.where((slot == s).to(v.device), v, e) for v, e in zip(value, entries)]
         for s, entries in enumerate(ring)
     )
+
+
+# Integer types of the same width, for the bitcast of :func:`stored_value`.
+_SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def stored_value(value: Tensor) -> Tensor:
+    """``value`` as the window stores it, for a traced (compiled) step.
+
+    Inductor computes a fused kernel's bf16/fp16 intermediates in float32 and may drop a
+    cast it judges redundant: a slot written and then read by the Gram pass in the same
+    kernel would be read *unrounded*, and the state's Gram would not be the Gram of the
+    stored window. A bitcast through an integer type of the same width has no float
+    shortcut, so the value every later pass reads is the rounded one that is stored.
+    """
+    integer = _SAME_WIDTH_INT.get(value.dtype)
+    if integer is None:
+        return value
+    return (value.view(integer) | 0).view(value.dtype)
 
 
 def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
@@ -600,6 +641,8 @@ def difference_rows(
     device: torch.device,
     gram: Tensor,
     g: Tensor | None = None,
+    *,
+    direct: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""The new Gram rows after residual ``f_s`` was written in slot ``s``, in one pass.
 
@@ -628,15 +671,21 @@ def difference_rows(
       gram: ``(Q, Q)`` float64 :math:`G` before the write (row ``s - 1`` is used).
       g: the row :math:`g` if already computed (by :func:`append_difference`; float32,
         bf16 or fp16 windows only), which saves the pass.
+      direct: form :math:`d_s` element by element whatever the window's dtype, as for a
+        float64 window, instead of reading row ``s - 1`` of ``gram``. A sharded step needs
+        this when the safeguard replaces the newest residual: ``gram`` row ``s - 1`` is
+        then already summed over ranks, while :math:`g` is this rank's partial row.
 
     Returns:
       ``(g, h, c)``.
     """
     q = len(slots)
-    exact = all(s.dtype == torch.float64 for s in slots[0])
+    exact = direct or all(s.dtype == torch.float64 for s in slots[0])
     p = torch.zeros(q, dtype=torch.float64, device=device) if exact else None
     if g is not None and exact:
-        raise ValueError("difference_rows: a precomputed `g` needs a float32/bf16/fp16 window")
+        raise ValueError(
+            "difference_rows: a precomputed `g` needs a float32/bf16/fp16 window and direct=False"
+        )
     leaves = [] if g is not None else range(len(slots[0]))
     g = torch.zeros(q, dtype=torch.float64, device=device) if g is None else g.to(device)
     index = tree.static_value(slot)
