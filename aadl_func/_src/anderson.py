@@ -146,7 +146,10 @@ def anderson(
     consecutive differences) updated one row per stored entry: a step costs two passes over
     the window (:math:`O(m n)`), solves an :math:`m \times m` problem in float64
     (``aadl_func._src.solve.solve_differences``) and stores, in mode "aadl", the newest entry
-    plus ``history_depth - 1`` differences. A float64 window is solved more accurately, from
+    plus ``history_depth - 1`` differences; in mode "classic", the newest point plus
+    ``history_depth`` differences of points and ``history_depth`` residuals (points are
+    stored as steps so that a low-precision ``history_dtype`` rounds the steps, not the
+    points). A float64 window is solved more accurately, from
     a float64 QR factor of the differences streamed from the ring on mixing calls
     (``aadl_func._src.solve.solve_factor``: :math:`O(m^2 n)` flops, no extra
     parameter-sized memory), so that the condition number of the differences is not squared.
