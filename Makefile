@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo minibatch test lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+# The install also compiles the CPU kernel (setup.py), so editing _dots.c reinstalls.
+$(STAMP): pyproject.toml setup.py aadl_func/_src/_dots.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"

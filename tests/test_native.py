@@ -4,7 +4,8 @@ The kernel replaces, on the CPU, the torch pass that widens a float32/bf16 windo
 before multiplying; it must give the exact products summed in float64 (so NumPy's float64
 dot of the widened data, to summation rounding), the same result for any thread count, the
 same residual bits as ``torch.sub``, and must fall back to the torch path -- not fail --
-when it cannot be built or does not apply.
+when it was not built at install time, does not load, or does not apply. It is loaded only
+from the package's own directory, and nothing is built or written at run time.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import optree
@@ -185,8 +187,10 @@ def test_dots_decline_what_they_do_not_handle():
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
 def test_kernel_is_built_where_a_compiler_exists():
-    # Guards against a silent fallback (e.g. a broken build) making every run slow.
+    # Guards against a silent fallback (a failed optional build at install time, a stale
+    # in-place build of an editable install) making every run slow.
     assert native.available(), native.status()
+    assert native.status() == f"native kernel: {native.LIBRARY}"
 
 
 def params_and_grads(seed: int):
@@ -236,11 +240,12 @@ def test_anderson_with_and_without_kernel_agree(inplace, history_dtype):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def run_fresh_python(code: str, env: dict) -> str:
+def run_fresh_python(code: str, env: dict, cwd=None) -> str:
     """Runs ``code`` in a new interpreter (a fresh kernel loader) and returns its stdout."""
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env={**os.environ, **env},
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
@@ -249,46 +254,71 @@ def run_fresh_python(code: str, env: dict) -> str:
     return result.stdout
 
 
+# Runs a few steps and reports which shared objects the process mapped.
 FALLBACK_RUN = """
-    import torch, aadl_func as aa
+    import json, torch, aadl_func as aa
     from aadl_func._src import native
     params = torch.randn(5000)
     opt = aa.anderson(aa.sgd(0.1), history_depth=4)
     state = opt.init(params)
     for _ in range(8):
         params, state = opt.update(state, params, params.clone(), inplace=True)
+    with open("/proc/self/maps") as maps:
+        mapped = sorted({line.split()[-1] for line in maps if "_dots" in line})
     print(native.available(), int(state.num_mixed), bool(torch.isfinite(params).all()))
     print(native.status())
+    print(json.dumps(mapped))
 """
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
 @pytest.mark.parametrize(
-    "env,reason",
+    "env,library,reason",
     [
-        ({"AADL_FUNC_NATIVE": "0"}, "disabled"),
-        ({"CC": "/nonexistent/cc", "PATH": "/nonexistent"}, "unavailable"),
+        ({"AADL_FUNC_NATIVE": "0"}, None, "disabled"),
+        ({}, "missing.so", "unavailable (not built when installed"),
+        ({}, "garbage.so", "unavailable (OSError"),
     ],
-    ids=["disabled", "no-compiler"],
+    ids=["disabled", "not-built", "broken"],
 )
-def test_without_the_kernel_the_torch_path_runs(tmp_path, env, reason):
-    out = run_fresh_python(FALLBACK_RUN, {"AADL_FUNC_CACHE_DIR": str(tmp_path), **env})
-    first, second = out.strip().splitlines()
+def test_without_the_kernel_the_torch_path_runs(tmp_path, env, library, reason):
+    code = textwrap.dedent(FALLBACK_RUN)
+    if library is not None:  # as if the install had built none, or a broken one
+        (tmp_path / "garbage.so").write_bytes(b"not a shared library")
+        code = (
+            "import pathlib\nfrom aadl_func._src import native\n"
+            f"native.LIBRARY = pathlib.Path({str(tmp_path / library)!r})\n{code}"
+        )
+    first, second, mapped = run_fresh_python(code, env).strip().splitlines()
     assert first == "False 6 True"
-    assert reason in second
-    assert not list(tmp_path.iterdir())  # nothing built
+    assert reason in second, second
+    assert json.loads(mapped) == []  # nothing loaded
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
-def test_first_use_builds_into_the_cache_dir(tmp_path):
-    out = run_fresh_python(FALLBACK_RUN, {"AADL_FUNC_CACHE_DIR": str(tmp_path)})
-    first, second = out.strip().splitlines()
+@needs_kernel
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_kernel_is_loaded_from_the_package_only_and_nothing_is_written(tmp_path):
+    """The library comes from the package directory, whatever lies in the working directory,
+    on the library path or on ``PYTHONPATH`` under the same name; no cache is written."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    shutil.copy(native.LIBRARY, planted / native.LIBRARY.name)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        "LD_LIBRARY_PATH": str(planted),
+        "PYTHONPATH": os.pathsep.join([str(planted), os.environ.get("PYTHONPATH", "")]),
+        "HOME": str(home),
+        "XDG_CACHE_HOME": str(home / "cache"),
+    }
+    first, second, mapped = run_fresh_python(FALLBACK_RUN, env, cwd=planted).splitlines()
     assert first == "True 6 True"
-    built = list(tmp_path.glob("dots-*.so"))
-    assert len(built) == 1 and str(built[0]) in second
-    # A second process loads the same file instead of building again.
-    stamp = built[0].stat().st_mtime_ns
-    run_fresh_python(FALLBACK_RUN, {"AADL_FUNC_CACHE_DIR": str(tmp_path)})
-    assert [p.stat().st_mtime_ns for p in tmp_path.glob("dots-*.so")] == [stamp]
+    assert second == f"native kernel: {native.LIBRARY}"
+    assert json.loads(mapped) == [str(native.LIBRARY)]
+    assert native.LIBRARY.parent == Path(native.__file__).parent
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
+        ["planted", native.LIBRARY.name, "home"]
+    )
 
 
 @needs_kernel
@@ -322,12 +352,11 @@ OPENMP_RUN = """
 
 @needs_kernel
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
-def test_kernel_shares_torchs_openmp_runtime_and_is_mapped_from_memory(tmp_path):
-    # Loaded from an anonymous copy of the verified bytes (native._dlopen_verified), the
-    # kernel must still bind to the OpenMP runtime torch loaded instead of mapping another.
-    out = run_fresh_python(OPENMP_RUN, {"AADL_FUNC_CACHE_DIR": str(tmp_path)})
+def test_kernel_shares_torchs_openmp_runtime():
+    # Loaded after torch, the kernel must bind to the OpenMP runtime torch loaded instead of
+    # mapping another.
+    out = run_fresh_python(OPENMP_RUN, {})
     before, after, status = json.loads(out.strip().splitlines()[-1])
     new = set(after) - set(before)
     assert not [p for p in new if "libgomp" in os.path.basename(p) or "libomp" in p], new
-    if "sealed in-memory copy" in status:
-        assert any(p.startswith("/memfd:aadl_func-dots") for p in new), new
+    assert str(native.LIBRARY) in new, new

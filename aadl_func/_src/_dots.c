@@ -13,8 +13,9 @@
  * GCC/Clang vector extensions, no target-specific flags: two float64 lanes per operation,
  * which keeps up with memory.
  *
- * The Python side (aadl_func/_src/native.py) compiles this file on first use and checks
- * every argument; nothing here allocates or keeps state.
+ * setup.py compiles this file when the package is installed; the Python side
+ * (aadl_func/_src/native.py) loads it with ctypes and checks every argument. Nothing here
+ * allocates or keeps state.
  */
 #include <stddef.h>
 #include <stdint.h>
