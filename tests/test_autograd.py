@@ -124,8 +124,9 @@ def test_flags_follow_the_inputs_leaf_by_leaf():
     assert not out["a"].requires_grad and out["b"].requires_grad and out["b"].is_leaf
 
 
-# torch.func.jvp's first call loads decompositions that torch itself scripts with torch.jit.
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+# torch.func.jvp's first call loads decompositions that torch itself scripts with torch.jit,
+# which warns (a DeprecationWarning in 2.13, a FutureWarning in 2.15): any category.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 @pytest.mark.parametrize("mode", MODES)
 def test_differentiating_through_a_pure_update(mode):
     """Under torch.func.grad/jvp a pure update (window, mix, safeguard) is differentiable:
