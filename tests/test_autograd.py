@@ -225,6 +225,11 @@ def _quadratic_grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor
          lambda ps: torch.optim.Adam(ps, lr=0.05, weight_decay=0.01, foreach=False)),
     ],
 )  # fmt: skip
+@pytest.mark.skipif(
+    not hasattr(torch.Tensor, "grad_dtype"),
+    reason="the reference needs Tensor.grad_dtype (torch 2.10+) to give torch.optim's float64 "
+    "params float32 grads",
+)
 def test_float32_grads_for_float64_params_match_torch_optim(inner, torch_optimizer):
     """Plain steps (mixing gated off) of float64 params fed float32 grads follow torch.optim,
     which promotes such grads in its arithmetic."""
