@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo minibatch test lint bench clean
+.PHONY: venv demo minibatch test compat lint bench clean
 
 # The install also compiles the CPU kernel (setup.py), so editing _dots.c reinstalls.
 $(STAMP): pyproject.toml setup.py aadl_func/_src/_dots.c Makefile
@@ -29,9 +29,16 @@ minibatch: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The suite against the oldest torch pyproject.toml allows and the newest the index serves, each
+# in its own venv under COMPAT_DIR (kept for the next run; PyPI's CUDA builds, ~6 GB each), and a
+# table of the results. COMPAT_ARGS: releases and/or pytest arguments (scripts/compat.py).
+COMPAT_DIR ?= .compat
+compat:
+	$(PYTHON) scripts/compat.py --venvs "$(COMPAT_DIR)" $(COMPAT_ARGS)
+
 lint: $(STAMP)
-	$(PY) -m ruff check aadl_func tests examples
-	$(PY) -m ruff format --check aadl_func tests examples
+	$(PY) -m ruff check aadl_func tests examples scripts
+	$(PY) -m ruff format --check aadl_func tests examples scripts
 
 bench: $(STAMP)
 	$(PY) examples/benchmark.py

@@ -101,7 +101,8 @@ def main() -> None:
                 new_params, state = opt.update(state, current, grads, loss_fn=loss_at)
             set_params(new_params)
         global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        dist.all_reduce(global_loss, op=dist.ReduceOp.SUM)  # gloo: no ReduceOp.AVG before 2.8
+        global_loss /= world_size
         if rank == 0:
             print(f"epoch {epoch:3d}  train loss {global_loss.item():.4f}", flush=True)
 

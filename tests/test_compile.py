@@ -35,6 +35,14 @@ import aadl_func as aa
 
 STEPS = 50
 
+# Compiling ``update`` needs torch 2.13 (docs/compatibility.md): dynamo 2.8-2.9 cannot trace
+# ``optree.tree_flatten``, 2.10-2.12 cannot trace the comparison of two optree tree specs (and,
+# past a work-around, broke elsewhere or compiled float32 steps that left eager's results). The
+# eager tests of the in-place slot write below run on every release.
+needs_compile = pytest.mark.skipif(
+    torch.__version__ < (2, 13), reason="torch.compile of update needs torch 2.13+"
+)
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
@@ -185,6 +193,7 @@ CASES = {
 }
 
 
+@needs_compile
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_update_is_one_graph_and_equals_eager(case):
     spec = CASES[case]
@@ -242,6 +251,7 @@ def test_compiled_update_is_one_graph_and_equals_eager(case):
 
 
 # -- no device-to-host copy: params on a device without data ------------------------------
+@needs_compile
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
 def test_compiled_step_on_a_device_without_data(mode):
     """On the ``meta`` device every tensor is shape only: reading a value on the host (a
@@ -288,6 +298,7 @@ def ensemble(
     return opt, step, stacked
 
 
+@needs_compile
 @pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace-copy_if"])
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
 def test_vmapped_ensemble_compiles_and_equals_eager_vmap(mode, inplace, request):
@@ -375,10 +386,11 @@ def test_vmapped_inplace_ensemble_from_vmapped_init(mode, dtype):
 
 
 # -- inductor on a whole user step ---------------------------------------------------------
-# torch's own code warns while inductor compiles (warnings are errors in this suite).
+# torch's own code warns while inductor compiles (warnings are errors in this suite). The
+# category of a deprecation changes between releases, so none is named.
 INDUCTOR_WARNINGS = [
-    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
-    "ignore:`torch._prims_common.check` is deprecated:FutureWarning",
+    "ignore:`torch.jit.script_method` is deprecated",
+    "ignore:`torch._prims_common.check` is deprecated",
 ]
 
 
@@ -394,6 +406,7 @@ def user_step_with_inductor(opt, problem: Quadratic):
     return step, torch.compile(step, fullgraph=True, backend=backend), backend
 
 
+@needs_compile
 @pytest.mark.filterwarnings(*INDUCTOR_WARNINGS)
 def test_whole_user_step_compiles_with_inductor():
     """grads (torch.func.grad), update with the safeguard and in-place buffers, in one
@@ -416,6 +429,7 @@ def test_whole_user_step_compiles_with_inductor():
 
 
 # -- CUDA: CUDA graphs and no host synchronisation (skipped without CUDA) ------------------
+@needs_compile
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.filterwarnings(*INDUCTOR_WARNINGS)
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
@@ -469,6 +483,7 @@ def _calls(graphs, name: str) -> int:
     return sum(name in str(node.target) for gm in graphs for node in gm.graph.nodes)
 
 
+@needs_compile
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c]["inplace"]])
 def test_compiled_inplace_with_copy_if_equals_eager(case, copy_if_everywhere):
     """The same comparison as above with every ring write going through ``copy_if_``
@@ -476,6 +491,7 @@ def test_compiled_inplace_with_copy_if_equals_eager(case, copy_if_everywhere):
     test_compiled_update_is_one_graph_and_equals_eager(case)
 
 
+@needs_compile
 @pytest.mark.parametrize("case", ["aadl-sgd-momentum-wd-inplace-safeguard"])
 def test_compiled_inplace_with_copy_if_for_large_leaves_only(case, monkeypatch):
     """Leaves decide one by one: the 6 x 5 matrix takes ``copy_if_``, the 5-vector the masked
@@ -523,6 +539,7 @@ def test_copy_if_under_vmap_masks_each_member():
     assert torch.equal(shared, src[0].expand(3, 4))
 
 
+@needs_compile
 @pytest.mark.filterwarnings(*INDUCTOR_WARNINGS)
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
 def test_inductor_inplace_step_rewrites_one_slot(mode, copy_if_everywhere):

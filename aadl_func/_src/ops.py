@@ -29,6 +29,7 @@ products of the stored values,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import List  # noqa: UP035 (see the operators below)
 
 import torch
 from torch import Tensor
@@ -87,8 +88,11 @@ def _gram_row(rows: list[Tensor], vector: Tensor) -> Tensor:
     return partial if partial is not None else vector.new_zeros(len(rows), dtype=torch.float64)
 
 
+# The operators' signatures say ``List[Tensor]``: torch before 2.7 infers a schema from the
+# annotation strings (``from __future__ import annotations``) by evaluating them among
+# ``typing``'s names, and knows ``typing.List`` but not the built-in ``list[Tensor]``.
 @torch.library.custom_op("aadl_func::gram_row", mutates_args=())
-def gram_row(rows: list[Tensor], vector: Tensor) -> Tensor:
+def gram_row(rows: List[Tensor], vector: Tensor) -> Tensor:  # noqa: UP006
     """``(len(rows),)`` float64 ``<rows[s], vector>``."""
     return _gram_row(rows, vector)
 
@@ -113,7 +117,11 @@ def _(info, in_dims, rows: list[Tensor], vector: Tensor):
 
 # -- the rows of a newly written slot --------------------------------------------------
 @torch.library.custom_op("aadl_func::difference_rows", mutates_args=())
-def difference_rows(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor, Tensor]:
+def difference_rows(
+    rows: List[Tensor],  # noqa: UP006
+    slot: int,
+    exact: bool,
+) -> tuple[Tensor, Tensor]:
     """``(<r_t, r_s>, <r_t, r_s - r_{s-1}>)`` over ``t`` in float64; the second is empty
     unless ``exact`` (window.difference_rows)."""
     return _difference_rows(rows, slot, exact)
@@ -153,7 +161,7 @@ def _(info, in_dims, rows: list[Tensor], slot: int, exact: bool):
 
 # -- the combination b + sum_s w_s r_s -------------------------------------------------
 @torch.library.custom_op("aadl_func::combine", mutates_args=())
-def combine(base: Tensor | None, rows: list[Tensor], weights: Tensor) -> Tensor:
+def combine(base: Tensor | None, rows: List[Tensor], weights: Tensor) -> Tensor:  # noqa: UP006
     """``base + sum_s weights[s] rows[s]`` in ``weights``' dtype (the compute dtype)."""
     result = torch.empty(rows[0].shape, dtype=weights.dtype, device=rows[0].device)
     _window()._combine_leaf(base, rows, weights, result)

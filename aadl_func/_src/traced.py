@@ -14,6 +14,8 @@ hit; elsewhere it writes the masked blend, which keeps the step free of host syn
 The operator is tagged ``flexible_layout`` (``dst.copy_`` takes any strides): without the
 tag, inductor fixes the layout of each call's ``src`` by computing it into a buffer of its
 own, ``Q`` parameter-sized writes for one entry offered to ``Q`` slots instead of one.
+torch before 2.8 takes no tags in ``custom_op``: there the operator is registered untagged,
+with the same results and those extra copies under inductor.
 
 One operator per slot on purpose: an operator that mutates a *list* of tensors is
 functionalised by torch 2.13's inductor into clones of every slot (and crashed at
@@ -22,15 +24,25 @@ functionalised by torch 2.13's inductor into clones of every slot (and crashed a
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
 __all__ = ["copy_if_"]
 
 
-@torch.library.custom_op(
-    "aadl_func::copy_if_", mutates_args=("dst",), tags=(torch.Tag.flexible_layout,)
-)
+def _tags() -> dict:
+    """``tags=(flexible_layout,)`` where this torch's ``custom_op`` takes tags (2.8 and later);
+    an untagged operator computes the same values (the tag only spares inductor copies)."""
+    if "tags" in inspect.signature(torch.library.custom_op).parameters and hasattr(
+        torch.Tag, "flexible_layout"
+    ):
+        return {"tags": (torch.Tag.flexible_layout,)}
+    return {}
+
+
+@torch.library.custom_op("aadl_func::copy_if_", mutates_args=("dst",), **_tags())
 def copy_if_(dst: Tensor, mask: Tensor, src: Tensor) -> None:
     """``dst.copy_(src)`` where the 0-d bool ``mask`` holds; ``dst`` unchanged otherwise."""
     if mask.device.type == "cpu":
