@@ -15,62 +15,26 @@ and functional collectives, for the communication.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import os
-import subprocess
 import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gloo import FSDP2_ON_CPU, distribute, init_worker, launch
 
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 120
 COLLECTIVE_TIMEOUT_S = 30
-# FSDP2 (``fully_shard``) runs on CPU tensors over gloo from torch 2.7: 2.6's all-gather records
-# an event on a CPU stream (AttributeError: 'Stream' object has no attribute 'record_event'),
-# and 2.5 has no ``torch.distributed.fsdp.fully_shard``.
-FSDP2_ON_CPU = torch.__version__ >= (2, 7)
-
 # -- the launch ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Runs every scenario in two gloo processes; returns each rank's results."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
     work = tmp_path_factory.mktemp("distributed")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(rank), str(WORLD_SIZE), str(work)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for rank in range(WORLD_SIZE)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-            outputs.append(out.decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
-        pytest.fail(f"the distributed workers did not finish within {LAUNCH_TIMEOUT_S} s")
-    results = []
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        path = work / f"rank{rank}.pt"
-        if proc.returncode != 0 or not path.exists():
-            pytest.fail(f"worker {rank} failed (exit {proc.returncode}):\n{out[-4000:]}")
-        results.append(torch.load(path, weights_only=False))
-    return results
+    return launch(__file__, WORLD_SIZE, work, LAUNCH_TIMEOUT_S)
 
 
 def scenario(runs: list[dict], name: str) -> list[dict]:
@@ -412,7 +376,7 @@ def _sharded_scenario(
     opt = aa.anderson(GradientDescent(lr), **options)
 
     def shard(tree):
-        return {k: _distribute(v, mesh, [Shard(0)]) for k, v in tree.items()}
+        return {k: distribute(v, mesh, [Shard(0)]) for k, v in tree.items()}
 
     def full(tree) -> np.ndarray:
         return _gather(tree, rank, WORLD_SIZE)
@@ -516,17 +480,6 @@ def _sharded_scenario(
     return result
 
 
-def _distribute(tensor, mesh, placements):
-    """``distribute_tensor`` of a tensor every rank holds in full: each rank keeps its chunk
-    without communication (``src_data_rank=None``, torch 2.7+); before 2.7 rank 0's copy is
-    scattered, the same values."""
-    from torch.distributed.tensor import distribute_tensor
-
-    if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
-        return distribute_tensor(tensor, mesh, placements, src_data_rank=None)
-    return distribute_tensor(tensor, mesh, placements)
-
-
 def _skip_scenario(rank, mesh, steps=12, nan_step=6):
     from conftest import GradientDescent
     from torch.distributed.tensor import Shard
@@ -545,7 +498,7 @@ def _skip_scenario(rank, mesh, steps=12, nan_step=6):
         return g
 
     def shard(tree):
-        return {k: _distribute(v, mesh, [Shard(0)]) for k, v in tree.items()}
+        return {k: distribute(v, mesh, [Shard(0)]) for k, v in tree.items()}
 
     result = {"sharded": [], "skipped": [], "unsharded": [], "unsharded_skipped": []}
     params = shard(_to_tree(x0, torch.float64))
@@ -737,8 +690,8 @@ def _errors_scenario(rank, mesh):
 
     opt = aa.anderson(aa.sgd(0.1), history_depth=3)
     full = torch.arange(6.0)
-    sharded = _distribute(full, mesh, [Shard(0)])
-    replicated = _distribute(full, mesh, [Replicate()])
+    sharded = distribute(full, mesh, [Shard(0)])
+    replicated = distribute(full, mesh, [Replicate()])
     out = {}
 
     def outcome(key, fn):
@@ -762,17 +715,8 @@ def _errors_scenario(rank, mesh):
 
 def _worker(rank: int, world_size: int, work: Path) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{work / 'rendezvous'}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_worker(rank, world_size, work, COLLECTIVE_TIMEOUT_S)
     scenarios = {
         "ddp_functional": lambda: _ddp_scenario(rank, wrapper=False),
         "ddp_wrapper": lambda: _ddp_scenario(rank, wrapper=True),

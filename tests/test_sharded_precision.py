@@ -19,16 +19,15 @@ solved from a QR factor and were right).
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gloo import distribute, init_worker
+from gloo import launch as launch_workers
 from window_invariant import WINDOWS, gram_errors, num_residuals
 
 STEPS = 32
@@ -138,36 +137,9 @@ def record(state, local_params: dict) -> dict:
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
 def launch(request, tmp_path_factory) -> list[dict]:
     """Every scenario in ``WORLD`` gloo processes; each rank's records."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
     world = request.param
     work = tmp_path_factory.mktemp(f"sharded{world}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(rank), str(world), str(work)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0].decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
-        pytest.fail(f"the {world} workers did not finish within {LAUNCH_TIMEOUT_S} s")
-    results = []
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        path = work / f"rank{rank}.pt"
-        if proc.returncode != 0 or not path.exists():
-            pytest.fail(f"worker {rank} failed (exit {proc.returncode}):\n{out[-4000:]}")
-        results.append(torch.load(path, weights_only=False))
-    return results
+    return launch_workers(__file__, world, work, LAUNCH_TIMEOUT_S)
 
 
 def unsharded(name: str) -> list[dict]:
@@ -231,16 +203,13 @@ def test_sharded_run_equals_unsharded_call_by_call(launch, name):
 
 
 def _sharded_run(name: str, mesh) -> list[dict]:
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
 
     opt, safeguard, dtype, _ = setting(name)
     grad, loss, x0 = problem(dtype)
 
     def shard(tree: dict) -> dict:
-        # Every rank holds the full tensor and keeps its chunk: no communication.
-        return {
-            k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in tree.items()
-        }
+        return {k: distribute(v, mesh, [Shard(0)]) for k, v in tree.items()}
 
     def full(params: dict) -> torch.Tensor:
         return to_vector({k: v.full_tensor() for k, v in params.items()})
@@ -257,18 +226,7 @@ def _sharded_run(name: str, mesh) -> list[dict]:
 
 
 def _worker(rank: int, world: int, work: Path) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{work / 'rendezvous'}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_worker(rank, world, work, COLLECTIVE_TIMEOUT_S)
     results = {}
     for name in SCENARIOS:
         try:
@@ -276,7 +234,7 @@ def _worker(rank: int, world: int, work: Path) -> None:
         except Exception:
             results[name] = traceback.format_exc()
     torch.save(results, work / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

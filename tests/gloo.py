@@ -1,0 +1,84 @@
+"""Multi-process tests on the CPU: launch a test file's workers over gloo, and what they share.
+
+A distributed test file runs itself as a script in ``world`` processes (``python FILE
+--worker RANK WORLD WORKDIR``); each worker calls :func:`init_worker`, runs its scenarios and
+saves its results as ``WORKDIR/rank{RANK}.pt``, which :func:`launch` loads. The launch has a
+hard timeout (the processes are killed) and gloo collectives time out, so a deadlock fails
+the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+# FSDP2 (``fully_shard``) runs on CPU tensors over gloo from torch 2.7: 2.6's all-gather records
+# an event on a CPU stream (AttributeError: 'Stream' object has no attribute 'record_event'),
+# and 2.5 has no ``torch.distributed.fsdp.fully_shard``.
+FSDP2_ON_CPU = torch.__version__ >= (2, 7)
+
+
+def launch(script: str, world: int, work: Path, timeout_s: float) -> list[dict]:
+    """Runs ``script``'s workers in ``world`` gloo processes; each rank's saved results."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "--worker", str(rank), str(world), str(work)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout_s)[0].decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+        pytest.fail(f"the {world} distributed workers did not finish within {timeout_s} s")
+    results = []
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        path = work / f"rank{rank}.pt"
+        if proc.returncode != 0 or not path.exists():
+            pytest.fail(f"worker {rank} failed (exit {proc.returncode}):\n{out[-4000:]}")
+        results.append(torch.load(path, weights_only=False))
+    return results
+
+
+def init_worker(rank: int, world: int, work: Path, timeout_s: float):
+    """Joins the gloo process group of :func:`launch`; the 1-d CPU device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{work / 'rendezvous'}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return init_device_mesh("cpu", (world,))
+
+
+def distribute(tensor: torch.Tensor, mesh, placements):
+    """``distribute_tensor`` of a tensor every rank holds in full: each rank keeps its chunk
+    without communication (``src_data_rank=None``, torch 2.7+); before 2.7 rank 0's copy is
+    scattered, the same values."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
+        return distribute_tensor(tensor, mesh, placements, src_data_rank=None)
+    return distribute_tensor(tensor, mesh, placements)
