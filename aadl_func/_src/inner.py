@@ -36,8 +36,6 @@ state's layout and are validated once, at construction.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -46,6 +44,16 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
+from aadl_func._src.validation import (
+    check_betas,
+    check_buffers,
+    check_hyperparameter,
+    check_nesterov,
+    check_non_negative,
+    check_schedule_value,
+    check_state_type,
+    flatten_like,
+)
 
 __all__ = [
     "AdamState",
@@ -134,92 +142,17 @@ if hasattr(torch.serialization, "add_safe_globals"):  # torch >= 2.4
 
 
 # --------------------------------------------------------------------------------------------
-# Hyperparameter validation.
+# Hyperparameters.
 # --------------------------------------------------------------------------------------------
 
 
-def _real(fn: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{fn}: `{name}` must be a real number (int or float), "
-            f"got {type(value).__name__}: {value!r}"
-        )
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{fn}: `{name}` must be a finite non-negative float, got {value}")
-    return value
-
-
-def _non_negative(fn: str, name: str, value: Any) -> float:
-    value = _real(fn, name, value)
-    if value < 0.0:
-        raise ValueError(f"{fn}: `{name}` must be a non-negative float, got {value}")
-    return value
-
-
-def _hyperparameter(fn: str, name: str, value: Any) -> ScalarOrSchedule:
-    """A number (returned as a float), a 0-d real tensor or a schedule (returned as is)."""
-    if isinstance(value, Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
-            raise TypeError(
-                f"{fn}: `{name}` must be a 0-d real tensor, got a {value.dtype} tensor of shape "
-                f"{tuple(value.shape)}"
-            )
-        if not tree.is_transformed(value) and value.device.type != "meta":
-            _non_negative(fn, name, value.item())  # once, at construction
-        return value
-    if callable(value):
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{fn}: `{name}` must be a non-negative real number, a 0-d tensor or a schedule "
-            f"(a callable count -> value), got {type(value).__name__}: {value!r}"
-        )
-    return _non_negative(fn, name, value)
-
-
 def _value_at(fn: str, name: str, hyper: ScalarOrSchedule, count: Tensor) -> float | Tensor:
-    """The hyperparameter's value for the update after ``count`` updates.
-
-    Numbers and tensors are returned as they are; a schedule is called with ``count`` as a
-    float64 0-d tensor and its value checked by type (a Python number also by range: reading
-    a tensor's value would synchronise an accelerator, and is impossible under vmap).
-    """
+    """The hyperparameter's value for the update after ``count`` updates: numbers and tensors
+    as they are, a schedule called with ``count`` as a float64 0-d tensor (and its value
+    checked)."""
     if isinstance(hyper, (float, Tensor)):
         return hyper
-    value = hyper(count.to(torch.float64))
-    if isinstance(value, Tensor):
-        if value.dim() != 0 or not (value.is_floating_point() or _is_integer(value)):
-            raise TypeError(
-                f"{fn}: the `{name}` schedule must return a real number or a 0-d real tensor, "
-                f"got a {value.dtype} tensor of shape {tuple(value.shape)}"
-            )
-        if value.device.type != "cpu" and value.device != count.device:
-            raise ValueError(
-                f"{fn}: the `{name}` schedule returned a tensor on {value.device}; return it on "
-                f"the CPU or on the params' device ({count.device})"
-            )
-        return value.to(torch.float64)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{fn}: the `{name}` schedule must return a real number or a 0-d real tensor, got "
-            f"{type(value).__name__}: {value!r}"
-        )
-    value = float(value)
-    if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(
-            f"{fn}: the `{name}` schedule must return finite non-negative values, got {value} "
-            f"at count {_count_text(count)}"
-        )
-    return value
-
-
-def _is_integer(t: Tensor) -> bool:
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-
-def _count_text(count: Tensor) -> str:
-    return str(int(count)) if not tree.is_transformed(count) else "(under a transform)"
+    return check_schedule_value(fn, name, hyper(count.to(torch.float64)), count)
 
 
 def _is_zero(hyper: ScalarOrSchedule) -> bool:
@@ -236,24 +169,6 @@ def _add_scaled(x: Tensor, y: Tensor, scale: float | Tensor, inplace: bool) -> T
     return x.copy_(out) if inplace else out
 
 
-def _betas(fn: str, betas: Any) -> tuple[float, float]:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise TypeError(f"{fn}: `betas` must be a pair (beta1, beta2) of floats, got {betas!r}")
-    out = []
-    for i, beta in enumerate(betas):
-        name = f"betas[{i}]"
-        if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
-            raise TypeError(
-                f"{fn}: `{name}` must be a real number in [0, 1), "
-                f"got {type(beta).__name__}: {beta!r}"
-            )
-        beta = float(beta)
-        if not 0.0 <= beta < 1.0:  # also rejects nan
-            raise ValueError(f"{fn}: `{name}` must be in [0, 1), got {beta}")
-        out.append(beta)
-    return out[0], out[1]
-
-
 # --------------------------------------------------------------------------------------------
 # Pytree helpers.
 # --------------------------------------------------------------------------------------------
@@ -261,54 +176,6 @@ def _betas(fn: str, betas: Any) -> tuple[float, float]:
 
 def _flatten_params(fn: str, params: PyTree) -> tuple[list[Tensor], Any]:
     return tree.flatten(params, "params", owner=fn)
-
-
-def _leaves_like(fn: str, what: str, value: PyTree, spec: Any) -> list[Any]:
-    if value is None:
-        raise TypeError(f"{fn}: `{what}` is None; a pytree like `updates` is required")
-    leaves, value_spec = optree.tree_flatten(value, none_is_leaf=False)
-    if value_spec != spec:
-        raise ValueError(
-            f"{fn}: `{what}` has a different pytree structure from `updates`: "
-            + tree.structure_difference(value_spec, spec, what, "updates")
-        )
-    return leaves
-
-
-def _check_state_type(fn: str, state: Any, cls: type, name: str, owner: str) -> None:
-    if not isinstance(state, cls):
-        raise TypeError(
-            f"{owner}: `{name}` must be an {cls.__name__} (the state of {fn}), got "
-            f"{type(state).__name__}; was it made by another configuration?"
-        )
-    count = state.count
-    if not (isinstance(count, Tensor) and count.dim() == 0 and count.dtype == torch.int64):
-        got = (
-            f"a {count.dtype} tensor of shape {tuple(count.shape)}"
-            if isinstance(count, Tensor)
-            else type(count).__name__
-        )
-        raise TypeError(f"{owner}: `{name}.count` must be a 0-d int64 tensor, got {got}")
-
-
-def _check_buffers(buffers: PyTree, name: str, leaves: list[Tensor], spec: Any, owner: str) -> None:
-    """Parameter-shaped state buffers: same structure, shapes, dtypes and devices as params."""
-    hint = "was it made by another configuration or for other params?"
-    b_leaves, b_spec = tree.flatten(buffers, name, owner=owner)
-    if b_spec != spec:
-        raise ValueError(
-            f"{owner}: `{name}` has a different pytree structure from `params`: "
-            f"{tree.structure_difference(b_spec, spec, name, 'params')}; {hint}"
-        )
-    for i, (b, p) in enumerate(zip(b_leaves, leaves)):
-        if b.shape != p.shape or b.dtype != p.dtype or b.device != p.device:
-            got = f"{b.dtype} tensor of shape {tuple(b.shape)} on {b.device}"
-            expected = f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}"
-            kind = ValueError if b.shape != p.shape or b.device != p.device else TypeError
-            raise kind(
-                f"{owner}: `{tree.leaf_path(b_spec, i, name)}` is a {got}, expected a {expected} "
-                f"like `{tree.leaf_path(spec, i, 'params')}`; {hint}"
-            )
 
 
 def _zero_count(leaves: list[Tensor]) -> Tensor:
@@ -377,19 +244,11 @@ def sgd(
             ``momentum <= 0`` or ``dampening != 0``.
     """
     fn = "sgd"
-    lr = _hyperparameter(fn, "lr", lr)
-    momentum = _non_negative(fn, "momentum", momentum)
-    dampening = _non_negative(fn, "dampening", dampening)
-    weight_decay = _hyperparameter(fn, "weight_decay", weight_decay)
-    if not isinstance(nesterov, bool):
-        raise TypeError(
-            f"{fn}: `nesterov` must be a bool, got {type(nesterov).__name__}: {nesterov!r}"
-        )
-    if nesterov and (momentum <= 0.0 or dampening != 0.0):
-        raise ValueError(
-            f"{fn}: `nesterov` momentum requires `momentum` > 0 and `dampening` == 0, "
-            f"got momentum={momentum}, dampening={dampening}"
-        )
+    lr = check_hyperparameter(fn, "lr", lr)
+    momentum = check_non_negative(fn, "momentum", momentum)
+    dampening = check_non_negative(fn, "dampening", dampening)
+    weight_decay = check_hyperparameter(fn, "weight_decay", weight_decay)
+    nesterov = check_nesterov(fn, nesterov, momentum, dampening)
     use_momentum = momentum != 0.0
     use_weight_decay = not _is_zero(weight_decay)
 
@@ -403,7 +262,7 @@ def sgd(
         return SgdState(count=_zero_count(leaves), momentum_buffer=momentum_buffer)
 
     def check_state(state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str) -> None:
-        _check_state_type(fn, state, SgdState, name, owner)
+        check_state_type(fn, state, SgdState, name, owner)
         buffers = state.momentum_buffer
         empty = isinstance(buffers, tuple) and len(buffers) == 0
         if not use_momentum and not empty:
@@ -417,7 +276,7 @@ def sgd(
                     f"{owner}: `{name}.momentum_buffer` is empty but this sgd has "
                     f"momentum={momentum}; was it made by another configuration?"
                 )
-            _check_buffers(buffers, f"{name}.momentum_buffer", leaves, spec, owner)
+            check_buffers(buffers, f"{name}.momentum_buffer", leaves, spec, owner)
 
     def update(
         updates: PyTree,
@@ -426,7 +285,7 @@ def sgd(
         inplace: bool = True,
     ) -> tuple[PyTree, SgdState]:
         if not isinstance(state, SgdState):
-            _check_state_type(fn, state, SgdState, "state", fn)
+            check_state_type(fn, state, SgdState, "state", fn)
         grads, spec = tree.flatten(updates, "updates", owner=fn)
         # Hyperparameters first: a schedule that fails must fail before a buffer is written.
         step_lr = _value_at(fn, "lr", lr, state.count)
@@ -434,11 +293,11 @@ def sgd(
         if use_weight_decay:
             if params is None:
                 raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
-            param_leaves = _leaves_like(fn, "params", params, spec)
+            param_leaves = flatten_like(fn, "params", params, spec)
         else:
             param_leaves = [None] * len(grads)
         if use_momentum:
-            bufs = _leaves_like(fn, "state.momentum_buffer", state.momentum_buffer, spec)
+            bufs = flatten_like(fn, "state.momentum_buffer", state.momentum_buffer, spec)
             # Eagerly (a concrete CPU counter) the first-step case is known and only its branch
             # is computed; under a transform both are blended with torch.where.
             count = tree.static_value(state.count)
@@ -600,10 +459,10 @@ def _make_adam(
     weight_decay: ScalarOrSchedule,
     decoupled: bool,
 ) -> InnerOptimizer:
-    lr = _hyperparameter(fn, "lr", lr)
-    beta1, beta2 = _betas(fn, betas)
-    eps = _non_negative(fn, "eps", eps)
-    weight_decay = _hyperparameter(fn, "weight_decay", weight_decay)
+    lr = check_hyperparameter(fn, "lr", lr)
+    beta1, beta2 = check_betas(fn, betas)
+    eps = check_non_negative(fn, "eps", eps)
+    weight_decay = check_hyperparameter(fn, "weight_decay", weight_decay)
     needs_params = not _is_zero(weight_decay)
 
     def init(params: PyTree) -> AdamState:
@@ -617,9 +476,9 @@ def _make_adam(
         )
 
     def check_state(state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str) -> None:
-        _check_state_type(fn, state, AdamState, name, owner)
-        _check_buffers(state.exp_avg, f"{name}.exp_avg", leaves, spec, owner)
-        _check_buffers(state.exp_avg_sq, f"{name}.exp_avg_sq", leaves, spec, owner)
+        check_state_type(fn, state, AdamState, name, owner)
+        check_buffers(state.exp_avg, f"{name}.exp_avg", leaves, spec, owner)
+        check_buffers(state.exp_avg_sq, f"{name}.exp_avg_sq", leaves, spec, owner)
 
     def update(
         updates: PyTree,
@@ -628,7 +487,7 @@ def _make_adam(
         inplace: bool = True,
     ) -> tuple[PyTree, AdamState]:
         if not isinstance(state, AdamState):
-            _check_state_type(fn, state, AdamState, "state", fn)
+            check_state_type(fn, state, AdamState, "state", fn)
         grads, spec = tree.flatten(updates, "updates", owner=fn)
         # Hyperparameters first: a schedule that fails must fail before a buffer is written.
         step_lr = _value_at(fn, "lr", lr, state.count)
@@ -636,11 +495,11 @@ def _make_adam(
         if needs_params:
             if params is None:
                 raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
-            param_leaves = _leaves_like(fn, "params", params, spec)
+            param_leaves = flatten_like(fn, "params", params, spec)
         else:
             param_leaves = [None] * len(grads)
-        ms = _leaves_like(fn, "state.exp_avg", state.exp_avg, spec)
-        vs = _leaves_like(fn, "state.exp_avg_sq", state.exp_avg_sq, spec)
+        ms = flatten_like(fn, "state.exp_avg", state.exp_avg, spec)
+        vs = flatten_like(fn, "state.exp_avg_sq", state.exp_avg_sq, spec)
 
         count = state.count + 1
         neg_step_size, bias_correction2_sqrt = _bias_corrections(state.count, beta1, beta2, step_lr)
