@@ -225,15 +225,16 @@ def _optimizer(
         # Hyperparameters first: a schedule that fails must fail before a buffer is written.
         count = state.count
         step_lr = _value_at(fn, "lr", lr, count)
-        decay = _value_at(fn, "weight_decay", weight_decay, count)
-        param_leaves = None
+        decay, param_leaves = 0.0, None
         if needs_params:
+            decay = _value_at(fn, "weight_decay", weight_decay, count)
             if params is None:
                 raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
             param_leaves = flatten_like(fn, "params", params, spec)
         buffers = [flatten_like(fn, path, b, spec) for path, b in zip(paths, state[1:])]
+        stage_states = tuple([make(buffers[start:end]) for make, start, end in layout])
         step = StepInputs(count, param_leaves, step_lr, decay, inplace)
-        new_updates, stage_states = transform.update(grads, _unpack(layout, buffers), step)
+        new_updates, stage_states = transform.update(grads, stage_states, step)
         if inplace:  # torchopt's semantics: the gradient buffers hold the returned updates
             new_updates = [u if u is g else g.copy_(u) for g, u in zip(grads, new_updates)]
         new_state = _pack(state_type, spec, count + 1, stage_states)
@@ -241,11 +242,6 @@ def _optimizer(
 
     update.check_state = check_state  # type: ignore[attr-defined]
     return InnerOptimizer(init=init, update=update)
-
-
-def _unpack(layout: list, buffers: list[list[Tensor]]) -> tuple:
-    """The stages' states from the leaves of the public state's buffer fields."""
-    return tuple([make(buffers[start:end]) for make, start, end in layout])
 
 
 def _pack(state_type: type, spec: Any, count: Tensor, stage_states: tuple) -> Any:
