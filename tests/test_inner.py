@@ -350,6 +350,69 @@ def test_inplace_matches_pure_bitwise(name):
         params_b = apply_updates(params_b, updates_b)
 
 
+EXECUTION_OPTIMIZERS = {
+    **ALL_OPTIMIZERS,
+    "sgd_tensor_hyperparameters": lambda: sgd(
+        torch.tensor(0.1, dtype=torch.float64),
+        momentum=0.9,
+        weight_decay=torch.tensor(1e-2, dtype=torch.float64),
+    ),
+    "adamw_scheduled": lambda: adamw(
+        lambda count: 0.01 / (1.0 + count), weight_decay=lambda count: 0.1 / (1.0 + count)
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(EXECUTION_OPTIMIZERS))
+def test_in_place_pure_and_vmapped_updates_agree(name, dtype):
+    """One result whatever the execution: in place and pure updates are bitwise equal, and a
+    vmapped ensemble equals its members, also with channels_last params and contiguous grads
+    (a stage that wrote into a buffer of the other layout would run other kernels and round
+    otherwise) and with float64 tensor hyperparameters on low-precision params (an
+    out-of-place ``addcmul`` by a float64 0-d tensor promotes the result under vmap)."""
+    opt = EXECUTION_OPTIMIZERS[name]()
+    gen = torch.Generator().manual_seed(11)
+
+    def member():
+        weight = torch.randn(8, 3, 5, 5, generator=gen, dtype=torch.float64).to(dtype)
+        bias = torch.randn(8, generator=gen, dtype=torch.float64).to(dtype)
+        return {"weight": weight.to(memory_format=torch.channels_last), "bias": bias}
+
+    members = [member() for _ in range(3)]
+    batched = optree.tree_map(lambda *xs: torch.stack(xs), *members)
+    pure_params, inplace_params = members[0], clone_tree(members[0])
+    pure_state, inplace_state = opt.init(pure_params), opt.init(inplace_params)
+    states, batched_state = [opt.init(m) for m in members], vmap(opt.init)(batched)
+    vupdate = vmap(functools.partial(opt.update, inplace=False))
+    for _ in range(6):
+        grads = [
+            optree.tree_map(lambda p: torch.randn(p.shape, generator=gen).to(dtype), m)
+            for m in members
+        ]
+        pure_updates, pure_state = opt.update(grads[0], pure_state, pure_params, inplace=False)
+        inplace_updates, inplace_state = opt.update(
+            clone_tree(grads[0]), inplace_state, inplace_params, inplace=True
+        )
+        assert_tree_equal(inplace_updates, pure_updates)
+        assert_tree_equal(inplace_state, pure_state)
+        pure_params = apply_updates(pure_params, pure_updates)
+        inplace_params = apply_updates(inplace_params, inplace_updates)
+
+        stacked = optree.tree_map(lambda *xs: torch.stack(xs), *grads)
+        batched_updates, batched_state = vupdate(stacked, batched_state, batched)
+        batched = apply_updates(batched, batched_updates)
+        for i in range(3):
+            updates, states[i] = opt.update(grads[i], states[i], members[i], inplace=False)
+            members[i] = apply_updates(members[i], updates)
+    for i in range(3):
+        ours = optree.tree_map(lambda x, i=i: x[i], (batched, batched_state))
+        theirs = (members[i], states[i])
+        for a, b in zip(optree.tree_leaves(ours), optree.tree_leaves(theirs), strict=True):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("contiguous_grads", [False, True], ids=["cl_grads", "contig_grads"])
 @pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
 @pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))

@@ -16,6 +16,13 @@ The optimizers reproduce :class:`torch.optim.SGD`, :class:`torch.optim.Adam` and
 ``params + updates`` the results agree with ``torch.optim`` up to the final rounding of that
 addition (``torch.optim`` fuses it into the parameter update).
 
+Each optimizer is a chain of small stages (:mod:`aadl_func._src.transforms`), as in optax and
+torchopt: ``sgd = chain(add_decayed_weights, trace, scale_by_learning_rate)``,
+``adam = chain(add_decayed_weights, scale_by_adam)`` and
+``adamw = chain(scale_by_adam, add_decayed_weights(decoupled=True))``, each stage present only
+when its option asks for it. The public state holds the update count, shared by the stages,
+then the stages' buffers, each in the field named like it.
+
 All states are :class:`typing.NamedTuple` s that hold only tensors (the step counter is a 0-d
 ``int64`` tensor on the parameters' device), and no hyperparameter logic branches on tensor
 values, so ``init`` and ``update`` compose with :func:`torch.func.vmap` (ensembles of models),
@@ -36,8 +43,6 @@ state's layout and are validated once, at construction.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -46,6 +51,25 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
+from aadl_func._src.transforms import (
+    StepInputs,
+    Transform,
+    add_decayed_weights,
+    chain,
+    scale_by_adam,
+    scale_by_learning_rate,
+    trace,
+)
+from aadl_func._src.validation import (
+    check_betas,
+    check_buffers,
+    check_hyperparameter,
+    check_nesterov,
+    check_non_negative,
+    check_schedule_value,
+    check_state_type,
+    flatten_like,
+)
 
 __all__ = [
     "AdamState",
@@ -59,8 +83,6 @@ __all__ = [
 PyTree = Any
 #: A hyperparameter: a number, a 0-d tensor, or a schedule ``count -> number or 0-d tensor``.
 ScalarOrSchedule = float | Tensor | Callable[[Tensor], float | Tensor]
-
-_REDUCED_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class InnerOptimizer(NamedTuple):
@@ -105,12 +127,13 @@ class SgdState(NamedTuple):
     Attributes:
         count: 0-d ``int64`` tensor, the number of updates done so far.
         momentum_buffer: pytree shaped like the parameters holding the momentum buffers
-            :math:`b` (same dtype, device and memory format as the parameters), or ``()``
-            when ``momentum == 0`` (no parameter-sized memory is kept then).
+            :math:`b` (same dtype, device and memory format as the parameters; the
+            :func:`~aadl_func._src.transforms.trace` stage's), or ``()`` when
+            ``momentum == 0`` (no parameter-sized memory is kept then).
     """
 
     count: Tensor
-    momentum_buffer: PyTree
+    momentum_buffer: PyTree = ()
 
 
 class AdamState(NamedTuple):
@@ -120,7 +143,8 @@ class AdamState(NamedTuple):
         count: 0-d ``int64`` tensor, the number of updates done so far (:math:`t - 1` during
             update :math:`t`).
         exp_avg: pytree shaped like the parameters, first moment estimates :math:`m`.
-        exp_avg_sq: pytree shaped like the parameters, second moment estimates :math:`v`.
+        exp_avg_sq: pytree shaped like the parameters, second moment estimates :math:`v`
+            (both the :func:`~aadl_func._src.transforms.scale_by_adam` stage's).
     """
 
     count: Tensor
@@ -134,181 +158,22 @@ if hasattr(torch.serialization, "add_safe_globals"):  # torch >= 2.4
 
 
 # --------------------------------------------------------------------------------------------
-# Hyperparameter validation.
+# An optimizer from a chain of stages.
 # --------------------------------------------------------------------------------------------
 
 
-def _real(fn: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{fn}: `{name}` must be a real number (int or float), "
-            f"got {type(value).__name__}: {value!r}"
-        )
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{fn}: `{name}` must be a finite non-negative float, got {value}")
-    return value
-
-
-def _non_negative(fn: str, name: str, value: Any) -> float:
-    value = _real(fn, name, value)
-    if value < 0.0:
-        raise ValueError(f"{fn}: `{name}` must be a non-negative float, got {value}")
-    return value
-
-
-def _hyperparameter(fn: str, name: str, value: Any) -> ScalarOrSchedule:
-    """A number (returned as a float), a 0-d real tensor or a schedule (returned as is)."""
-    if isinstance(value, Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
-            raise TypeError(
-                f"{fn}: `{name}` must be a 0-d real tensor, got a {value.dtype} tensor of shape "
-                f"{tuple(value.shape)}"
-            )
-        if not tree.is_transformed(value) and value.device.type != "meta":
-            _non_negative(fn, name, value.item())  # once, at construction
-        return value
-    if callable(value):
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{fn}: `{name}` must be a non-negative real number, a 0-d tensor or a schedule "
-            f"(a callable count -> value), got {type(value).__name__}: {value!r}"
-        )
-    return _non_negative(fn, name, value)
-
-
 def _value_at(fn: str, name: str, hyper: ScalarOrSchedule, count: Tensor) -> float | Tensor:
-    """The hyperparameter's value for the update after ``count`` updates.
-
-    Numbers and tensors are returned as they are; a schedule is called with ``count`` as a
-    float64 0-d tensor and its value checked by type (a Python number also by range: reading
-    a tensor's value would synchronise an accelerator, and is impossible under vmap).
-    """
+    """The hyperparameter's value for the update after ``count`` updates: numbers and tensors
+    as they are, a schedule called with ``count`` as a float64 0-d tensor (and its value
+    checked)."""
     if isinstance(hyper, (float, Tensor)):
         return hyper
-    value = hyper(count.to(torch.float64))
-    if isinstance(value, Tensor):
-        if value.dim() != 0 or not (value.is_floating_point() or _is_integer(value)):
-            raise TypeError(
-                f"{fn}: the `{name}` schedule must return a real number or a 0-d real tensor, "
-                f"got a {value.dtype} tensor of shape {tuple(value.shape)}"
-            )
-        if value.device.type != "cpu" and value.device != count.device:
-            raise ValueError(
-                f"{fn}: the `{name}` schedule returned a tensor on {value.device}; return it on "
-                f"the CPU or on the params' device ({count.device})"
-            )
-        return value.to(torch.float64)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{fn}: the `{name}` schedule must return a real number or a 0-d real tensor, got "
-            f"{type(value).__name__}: {value!r}"
-        )
-    value = float(value)
-    if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(
-            f"{fn}: the `{name}` schedule must return finite non-negative values, got {value} "
-            f"at count {_count_text(count)}"
-        )
-    return value
-
-
-def _is_integer(t: Tensor) -> bool:
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-
-def _count_text(count: Tensor) -> str:
-    return str(int(count)) if not tree.is_transformed(count) else "(under a transform)"
+    return check_schedule_value(fn, name, hyper(count.to(torch.float64)), count)
 
 
 def _is_zero(hyper: ScalarOrSchedule) -> bool:
     """Statically zero: a number 0 (a tensor or schedule may change, so it is never zero)."""
     return isinstance(hyper, float) and hyper == 0.0
-
-
-def _add_scaled(x: Tensor, y: Tensor, scale: float | Tensor, inplace: bool) -> Tensor:
-    """``x + scale * y``; with a tensor ``scale`` in one fused kernel, like ``alpha=``."""
-    if isinstance(scale, float):
-        return x.add_(y, alpha=scale) if inplace else x.add(y, alpha=scale)
-    # addcmul_ has no vmap batching rule: out of place, then written back.
-    out = torch.addcmul(x, y, scale)
-    return x.copy_(out) if inplace else out
-
-
-def _betas(fn: str, betas: Any) -> tuple[float, float]:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise TypeError(f"{fn}: `betas` must be a pair (beta1, beta2) of floats, got {betas!r}")
-    out = []
-    for i, beta in enumerate(betas):
-        name = f"betas[{i}]"
-        if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
-            raise TypeError(
-                f"{fn}: `{name}` must be a real number in [0, 1), "
-                f"got {type(beta).__name__}: {beta!r}"
-            )
-        beta = float(beta)
-        if not 0.0 <= beta < 1.0:  # also rejects nan
-            raise ValueError(f"{fn}: `{name}` must be in [0, 1), got {beta}")
-        out.append(beta)
-    return out[0], out[1]
-
-
-# --------------------------------------------------------------------------------------------
-# Pytree helpers.
-# --------------------------------------------------------------------------------------------
-
-
-def _flatten_params(fn: str, params: PyTree) -> tuple[list[Tensor], Any]:
-    return tree.flatten(params, "params", owner=fn)
-
-
-def _leaves_like(fn: str, what: str, value: PyTree, spec: Any) -> list[Any]:
-    if value is None:
-        raise TypeError(f"{fn}: `{what}` is None; a pytree like `updates` is required")
-    leaves, value_spec = optree.tree_flatten(value, none_is_leaf=False)
-    if value_spec != spec:
-        raise ValueError(
-            f"{fn}: `{what}` has a different pytree structure from `updates`: "
-            + tree.structure_difference(value_spec, spec, what, "updates")
-        )
-    return leaves
-
-
-def _check_state_type(fn: str, state: Any, cls: type, name: str, owner: str) -> None:
-    if not isinstance(state, cls):
-        raise TypeError(
-            f"{owner}: `{name}` must be an {cls.__name__} (the state of {fn}), got "
-            f"{type(state).__name__}; was it made by another configuration?"
-        )
-    count = state.count
-    if not (isinstance(count, Tensor) and count.dim() == 0 and count.dtype == torch.int64):
-        got = (
-            f"a {count.dtype} tensor of shape {tuple(count.shape)}"
-            if isinstance(count, Tensor)
-            else type(count).__name__
-        )
-        raise TypeError(f"{owner}: `{name}.count` must be a 0-d int64 tensor, got {got}")
-
-
-def _check_buffers(buffers: PyTree, name: str, leaves: list[Tensor], spec: Any, owner: str) -> None:
-    """Parameter-shaped state buffers: same structure, shapes, dtypes and devices as params."""
-    hint = "was it made by another configuration or for other params?"
-    b_leaves, b_spec = tree.flatten(buffers, name, owner=owner)
-    if b_spec != spec:
-        raise ValueError(
-            f"{owner}: `{name}` has a different pytree structure from `params`: "
-            f"{tree.structure_difference(b_spec, spec, name, 'params')}; {hint}"
-        )
-    for i, (b, p) in enumerate(zip(b_leaves, leaves)):
-        if b.shape != p.shape or b.dtype != p.dtype or b.device != p.device:
-            got = f"{b.dtype} tensor of shape {tuple(b.shape)} on {b.device}"
-            expected = f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}"
-            kind = ValueError if b.shape != p.shape or b.device != p.device else TypeError
-            raise kind(
-                f"{owner}: `{tree.leaf_path(b_spec, i, name)}` is a {got}, expected a {expected} "
-                f"like `{tree.leaf_path(spec, i, 'params')}`; {hint}"
-            )
 
 
 def _zero_count(leaves: list[Tensor]) -> Tensor:
@@ -319,14 +184,74 @@ def _zero_count(leaves: list[Tensor]) -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    # torch.optim's kernels do the arithmetic of half / bfloat16 tensors with python scalars in
-    # float32; float32 and float64 are computed in their own precision.
-    return torch.float32 if dtype in _REDUCED_FLOAT_DTYPES else dtype
+def _optimizer(
+    fn: str,
+    state_type: type,
+    stages: list[Transform],
+    lr: ScalarOrSchedule,
+    weight_decay: ScalarOrSchedule,
+    check_state: Callable[..., None],
+) -> InnerOptimizer:
+    """The torchopt protocol around ``chain(*stages)``, over the leaves of the pytrees.
+
+    The state is a ``state_type``: the update count, shared by the stages, then the stages'
+    buffers as pytrees, field after field in chain order (fields no stage has keep their
+    defaults). ``update`` evaluates ``lr`` and ``weight_decay`` before any stage runs, and
+    asks for params when ``weight_decay`` is not the number 0.
+    """
+    transform = chain(*stages)
+    # The stages' state types, read from an init on no leaves (which allocates nothing), and
+    # the run of the public state's fields each one takes.
+    layout, names = [], []
+    for stage_state in transform.init([]):
+        fields = type(stage_state)._fields
+        layout.append((type(stage_state)._make, len(names), len(names) + len(fields)))
+        names.extend(fields)
+    if tuple(names) != state_type._fields[1 : 1 + len(names)]:
+        raise AssertionError(f"{fn}: the stages' fields {names} do not fit {state_type}")
+    paths = [f"state.{name}" for name in names]
+    needs_params = not _is_zero(weight_decay)
+
+    def init(params: PyTree) -> Any:
+        leaves, spec = tree.flatten(params, "params", owner=fn)
+        return _pack(state_type, spec, _zero_count(leaves), transform.init(leaves))
+
+    def update(
+        updates: PyTree, state: Any, params: PyTree | None = None, inplace: bool = True
+    ) -> tuple[PyTree, Any]:
+        if not isinstance(state, state_type):
+            check_state_type(fn, state, state_type, "state", fn)
+        grads, spec = tree.flatten(updates, "updates", owner=fn)
+        # Hyperparameters first: a schedule that fails must fail before a buffer is written.
+        count = state.count
+        step_lr = _value_at(fn, "lr", lr, count)
+        decay, param_leaves = 0.0, None
+        if needs_params:
+            decay = _value_at(fn, "weight_decay", weight_decay, count)
+            if params is None:
+                raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
+            param_leaves = flatten_like(fn, "params", params, spec)
+        buffers = [flatten_like(fn, path, b, spec) for path, b in zip(paths, state[1:])]
+        stage_states = tuple([make(buffers[start:end]) for make, start, end in layout])
+        step = StepInputs(count, param_leaves, step_lr, decay, inplace)
+        new_updates, stage_states = transform.update(grads, stage_states, step)
+        if inplace:  # torchopt's semantics: the gradient buffers hold the returned updates
+            new_updates = [u if u is g else g.copy_(u) for g, u in zip(grads, new_updates)]
+        new_state = _pack(state_type, spec, count + 1, stage_states)
+        return optree.tree_unflatten(spec, new_updates), new_state
+
+    update.check_state = check_state  # type: ignore[attr-defined]
+    return InnerOptimizer(init=init, update=update)
+
+
+def _pack(state_type: type, spec: Any, count: Tensor, stage_states: tuple) -> Any:
+    """The public state: ``count``, then the stages' buffers as pytrees, in order."""
+    fields = [optree.tree_unflatten(spec, leaves) for s in stage_states for leaves in s]
+    return state_type(count, *fields)
 
 
 # --------------------------------------------------------------------------------------------
-# SGD.
+# The aliases.
 # --------------------------------------------------------------------------------------------
 
 
@@ -377,33 +302,15 @@ def sgd(
             ``momentum <= 0`` or ``dampening != 0``.
     """
     fn = "sgd"
-    lr = _hyperparameter(fn, "lr", lr)
-    momentum = _non_negative(fn, "momentum", momentum)
-    dampening = _non_negative(fn, "dampening", dampening)
-    weight_decay = _hyperparameter(fn, "weight_decay", weight_decay)
-    if not isinstance(nesterov, bool):
-        raise TypeError(
-            f"{fn}: `nesterov` must be a bool, got {type(nesterov).__name__}: {nesterov!r}"
-        )
-    if nesterov and (momentum <= 0.0 or dampening != 0.0):
-        raise ValueError(
-            f"{fn}: `nesterov` momentum requires `momentum` > 0 and `dampening` == 0, "
-            f"got momentum={momentum}, dampening={dampening}"
-        )
+    lr = check_hyperparameter(fn, "lr", lr)
+    momentum = check_non_negative(fn, "momentum", momentum)
+    dampening = check_non_negative(fn, "dampening", dampening)
+    weight_decay = check_hyperparameter(fn, "weight_decay", weight_decay)
+    nesterov = check_nesterov(fn, nesterov, momentum, dampening)
     use_momentum = momentum != 0.0
-    use_weight_decay = not _is_zero(weight_decay)
-
-    def init(params: PyTree) -> SgdState:
-        leaves, spec = _flatten_params(fn, params)
-        if use_momentum:
-            bufs = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
-            momentum_buffer = optree.tree_unflatten(spec, bufs)
-        else:
-            momentum_buffer = ()
-        return SgdState(count=_zero_count(leaves), momentum_buffer=momentum_buffer)
 
     def check_state(state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str) -> None:
-        _check_state_type(fn, state, SgdState, name, owner)
+        check_state_type(fn, state, SgdState, name, owner)
         buffers = state.momentum_buffer
         empty = isinstance(buffers, tuple) and len(buffers) == 0
         if not use_momentum and not empty:
@@ -417,182 +324,18 @@ def sgd(
                     f"{owner}: `{name}.momentum_buffer` is empty but this sgd has "
                     f"momentum={momentum}; was it made by another configuration?"
                 )
-            _check_buffers(buffers, f"{name}.momentum_buffer", leaves, spec, owner)
+            check_buffers(buffers, f"{name}.momentum_buffer", leaves, spec, owner)
 
-    def update(
-        updates: PyTree,
-        state: SgdState,
-        params: PyTree | None = None,
-        inplace: bool = True,
-    ) -> tuple[PyTree, SgdState]:
-        if not isinstance(state, SgdState):
-            _check_state_type(fn, state, SgdState, "state", fn)
-        grads, spec = tree.flatten(updates, "updates", owner=fn)
-        # Hyperparameters first: a schedule that fails must fail before a buffer is written.
-        step_lr = _value_at(fn, "lr", lr, state.count)
-        decay = _value_at(fn, "weight_decay", weight_decay, state.count)
-        if use_weight_decay:
-            if params is None:
-                raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
-            param_leaves = _leaves_like(fn, "params", params, spec)
-        else:
-            param_leaves = [None] * len(grads)
-        if use_momentum:
-            bufs = _leaves_like(fn, "state.momentum_buffer", state.momentum_buffer, spec)
-            # Eagerly (a concrete CPU counter) the first-step case is known and only its branch
-            # is computed; under a transform both are blended with torch.where.
-            count = tree.static_value(state.count)
-            first = None if count is None else count == 0
-            not_first = state.count != 0 if first is None else None
-        else:
-            bufs = [None] * len(grads)
-            first = not_first = None
-
-        new_updates, new_bufs = [], []
-        for g, p, buf in zip(grads, param_leaves, bufs, strict=True):
-            out = g
-            # d_p = g + wd * p
-            d_p = _add_scaled(g, p, decay, inplace) if use_weight_decay else g
-            if use_momentum:
-                # buf = d_p on the first step, else momentum * buf + (1 - dampening) * d_p
-                # (the buffer keeps its own memory format: ``blended`` first in ``where``, or a
-                # copy into a buffer laid out like it)
-                if first:
-                    new_buf = buf.copy_(d_p) if inplace else torch.empty_like(buf).copy_(d_p)
-                elif first is not None:
-                    if inplace:
-                        new_buf = buf.mul_(momentum).add_(d_p, alpha=1.0 - dampening)
-                    else:
-                        new_buf = torch.add(buf.mul(momentum), d_p, alpha=1.0 - dampening)
-                elif inplace:
-                    blended = buf.mul_(momentum).add_(d_p, alpha=1.0 - dampening)
-                    new_buf = buf.copy_(torch.where(not_first, blended, d_p))
-                else:
-                    blended = torch.add(buf.mul(momentum), d_p, alpha=1.0 - dampening)
-                    new_buf = torch.where(not_first, blended, d_p)
-                new_bufs.append(new_buf)
-                if nesterov:
-                    if inplace:
-                        d_p = d_p.add_(new_buf, alpha=momentum)
-                    else:
-                        d_p = d_p.add(new_buf, alpha=momentum)
-                elif inplace:
-                    d_p = out.copy_(new_buf)  # never scale the momentum buffer itself
-                else:
-                    d_p = new_buf
-            # Delta = -lr * d_p
-            if inplace:
-                if d_p is not out:
-                    d_p = out.copy_(d_p)
-                new_updates.append(d_p.mul_(-step_lr))
-            else:
-                new_updates.append(d_p.mul(-step_lr))
-
-        new_state = SgdState(
-            count=state.count + 1,
-            momentum_buffer=optree.tree_unflatten(spec, new_bufs) if use_momentum else (),
-        )
-        return optree.tree_unflatten(spec, new_updates), new_state
-
-    update.check_state = check_state  # type: ignore[attr-defined]
-    return InnerOptimizer(init=init, update=update)
+    stages = []
+    if not _is_zero(weight_decay):
+        stages.append(add_decayed_weights())
+    if use_momentum:
+        stages.append(trace(momentum, dampening, nesterov))
+    stages.append(scale_by_learning_rate())
+    return _optimizer(fn, SgdState, stages, lr, weight_decay, check_state)
 
 
-# --------------------------------------------------------------------------------------------
-# Adam / AdamW.
-# --------------------------------------------------------------------------------------------
-
-
-def _adam_leaf(
-    g: Tensor,
-    p: Tensor | None,
-    m: Tensor,
-    v: Tensor,
-    neg_step_size: float | Tensor,
-    bias_correction2_sqrt: float | Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float | Tensor | None,
-    decoupled_decay: float | Tensor | None,
-    inplace: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    out = g
-    if weight_decay is not None:  # L2 penalty (Adam): g = g + wd * p
-        g = _add_scaled(g, p, weight_decay, inplace)
-
-    is_complex = torch.is_complex(g)
-    if is_complex:  # like torch.optim: complex numbers are treated as pairs of reals
-        g, m, v = torch.view_as_real(g), torch.view_as_real(m), torch.view_as_real(v)
-
-    # m = m + (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
-    if inplace and not tree.is_transformed(m):
-        m = m.lerp_(g, 1.0 - beta1)
-        v = v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    elif inplace:
-        # lerp_ / addcmul_ have no vmap batching rules (slow fallback + warning): compute out
-        # of place with the same kernels and write back into the state buffers.
-        m = m.copy_(torch.lerp(m, g, 1.0 - beta1))
-        v = v.copy_(torch.addcmul(v.mul_(beta2), g, g, value=1.0 - beta2))
-    else:
-        m = torch.lerp(m, g, 1.0 - beta1)
-        v = torch.addcmul(v.mul(beta2), g, g, value=1.0 - beta2)
-
-    dtype = v.dtype
-    opmath = _opmath(dtype)
-    reduced = opmath != dtype  # half precision computes the scalings in float32
-
-    def widened(t: Tensor) -> Tensor:
-        return t.to(opmath) if reduced else t
-
-    def scalar(x: float | Tensor) -> float | Tensor:
-        return x if isinstance(x, float) else x.to(opmath)
-
-    # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
-    # (out of place: sqrt's backward needs its output when the update is differentiated)
-    denom = torch.div(widened(v.sqrt()), scalar(bias_correction2_sqrt))
-    denom = (denom.to(dtype) if reduced else denom).add_(eps)
-    # Delta = (-lr / (1 - beta1^t) * m) / denom
-    step = torch.mul(widened(m), scalar(neg_step_size)).div_(widened(denom))
-    step = step.to(dtype) if reduced else step
-
-    if is_complex:
-        m, v, step = torch.view_as_complex(m), torch.view_as_complex(v), torch.view_as_complex(step)
-    if decoupled_decay is not None:  # AdamW: Delta = Delta - lr * wd * p
-        step = _add_scaled(step, p, -decoupled_decay, inplace=True)
-    if inplace:
-        step = out.copy_(step)
-    return step, m, v
-
-
-def _bias_corrections(
-    count: Tensor, beta1: float, beta2: float, lr: float | Tensor
-) -> tuple[float | Tensor, float | Tensor]:
-    r"""``(-lr / (1 - beta1^t), sqrt(1 - beta2^t))`` for update :math:`t` = ``count + 1``.
-
-    In float64, like the Python floats of torch.optim: as Python floats themselves when the
-    counter is a concrete CPU tensor and ``lr`` a number (the eager case; the same arithmetic
-    as torch.optim, and no tensor ops), else with tensor ops from the counter (vmap, counters
-    on an accelerator, tensor or scheduled-tensor ``lr``). Each leaf casts them to its own
-    compute dtype.
-    """
-    done = tree.static_value(count)
-    if done is not None and isinstance(lr, float):
-        bias_correction1 = 1.0 - beta1 ** (done + 1)
-        bias_correction2 = 1.0 - beta2 ** (done + 1)
-        return -(lr / bias_correction1), bias_correction2**0.5
-    t = (count + 1).to(torch.float64)
-    bias_correction1 = 1.0 - torch.pow(beta1, t)
-    bias_correction2 = 1.0 - torch.pow(beta2, t)
-    if isinstance(lr, float):
-        neg_step_size = -(torch.full_like(bias_correction1, lr) / bias_correction1)
-    else:
-        neg_step_size = -(lr.to(bias_correction1.device) / bias_correction1)
-    return neg_step_size, bias_correction2.sqrt()
-
-
-def _make_adam(
+def _adam(
     fn: str,
     lr: ScalarOrSchedule,
     betas: tuple[float, float],
@@ -600,86 +343,22 @@ def _make_adam(
     weight_decay: ScalarOrSchedule,
     decoupled: bool,
 ) -> InnerOptimizer:
-    lr = _hyperparameter(fn, "lr", lr)
-    beta1, beta2 = _betas(fn, betas)
-    eps = _non_negative(fn, "eps", eps)
-    weight_decay = _hyperparameter(fn, "weight_decay", weight_decay)
-    needs_params = not _is_zero(weight_decay)
-
-    def init(params: PyTree) -> AdamState:
-        leaves, spec = _flatten_params(fn, params)
-        exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
-        exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
-        return AdamState(
-            count=_zero_count(leaves),
-            exp_avg=optree.tree_unflatten(spec, exp_avg),
-            exp_avg_sq=optree.tree_unflatten(spec, exp_avg_sq),
-        )
+    lr = check_hyperparameter(fn, "lr", lr)
+    beta1, beta2 = check_betas(fn, betas)
+    eps = check_non_negative(fn, "eps", eps)
+    weight_decay = check_hyperparameter(fn, "weight_decay", weight_decay)
 
     def check_state(state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str) -> None:
-        _check_state_type(fn, state, AdamState, name, owner)
-        _check_buffers(state.exp_avg, f"{name}.exp_avg", leaves, spec, owner)
-        _check_buffers(state.exp_avg_sq, f"{name}.exp_avg_sq", leaves, spec, owner)
+        check_state_type(fn, state, AdamState, name, owner)
+        check_buffers(state.exp_avg, f"{name}.exp_avg", leaves, spec, owner)
+        check_buffers(state.exp_avg_sq, f"{name}.exp_avg_sq", leaves, spec, owner)
 
-    def update(
-        updates: PyTree,
-        state: AdamState,
-        params: PyTree | None = None,
-        inplace: bool = True,
-    ) -> tuple[PyTree, AdamState]:
-        if not isinstance(state, AdamState):
-            _check_state_type(fn, state, AdamState, "state", fn)
-        grads, spec = tree.flatten(updates, "updates", owner=fn)
-        # Hyperparameters first: a schedule that fails must fail before a buffer is written.
-        step_lr = _value_at(fn, "lr", lr, state.count)
-        decay = _value_at(fn, "weight_decay", weight_decay, state.count)
-        if needs_params:
-            if params is None:
-                raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
-            param_leaves = _leaves_like(fn, "params", params, spec)
-        else:
-            param_leaves = [None] * len(grads)
-        ms = _leaves_like(fn, "state.exp_avg", state.exp_avg, spec)
-        vs = _leaves_like(fn, "state.exp_avg_sq", state.exp_avg_sq, spec)
-
-        count = state.count + 1
-        neg_step_size, bias_correction2_sqrt = _bias_corrections(state.count, beta1, beta2, step_lr)
-        if not needs_params:
-            coupled_wd = decoupled_decay = None
-        elif decoupled:
-            coupled_wd, decoupled_decay = None, step_lr * decay
-        else:
-            coupled_wd, decoupled_decay = decay, None
-
-        new_updates, new_ms, new_vs = [], [], []
-        for g, p, m, v in zip(grads, param_leaves, ms, vs, strict=True):
-            step, m, v = _adam_leaf(
-                g,
-                p,
-                m,
-                v,
-                neg_step_size,
-                bias_correction2_sqrt,
-                beta1=beta1,
-                beta2=beta2,
-                eps=eps,
-                weight_decay=coupled_wd,
-                decoupled_decay=decoupled_decay,
-                inplace=inplace,
-            )
-            new_updates.append(step)
-            new_ms.append(m)
-            new_vs.append(v)
-
-        new_state = AdamState(
-            count=count,
-            exp_avg=optree.tree_unflatten(spec, new_ms),
-            exp_avg_sq=optree.tree_unflatten(spec, new_vs),
-        )
-        return optree.tree_unflatten(spec, new_updates), new_state
-
-    update.check_state = check_state  # type: ignore[attr-defined]
-    return InnerOptimizer(init=init, update=update)
+    decay = [] if _is_zero(weight_decay) else [add_decayed_weights(decoupled=decoupled)]
+    if decoupled:  # AdamW: the decay after the scaling, by the learning rate
+        stages = [scale_by_adam(beta1, beta2, eps), *decay]
+    else:  # Adam: an L2 penalty added to the gradient
+        stages = [*decay, scale_by_adam(beta1, beta2, eps)]
+    return _optimizer(fn, AdamState, stages, lr, weight_decay, check_state)
 
 
 def adam(
@@ -724,7 +403,7 @@ def adam(
         ValueError: a hyperparameter is out of range (negative, not finite, beta not in
             :math:`[0, 1)`).
     """
-    return _make_adam("adam", lr, betas, eps, weight_decay, decoupled=False)
+    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False)
 
 
 def adamw(
@@ -766,4 +445,4 @@ def adamw(
         ValueError: a hyperparameter is out of range (negative, not finite, beta not in
             :math:`[0, 1)`).
     """
-    return _make_adam("adamw", lr, betas, eps, weight_decay, decoupled=True)
+    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True)

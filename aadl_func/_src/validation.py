@@ -1,4 +1,9 @@
-"""Argument checks shared by the public constructors: each names the argument it rejects."""
+"""Argument checks: each names the argument it rejects.
+
+The first part serves :func:`aadl_func.anderson` and :func:`aadl_func.mix`; the second the inner
+optimizers (:mod:`aadl_func._src.inner`): their hyperparameters, which may be schedules, and
+their states. The two families word their messages differently (``docs/errors.md`` fixes both).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,11 @@ import math
 import numbers
 from typing import Any
 
+import optree
 import torch
+from torch import Tensor
+
+from aadl_func._src import tree
 
 __all__ = [
     "check_int",
@@ -19,6 +28,14 @@ __all__ = [
     "same_device",
     "check_leaf_dtypes",
     "check_leaf_devices",
+    "check_non_negative",
+    "check_hyperparameter",
+    "check_schedule_value",
+    "check_betas",
+    "check_nesterov",
+    "check_state_type",
+    "check_buffers",
+    "flatten_like",
 ]
 
 
@@ -123,3 +140,176 @@ def check_leaf_devices(
                 f"{owner}: `{_leaf_name(name, i, spec)}` is on device {leaf.device}, expected "
                 f"{device} ({expected})"
             )
+
+
+# --------------------------------------------------------------------------------------------
+# The inner optimizers: hyperparameters (numbers, 0-d tensors or schedules) and states.
+# --------------------------------------------------------------------------------------------
+
+
+def _real(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner}: `{name}` must be a real number (int or float), "
+            f"got {type(value).__name__}: {value!r}"
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}: `{name}` must be a finite non-negative float, got {value}")
+    return value
+
+
+def check_non_negative(owner: str, name: str, value: Any) -> float:
+    """A finite real number ``>= 0``, returned as a float."""
+    value = _real(owner, name, value)
+    if value < 0.0:
+        raise ValueError(f"{owner}: `{name}` must be a non-negative float, got {value}")
+    return value
+
+
+def check_hyperparameter(owner: str, name: str, value: Any) -> Any:
+    """A number (returned as a float), a 0-d real tensor or a schedule (returned as is).
+
+    A concrete tensor's value is range-checked once, here; a schedule's values are checked as
+    they come, by :func:`check_schedule_value`.
+    """
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"{owner}: `{name}` must be a 0-d real tensor, got a {value.dtype} tensor of "
+                f"shape {tuple(value.shape)}"
+            )
+        if not tree.is_transformed(value) and value.device.type != "meta":
+            check_non_negative(owner, name, value.item())  # once, at construction
+        return value
+    if callable(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner}: `{name}` must be a non-negative real number, a 0-d tensor or a schedule "
+            f"(a callable count -> value), got {type(value).__name__}: {value!r}"
+        )
+    return check_non_negative(owner, name, value)
+
+
+def check_schedule_value(owner: str, name: str, value: Any, count: Tensor) -> float | Tensor:
+    """What the ``name`` schedule returned at ``count``, as a float or a float64 0-d tensor.
+
+    Checked by type, and a Python number also by range: reading a tensor's value would
+    synchronise an accelerator, and is impossible under vmap.
+    """
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or not (value.is_floating_point() or _is_integer(value)):
+            raise TypeError(
+                f"{owner}: the `{name}` schedule must return a real number or a 0-d real tensor, "
+                f"got a {value.dtype} tensor of shape {tuple(value.shape)}"
+            )
+        if value.device.type != "cpu" and value.device != count.device:
+            raise ValueError(
+                f"{owner}: the `{name}` schedule returned a tensor on {value.device}; return it "
+                f"on the CPU or on the params' device ({count.device})"
+            )
+        return value.to(torch.float64)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner}: the `{name}` schedule must return a real number or a 0-d real tensor, got "
+            f"{type(value).__name__}: {value!r}"
+        )
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(
+            f"{owner}: the `{name}` schedule must return finite non-negative values, got {value} "
+            f"at count {_count_text(count)}"
+        )
+    return value
+
+
+def _is_integer(t: Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _count_text(count: Tensor) -> str:
+    return str(int(count)) if not tree.is_transformed(count) else "(under a transform)"
+
+
+def check_betas(owner: str, betas: Any) -> tuple[float, float]:
+    """A pair ``(beta1, beta2)`` of floats in ``[0, 1)``."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{owner}: `betas` must be a pair (beta1, beta2) of floats, got {betas!r}")
+    out = []
+    for i, beta in enumerate(betas):
+        name = f"betas[{i}]"
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+            raise TypeError(
+                f"{owner}: `{name}` must be a real number in [0, 1), "
+                f"got {type(beta).__name__}: {beta!r}"
+            )
+        beta = float(beta)
+        if not 0.0 <= beta < 1.0:  # also rejects nan
+            raise ValueError(f"{owner}: `{name}` must be in [0, 1), got {beta}")
+        out.append(beta)
+    return out[0], out[1]
+
+
+def check_nesterov(owner: str, nesterov: Any, momentum: float, dampening: float) -> bool:
+    """Nesterov momentum, as torch.optim.SGD allows it: a bool, with momentum and no dampening."""
+    if not isinstance(nesterov, bool):
+        raise TypeError(
+            f"{owner}: `nesterov` must be a bool, got {type(nesterov).__name__}: {nesterov!r}"
+        )
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ValueError(
+            f"{owner}: `nesterov` momentum requires `momentum` > 0 and `dampening` == 0, "
+            f"got momentum={momentum}, dampening={dampening}"
+        )
+    return nesterov
+
+
+def check_state_type(fn: str, state: Any, cls: type, name: str, owner: str) -> None:
+    """``state`` is a ``cls`` (the state of ``fn``) with a 0-d int64 ``count``."""
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{owner}: `{name}` must be an {cls.__name__} (the state of {fn}), got "
+            f"{type(state).__name__}; was it made by another configuration?"
+        )
+    count = state.count
+    if not (isinstance(count, Tensor) and count.dim() == 0 and count.dtype == torch.int64):
+        got = (
+            f"a {count.dtype} tensor of shape {tuple(count.shape)}"
+            if isinstance(count, Tensor)
+            else type(count).__name__
+        )
+        raise TypeError(f"{owner}: `{name}.count` must be a 0-d int64 tensor, got {got}")
+
+
+def check_buffers(buffers: Any, name: str, leaves: list[Tensor], spec: Any, owner: str) -> None:
+    """Parameter-shaped state buffers: same structure, shapes, dtypes and devices as params."""
+    hint = "was it made by another configuration or for other params?"
+    b_leaves, b_spec = tree.flatten(buffers, name, owner=owner)
+    if b_spec != spec:
+        raise ValueError(
+            f"{owner}: `{name}` has a different pytree structure from `params`: "
+            f"{tree.structure_difference(b_spec, spec, name, 'params')}; {hint}"
+        )
+    for i, (b, p) in enumerate(zip(b_leaves, leaves)):
+        if b.shape != p.shape or b.dtype != p.dtype or b.device != p.device:
+            got = f"{b.dtype} tensor of shape {tuple(b.shape)} on {b.device}"
+            expected = f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}"
+            kind = ValueError if b.shape != p.shape or b.device != p.device else TypeError
+            raise kind(
+                f"{owner}: `{tree.leaf_path(b_spec, i, name)}` is a {got}, expected a {expected} "
+                f"like `{tree.leaf_path(spec, i, 'params')}`; {hint}"
+            )
+
+
+def flatten_like(owner: str, what: str, value: Any, spec: Any) -> list[Any]:
+    """The leaves of ``value``, a pytree that must have the structure ``spec`` of `updates`."""
+    if value is None:
+        raise TypeError(f"{owner}: `{what}` is None; a pytree like `updates` is required")
+    leaves, value_spec = optree.tree_flatten(value, none_is_leaf=False)
+    if value_spec != spec:
+        raise ValueError(
+            f"{owner}: `{what}` has a different pytree structure from `updates`: "
+            + tree.structure_difference(value_spec, spec, what, "updates")
+        )
+    return leaves
