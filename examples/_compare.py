@@ -249,7 +249,7 @@ def run_seed(method: Method, problem: Problem, budget: float, targets: dict[str,
         final_loss = problem.loss(params).item()
     result: dict[str, Any] = {
         "final_loss": finite_or_none(final_loss),
-        **problem.evaluate(params),
+        **{name: finite_or_none(v) for name, v in problem.evaluate(params).items()},
         "steps": trace.steps[-1],
         "grads": trace.grads[-1],
         "forwards": trace.forwards[-1],
@@ -377,6 +377,7 @@ class Comparison:
     final_metrics: dict[str, tuple[str, float, str]]  # key -> (header, scale, format spec)
     metric_targets: tuple[float, ...] = ()
     metric_name: str = ""
+    table_keys: tuple[str, ...] = ()  # the targets of the Markdown table (default: all)
 
     @property
     def target_keys(self) -> list[str]:
@@ -530,25 +531,31 @@ def report(summary: dict[str, Any], rows: dict[str, Method], comparison: Compari
 
 def markdown(summary: dict[str, Any], rows: dict[str, Method], comparison: Comparison) -> str:
     """The comparison as a Markdown table (the README's and docs/benchmarks.md's tables):
-    per target, gradient-equivalents (gradient + forward-only evaluations), steps and
-    seconds; then the final loss and metrics."""
+    gradient-equivalents to each target (gradient + forward-only evaluations where there are
+    forward-only ones), steps and seconds to the verdict's target, the final loss and metrics.
+    Mean ± std over seeds (a count where not every seed got there); seconds and the final loss:
+    median [min, max]."""
     stats = summary["stats"]
-
+    keys = list(comparison.table_keys or comparison.target_keys)
     header = ["method"]
-    for k in comparison.target_keys:
+    for k in keys:
         name = _target_label(k, comparison)
-        header += [f"to {name}: grad-eq (grads + fwd)", "steps", "seconds"]
+        header.append(f"grad-eq to {name}")
+        if k == comparison.verdict_key:
+            header += [f"steps to {name}", f"seconds to {name}"]
     header += ["final loss", *(h for h, _, _ in comparison.final_metrics.values())]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, method in rows.items():
         s = stats[key]
         cells = [method.label]
-        for k in comparison.target_keys:
+        for k in keys:
             grads, forwards = s[k]["grads"]["mean"], s[k]["forwards"]["mean"]
             equivalents = fmt_mean(s[k]["equivalents"], ".1f")
             if grads is not None and forwards:
                 equivalents += f" ({grads:.1f} + {forwards:.1f})"
-            cells += [equivalents, fmt_mean(s[k]["steps"], ".1f"), fmt_median(s[k]["seconds"])]
+            cells.append(equivalents)
+            if k == comparison.verdict_key:
+                cells += [fmt_mean(s[k]["steps"], ".1f"), fmt_median(s[k]["seconds"])]
         cells.append(fmt_median(s["final_loss"], ".1e"))
         cells += [fmt_mean(s[m], spec, scale) for m, (_, scale, spec) in
                   comparison.final_metrics.items()]  # fmt: skip
