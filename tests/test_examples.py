@@ -200,6 +200,48 @@ def test_digits_demo_tune(examples, tmp_path, capsys):
     assert all(len(grid) == 16 for grid in demo.tuning_grids().values())
 
 
+def test_pinn(examples, tmp_path, capsys):
+    pinn = examples["pinn"]
+    summary = pinn.main(["--quick", "--no-progress", "--out-dir", str(tmp_path), "--run", "tiny"])
+    assert json.loads((tmp_path / "tiny" / "summary.json").read_text()) == summary
+    assert (tmp_path / "tiny" / "curves.png").read_bytes().startswith(b"\x89PNG")
+    assert "rel. L2 error" in capsys.readouterr().out
+    budget = summary["config"]["budget"]
+    _check_runs(summary, budget, pinn.FORWARD_COST)
+    problem = pinn.make_problem(0)
+    runs = {key: rs[0] for key, rs in summary["runs"].items()}
+    for run in runs.values():
+        errors = run["curve"]["metric"]
+        assert len(errors) == len(run["curve"]["loss"]) and _all_finite(errors)
+        assert run["l2_error"] >= 0.0
+    # The initial error is that of the initial network against the exact solution.
+    assert runs["gd"]["curve"]["metric"][0] == pytest.approx(problem.track(problem.params()))
+    # The source is -u*'', and the training loss (u'' from nested torch.func.grad) is the one
+    # autograd computes on the module.
+    x = torch.linspace(0, 1, 11, dtype=torch.float64, requires_grad=True)
+    du = torch.autograd.grad(pinn.exact(x).sum(), x, create_graph=True)[0]
+    d2u = torch.autograd.grad(du.sum(), x)[0]
+    assert (-d2u).tolist() == pytest.approx(pinn.source(x.detach()).tolist(), rel=1e-9, abs=1e-9)
+    model = pinn.make_model(0)
+    x = torch.linspace(0, 1, pinn.COLLOCATION + 2)[1:-1].reshape(-1, 1).requires_grad_(True)
+    du = torch.autograd.grad(model(x).sum(), x, create_graph=True)[0]
+    d2u = torch.autograd.grad(du.sum(), x)[0].reshape(-1)
+    f = pinn.source(x.detach().reshape(-1))
+    edge = model(torch.tensor([[0.0], [1.0]]))
+    reference = ((d2u + f) ** 2).mean() / (f**2).mean() + 0.5 * (edge**2).sum()
+    assert problem.loss(problem.params()).item() == pytest.approx(reference.item(), rel=1e-5)
+    assert runs["gd"]["curve"]["loss"][0] == pytest.approx(reference.item(), rel=1e-5)
+    # Adam -> L-BFGS: the first phase is plain Adam (the same curve as the Adam row when the
+    # learning rates agree), then every L-BFGS closure call is counted.
+    switch = runs["adam_lbfgs"]
+    first_steps = summary["methods"]["adam_lbfgs"]["options"]["first_steps"]
+    if first_steps < budget:
+        assert switch["grads"] == first_steps + switch["closure_calls"]
+    if summary["methods"]["adam_lbfgs"]["options"]["adam_lr"] == pinn.ADAM["lr"]:
+        n = min(first_steps, len(runs["adam"]["curve"]["loss"]))
+        assert switch["curve"]["loss"][:n] == runs["adam"]["curve"]["loss"][:n]
+
+
 def test_ensemble(examples, tmp_path, capsys):
     ensemble, common = examples["ensemble"], examples["_common"]
     members, steps = 3, 12
