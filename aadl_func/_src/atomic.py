@@ -27,6 +27,8 @@ from typing import Any
 import optree
 from torch import Tensor
 
+from aadl_func._src import tree
+
 __all__ = ["InterruptGuard", "write_back"]
 
 # The C functions behind ``signal.signal`` / ``signal.getsignal``: their wrappers in signal.py
@@ -64,7 +66,7 @@ def write_back(target: Any, source: Any) -> None:
         return
     targets, target_spec = optree.tree_flatten(target, none_is_leaf=True)
     sources, source_spec = optree.tree_flatten(source, none_is_leaf=True)
-    if target_spec != source_spec:
+    if not tree.same_structure(target_spec, source_spec):
         raise RuntimeError("internal: the state changed structure during an in-place step")
     for dst, src in zip(targets, sources):
         if isinstance(dst, Tensor) and isinstance(src, Tensor) and dst is not src:

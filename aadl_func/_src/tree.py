@@ -19,6 +19,7 @@ __all__ = [
     "flatten",
     "unflatten",
     "check_like",
+    "same_structure",
     "leaf_path",
     "structure_difference",
     "is_transformed",
@@ -122,6 +123,32 @@ def structure_difference(spec: Any, ref_spec: Any, name: str, ref_name: str) -> 
     return found if found is not None else f"`{name}` and `{ref_name}` differ in node metadata"
 
 
+def same_structure(spec: Any, ref_spec: Any) -> bool:
+    """``spec == ref_spec``, also where ``torch.compile`` cannot trace that comparison.
+
+    Under tracing, dynamo stands in a Python analog for optree's tree spec, whose ``==`` (a
+    dataclass's, comparing the nodes' unflatten functions) dynamo before torch 2.13 cannot
+    trace. There, and only there, the nodes are compared one by one instead: type, children,
+    entries (a dict's keys), which is what distinguishes the containers users pass.
+    """
+    if _SPEC_EQ_TRACEABLE or not tracing():
+        return spec == ref_spec
+    return _same_nodes(spec, ref_spec)
+
+
+_SPEC_EQ_TRACEABLE = torch.__version__ >= (2, 13)
+
+
+def _same_nodes(node: Any, ref: Any) -> bool:
+    if node.is_leaf() or ref.is_leaf():
+        return node.is_leaf() and ref.is_leaf()
+    if node.type is not ref.type or node.num_children != ref.num_children:
+        return False
+    if list(node.entries()) != list(ref.entries()):
+        return False
+    return all(_same_nodes(a, b) for a, b in zip(node.children(), ref.children()))
+
+
 def check_like(
     name: str,
     leaves: list[Tensor],
@@ -137,7 +164,7 @@ def check_like(
     Messages name the first offending leaf by its key path in both trees, e.g.
     ``grads['w'] has shape (2, 3), expected (3, 2) like params['w']``.
     """
-    if spec != ref_spec:
+    if not same_structure(spec, ref_spec):
         raise ValueError(
             f"{_prefix(owner)}`{name}` has a different pytree structure from `{ref_name}`: "
             + structure_difference(spec, ref_spec, name, ref_name)

@@ -286,7 +286,7 @@ def check_buffers(buffers: Any, name: str, leaves: list[Tensor], spec: Any, owne
     """Parameter-shaped state buffers: same structure, shapes, dtypes and devices as params."""
     hint = "was it made by another configuration or for other params?"
     b_leaves, b_spec = tree.flatten(buffers, name, owner=owner)
-    if b_spec != spec:
+    if not tree.same_structure(b_spec, spec):
         raise ValueError(
             f"{owner}: `{name}` has a different pytree structure from `params`: "
             f"{tree.structure_difference(b_spec, spec, name, 'params')}; {hint}"
@@ -307,7 +307,7 @@ def flatten_like(owner: str, what: str, value: Any, spec: Any) -> list[Any]:
     if value is None:
         raise TypeError(f"{owner}: `{what}` is None; a pytree like `updates` is required")
     leaves, value_spec = optree.tree_flatten(value, none_is_leaf=False)
-    if value_spec != spec:
+    if not tree.same_structure(value_spec, spec):
         raise ValueError(
             f"{owner}: `{what}` has a different pytree structure from `updates`: "
             + tree.structure_difference(value_spec, spec, what, "updates")

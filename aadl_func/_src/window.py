@@ -526,7 +526,7 @@ _blending: list[Tensor] = []
 
 def blending() -> bool:
     """Whether a blended :func:`select` is computing (its in-place writes must be masked)."""
-    return bool(_blending)
+    return len(_blending) > 0  # not bool(): dynamo 2.10-2.12 cannot trace bool() of a list
 
 
 def _gates(mask: Tensor | None) -> Tensor | None:
