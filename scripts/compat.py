@@ -125,8 +125,10 @@ def main() -> int:
     )
     parser.add_argument("--fresh", action="store_true", help="recreate the venvs")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the venvs")
-    args, pytest_args = parser.parse_known_args()
-    pytest_args = [a for a in pytest_args if a != "--"]
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    pytest_args = argv[split + 1 :]
     versions = args.versions or default_versions(args.python)
     base = Path(args.venvs).resolve()
     base.mkdir(parents=True, exist_ok=True)
