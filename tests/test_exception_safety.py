@@ -178,7 +178,19 @@ class SignalingSgd:
         return self.inner.update(updates, state, params=params, inplace=inplace)
 
 
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test. A process started in the background by a
+    non-interactive shell inherits SIGINT ignored, and then Python installs no handler, so the
+    guard (active only over the default handler) stands aside and a raised SIGINT does
+    nothing: the test would fail for the launcher's reason, not the package's."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
+@pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_inside_the_step_is_deferred_to_a_consistent_point(mode):
     """A real SIGINT delivered while the in-place step writes its buffers is raised once the
     plain step is committed: the caller holds exactly the plain step of that call."""
