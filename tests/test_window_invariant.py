@@ -158,7 +158,7 @@ COMPILED_TOL = 1e-5
 
 # torch's own code warns while inductor loads and lowers (whatever the category: it changed
 # in 2.15).
-@pytest.mark.skipif(torch.__version__ < (2, 13), reason="torch.compile of update needs torch 2.13+")
+@pytest.mark.skipif(torch.__version__ < (2, 12), reason="torch.compile of update needs torch 2.12+")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
 @pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated")
 @pytest.mark.parametrize(
