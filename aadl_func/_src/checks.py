@@ -28,7 +28,7 @@ from aadl_func._src.validation import (
 )
 
 if TYPE_CHECKING:
-    from aadl_func._src.anderson import _Config as Config
+    from aadl_func._src.options import AndersonOptions as Config
 
 __all__ = [
     "autograd_policy",
@@ -205,12 +205,12 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
     # Both modes keep the newest point as an anchor; mode "classic" also keeps a ring of the
     # differences of its points (``iterates``), mode "aadl" none.
     iterates = state.iterates if isinstance(state.iterates, tuple) else None
-    if config.mode == "aadl" and (iterates is None or len(iterates) != 0 or empty_anchor):
+    if not config.rules.keeps_iterates and (iterates is None or len(iterates) != 0 or empty_anchor):
         raise ValueError(
             f"{OWNER}: `state` has no anchor or holds iterate differences, so it was made "
             f"in mode 'classic', not {config.mode!r}"
         )
-    if config.mode == "classic" and (iterates is None or len(iterates) != q or empty_anchor):
+    if config.rules.keeps_iterates and (iterates is None or len(iterates) != q or empty_anchor):
         raise ValueError(
             f"{OWNER}: `state` has no anchor or lacks {q} iterate differences, so it was "
             f"made in mode 'aadl', with another history_depth or by an earlier version, "
@@ -230,7 +230,7 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
         spec=spec,
     )
     check_window("state.residuals[0]", state.residuals[0])
-    if config.mode == "classic":
+    if config.rules.keeps_iterates:
         check_window("state.iterates[0]", state.iterates[0])
     check_leaf_devices(OWNER, "state.anchor", a_leaves, history_devices, where, spec=a_spec)
     compute_device = config.compute_device_of(p_leaves)

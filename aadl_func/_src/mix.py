@@ -8,11 +8,11 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
-from aadl_func._src.solve import MixingWeights, solve_factor
+from aadl_func._src.solve import MixingWeights, aadl_coefficients, solve_factor
 from aadl_func._src.validation import check_float
 from aadl_func._src.window import difference_factor
 
-__all__ = ["mix", "mixing_weights", "aadl_coefficients"]
+__all__ = ["mix", "mixing_weights"]
 
 
 def _window_leaves(history: Any) -> tuple[list[Tensor], Any, int]:
@@ -96,36 +96,6 @@ def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:
     leaves, _, window = _window_leaves(history)
     weights, _ = _solve(leaves, window, reg)
     return weights
-
-
-def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False) -> Tensor:
-    r"""Weights ``c`` with ``mix = x_last - sum_j c_j DX[:, j]`` (float64, oldest first).
-
-    Writing every window entry through the newest one, :math:`x_i = x_{k-1} - \sum_{j \ge i}
-    \Delta x_j`, the relaxed AADL point
-    :math:`\sum_i \alpha_i((1-\beta) x_i + \beta x_{i+1})` becomes
-    :math:`x_{k-1} - \sum_j (A_j - \beta \alpha_j) \Delta x_j` with
-    :math:`A = \mathrm{cumsum}(\alpha)`.
-
-    ``negated=True`` returns ``-c``, formed by the swapped subtraction (``b - a`` rounds to
-    exactly ``-(a - b)``), one operation fewer than negating ``c``.
-    """
-    if negated:
-        return relaxation * alpha - torch.cumsum(alpha, 0)
-    return torch.cumsum(alpha, 0) - relaxation * alpha
-
-
-def classic_coefficients(alpha: Tensor) -> Tensor:
-    r"""Weights ``w`` with :math:`\sum_i \alpha_i x_i = x_{\mathrm{last}} + \sum_j w_j
-    \Delta x_j` (float64, oldest first), :math:`\Delta x_j = x_j - x_{j-1}`.
-
-    Writing every point through the newest one, :math:`x_i = x_{\mathrm{last}} - \sum_{j > i}
-    \Delta x_j`, and using :math:`\sum_i \alpha_i = 1`:
-    :math:`w_j = -\sum_{i < j} \alpha_i`, so :math:`w_0 = 0`: the oldest difference (to a
-    point outside the window) is never used. Mode "classic" keeps its points this way.
-    """
-    partial = torch.cumsum(alpha, 0)
-    return torch.cat([torch.zeros_like(partial[:1]), -partial[:-1]])
 
 
 def mix(history: Any, *, relaxation: float = 1.0, reg: float = 0.0) -> Any:

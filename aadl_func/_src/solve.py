@@ -49,6 +49,8 @@ __all__ = [
     "solve_differences",
     "RCOND",
     "RTOL",
+    "aadl_coefficients",
+    "classic_coefficients",
 ]
 
 # Factor route: singular values of DF (shifted by reg) at or below RCOND * s are dropped, s the
@@ -397,3 +399,33 @@ def solve_differences(
         return MixingWeights(gamma, alpha, None, ok)
     mixed_sq = norms[-1] / unit - 2.0 * (gamma @ c) + gamma @ h @ gamma
     return MixingWeights(gamma, alpha, (mixed_sq.clamp(min=0.0) * unit).sqrt(), ok)
+
+
+def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False) -> Tensor:
+    r"""Weights ``c`` with ``mix = x_last - sum_j c_j DX[:, j]`` (float64, oldest first).
+
+    Writing every window entry through the newest one, :math:`x_i = x_{k-1} - \sum_{j \ge i}
+    \Delta x_j`, the relaxed AADL point
+    :math:`\sum_i \alpha_i((1-\beta) x_i + \beta x_{i+1})` becomes
+    :math:`x_{k-1} - \sum_j (A_j - \beta \alpha_j) \Delta x_j` with
+    :math:`A = \mathrm{cumsum}(\alpha)`.
+
+    ``negated=True`` returns ``-c``, formed by the swapped subtraction (``b - a`` rounds to
+    exactly ``-(a - b)``), one operation fewer than negating ``c``.
+    """
+    if negated:
+        return relaxation * alpha - torch.cumsum(alpha, 0)
+    return torch.cumsum(alpha, 0) - relaxation * alpha
+
+
+def classic_coefficients(alpha: Tensor) -> Tensor:
+    r"""Weights ``w`` with :math:`\sum_i \alpha_i x_i = x_{\mathrm{last}} + \sum_j w_j
+    \Delta x_j` (float64, oldest first), :math:`\Delta x_j = x_j - x_{j-1}`.
+
+    Writing every point through the newest one, :math:`x_i = x_{\mathrm{last}} - \sum_{j > i}
+    \Delta x_j`, and using :math:`\sum_i \alpha_i = 1`:
+    :math:`w_j = -\sum_{i < j} \alpha_i`, so :math:`w_0 = 0`: the oldest difference (to a
+    point outside the window) is never used. Mode "classic" keeps its points this way.
+    """
+    partial = torch.cumsum(alpha, 0)
+    return torch.cat([torch.zeros_like(partial[:1]), -partial[:-1]])

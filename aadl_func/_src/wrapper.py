@@ -21,15 +21,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from aadl_func._src.anderson import (
-    Anderson,
-    _functions,
-    _make_config,
-    _update,
-    anderson,
-    check_skip_allowed,
-    count_skip,
-)
+from aadl_func._src.anderson import Anderson, check_skip_allowed, count_skip, functions, step
+from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 
 __all__ = ["AcceleratedOptimizer", "accelerate"]
@@ -75,7 +68,7 @@ class _TakenStep:
 
 def _anderson_options(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with :func:`aadl_func.anderson`'s defaults filled in."""
-    signature = inspect.signature(anderson)
+    signature = inspect.signature(AndersonOptions)
     try:
         bound = signature.bind(None, **options)
     except TypeError as err:
@@ -141,8 +134,8 @@ class AcceleratedOptimizer(Optimizer):
         ):
             raise ValueError("AcceleratedOptimizer: `optimizer` is already accelerated")
         resolved = _anderson_options(anderson_options)
-        self._config = _make_config(_TakenStep(), **resolved)
-        self._anderson = Anderson(*_functions(self._config))
+        self._config = AndersonOptions(_TakenStep(), **resolved)
+        self._anderson = Anderson(*functions(self._config))
         self._options = _plain_values(resolved)
         self.optimizer = optimizer
         self._windows: list[AndersonState | None] = [None] * len(optimizer.param_groups)
@@ -308,8 +301,8 @@ class AcceleratedOptimizer(Optimizer):
             if windows[index] is None:
                 windows[index] = self._anderson.init(start)
             stepped = [p.detach() for p in params]
-            out, windows[index] = _update(
-                self._config, windows[index], start, stepped, inplace=True, loss_fn=None, plain=True
+            out, windows[index] = step(
+                self._config, windows[index], start, stepped, inplace=True, mix=False
             )
             for p, value in zip(params, out):
                 p.copy_(value)

@@ -1,0 +1,173 @@
+r"""Mode "classic": textbook (type-II) Anderson acceleration on the pairs :math:`(x_i, g(x_i))`.
+
+The window holds the newest point :math:`x_{k}` (the anchor, in the params' dtype), a ring of
+the steps :math:`\Delta x_i = x_i - x_{i-1}` between consecutive points and a ring of the
+residuals :math:`f_i = g(x_i) - x_i` (the inner updates). One call:
+
+.. math::
+
+    \alpha = \arg\min_{\sum \alpha = 1} \Big\|\sum_i \alpha_i f_i\Big\|^2 (+\ \text{ridge}),
+    \qquad
+    x^+ = \sum_i \alpha_i \big(x_i + \beta f_i\big)
+        = x_{k} + \sum_j w_j \Delta x_j + \beta \sum_i \alpha_i f_i,
+
+:math:`w_j = -\sum_{i<j} \alpha_i` (:func:`aadl_func._src.solve.classic_coefficients`): the
+points are combined through their steps, so a low-precision window rounds the steps, not
+the points. On a linear map with full history and :math:`\beta = 1` the iterates are
+GMRES's (Walker & Ni, 2011).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from aadl_func._src import distributed, flags, tree
+from aadl_func._src.solve import classic_coefficients
+from aadl_func._src.stages import (
+    Call,
+    Reduction,
+    advance,
+    append,
+    commit,
+    commit_plain,
+    count_outcome,
+    finite,
+    gate,
+    output,
+    owned,
+    plain_step,
+    safeguard,
+    solve,
+    store_anchor,
+    stores,
+    to_history,
+    to_params,
+    to_ring_order,
+    window_tree,
+)
+from aadl_func._src.state import AndersonState
+from aadl_func._src.window import combine, select, write_slot
+
+__all__ = ["base_bound", "classic_step", "mix_bound"]
+
+
+class Window(NamedTuple):
+    """The window after this call's pair was stored (or not)."""
+
+    iterates: tuple
+    anchor: list[Tensor]
+    ring: tuple
+    grams: tuple
+    head: Tensor
+    window_size: Tensor
+    poisoned: Tensor
+    reduction: Reduction | None
+
+
+def classic_step(call: Call) -> tuple[Any, AndersonState]:
+    """One ``update`` call in mode "classic"."""
+    state = call.state
+    unchanged = Window(
+        call.iterates,
+        call.anchor,
+        call.ring,
+        (state.gram, state.dr_gram, state.dr_rhs),
+        state.head,
+        state.window_size,
+        flags.FALSE,
+        None,
+    )
+    # The pair (x_k, g(x_k) - x_k) is stored before an in-place step overwrites x_k.
+    window = select(stores(call), lambda: store_pair(call), unchanged)
+    y = plain_step(call)
+    # Commit point (atomic.py): from here on the caller holds a finished plain step.
+    plain = commit_plain(
+        call,
+        window.ring,
+        window.grams,
+        window.head,
+        window.window_size,
+        window.poisoned,
+        anchor=window_tree(call, "anchor", window.anchor),
+        iterates=window_tree(call, "iterates", window.iterates),
+    )
+    mixes = gate(call, window.window_size)
+    # x is only used where mixable = mixes & ok holds (the safeguard, the output): a gate
+    # without a value (vmap, compile) computes it unblended.
+    x_hist, ok = select(mixes, lambda: extrapolate(call, window), lambda: no_mix(call), blend=False)
+    mixable = flags.both(mixes, ok)
+    x = select(mixable, lambda: to_params(call, x_hist), y, blend=False)
+    use_mix = safeguard(call, mixable, x, y)
+    out = output(call, use_mix, x, y)
+    final = count_outcome(call, plain, gate=mixes, ok=ok, use_mix=use_mix, poisoned=window.poisoned)
+    return tree.unflatten(call.spec, out), commit(call, final)
+
+
+def store_pair(call: Call) -> Window:
+    """The step ``x_k - x_{k-1}`` joins the iterates' ring, the residual ``u = g(x_k) - x_k``
+    the residuals' ring (with its Gram rows), and ``x_k`` becomes the anchor."""
+    state, anchor, iterates = call.state, call.anchor, call.iterates
+    slot, _ = advance(state.head, 1, modulo=call.q)
+    point = to_history(call.params, anchor)
+    step = [(x - a).to(d.dtype) for x, a, d in zip(point, anchor, iterates[0])]
+    iterates = write_slot(iterates, slot, to_history(step, iterates[0]), call.inplace)
+    residual = owned(call, to_history(call.updates, call.ring[0]), call.updates)
+    grams = (state.gram, state.dr_gram, state.dr_rhs)
+    ring, grams, head, size, poisoned, reduction = append(
+        call, call.ring, grams, state.head, state.window_size, residual
+    )
+    anchor = store_anchor(call, anchor, point, call.params)
+    return Window(iterates, anchor, ring, grams, head, size, poisoned, reduction)
+
+
+def extrapolate(call: Call, window: Window) -> tuple[list[Tensor], Tensor]:
+    """The mix :math:`x^+ = x_k + \\sum_j w_j \\Delta x_j + \\beta \\sum_i \\alpha_i f_i`
+    (compute dtype, history device) and whether it is usable (solved and finite)."""
+    solution = solve(
+        call, window.ring, window.grams, window.head, window.window_size, window.reduction
+    )
+    alpha, order = solution.weights.alpha, solution.order
+    # The sum of the steps comes first and the anchor is added last (a fresh tensor, in
+    # place), so that the sum rounds alike on every path, as without an anchor.
+    steps = combine(
+        None,
+        [window.iterates, window.ring],
+        torch.cat(
+            [
+                to_ring_order(classic_coefficients(alpha), order),
+                to_ring_order(call.options.relaxation * alpha, order),
+            ]
+        ),
+        call.compute_dtypes,
+        window.anchor,
+    )
+    x_hist = [v.add_(a) for v, a in zip(steps, window.anchor)]
+    return x_hist, finite(call, x_hist, solution)
+
+
+def no_mix(call: Call) -> tuple[list[Tensor], Tensor]:
+    """Placeholders for the blend under vmap, built only on calls that do not mix."""
+    zeros = [torch.zeros_like(r, dtype=c) for r, c in zip(call.ring[0], call.compute_dtypes)]
+    return zeros, flags.FALSE
+
+
+def base_bound(call: Call) -> Tensor:
+    r"""A bound of every iterate :math:`x_i = a - \sum_{j > i} \Delta x_j` on this rank:
+    ``max|a| + Q max|dx|`` over the old anchor and steps and the new ones (``a = x``,
+    ``dx = x - a_old``)."""
+    device = call.compute_device
+    anchor = distributed.max_abs(call.anchor, device)
+    newest = distributed.max_abs(call.params, device)
+    steps = [leaf for entry in call.iterates for leaf in entry]
+    step = torch.maximum(distributed.max_abs(steps, device), anchor + newest)
+    return torch.maximum(anchor, newest) + call.q * step
+
+
+def mix_bound(options: Any, alpha: Tensor, norms: Tensor, base: Tensor) -> Tensor:
+    r"""A bound of every entry of :math:`x^+ = \sum_i \alpha_i (x_i + \beta f_i)`:
+    :math:`A \sum_i |\alpha_i| + \beta \sum_i |\alpha_i| \|f_i\|`."""
+    a = alpha.abs()
+    return base * a.sum() + options.relaxation * torch.where(a > 0, a * norms, 0.0).sum()

@@ -1,0 +1,71 @@
+"""The modes of :func:`aadl_func.anderson`, one record each.
+
+Everything that differs between the modes is here or in the step function a record names:
+the ring's layout, how much window a mix needs, whether AADL's moving average applies, the
+step itself, and the bounds behind a sharded step's finiteness certificate
+(:func:`aadl_func._src.stages.certified_finite`). Adding a mode is adding a record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from aadl_func._src import aadl_step, classic_step
+
+__all__ = ["MODES", "Mode"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One mode of :func:`aadl_func.anderson`.
+
+    Attributes:
+      name: the ``mode`` option's value.
+      num_slots: ring slots for a ``history_depth``.
+      min_window: window entries (aadl: iterates, classic: pairs) before a mix.
+      keeps_iterates: the state holds a second ring (``AndersonState.iterates``) of steps.
+      averages: AADL's moving average (``average=True``) is defined for it.
+      step: ``step(call) -> (params, state)``, one ``update`` call
+        (:class:`aadl_func._src.stages.Call`).
+      base_bound: ``base_bound(call)``, this rank's bound of the combination's base.
+      mix_bound: ``mix_bound(options, alpha, norms, base)``, a bound of every entry of the mix
+        from the summed base bound and the residual norms.
+    """
+
+    name: str
+    num_slots: Callable[[int], int]
+    min_window: int
+    keeps_iterates: bool
+    averages: bool
+    step: Callable[..., tuple[Any, Any]]
+    base_bound: Callable[..., Any]
+    mix_bound: Callable[..., Any]
+
+
+MODES = {
+    # AADL stores differences of consecutive entries (depth - 1 of them) beside the newest.
+    "aadl": Mode(
+        name="aadl",
+        num_slots=lambda depth: depth - 1,
+        min_window=3,
+        keeps_iterates=False,
+        averages=True,
+        step=aadl_step.aadl_step,
+        base_bound=aadl_step.base_bound,
+        mix_bound=aadl_step.mix_bound,
+    ),
+    # Classic stores one residual and one step per pair. The moving average needs a window
+    # of plain iterates, whose spread the residual Gram of pairs does not give.
+    "classic": Mode(
+        name="classic",
+        num_slots=lambda depth: depth,
+        min_window=2,
+        keeps_iterates=True,
+        averages=False,
+        step=classic_step.classic_step,
+        base_bound=classic_step.base_bound,
+        mix_bound=classic_step.mix_bound,
+    ),
+}

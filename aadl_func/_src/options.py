@@ -1,0 +1,123 @@
+"""``AndersonOptions``: the options of :func:`aadl_func.anderson`, defined and validated once.
+
+:func:`aadl_func.anderson`, :class:`aadl_func.AcceleratedOptimizer` and
+:func:`aadl_func.accelerate` all build one of these; its fields, in order and with their
+defaults, are :func:`aadl_func.anderson`'s keyword arguments (a test holds the signature,
+this class and the README's signature block to the same list). Construction validates every
+field and raises an error that names the argument; the instance is immutable and hashable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aadl_func._src.modes import MODES, Mode
+from aadl_func._src.validation import (
+    check_bool,
+    check_choice,
+    check_device,
+    check_dtype,
+    check_float,
+    check_int,
+)
+
+__all__ = ["AndersonOptions"]
+
+OWNER = "anderson"
+
+
+@dataclasses.dataclass(frozen=True)
+class AndersonOptions:
+    """The validated options of :func:`aadl_func.anderson` (see its docstring for each)."""
+
+    inner: Any
+    history_depth: int = 10
+    relaxation: float = 1.0
+    reg: float = 0.0
+    wait_iterations: int = 0
+    store_each_nth: int = 1
+    frequency: int = 1
+    mode: str = "aadl"
+    average: bool = False
+    average_tol: float = 0.1
+    history_device: torch.device | str | None = None
+    compute_device: torch.device | str | None = None
+    history_dtype: torch.dtype | None = None
+    skip_nonfinite: bool = False
+    max_consecutive_skips: int | None = None
+    reg_relative: float = 0.0
+    restart_on_reject: bool = False
+
+    def __post_init__(self) -> None:
+        inner = self.inner
+        if not (
+            callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))
+        ):
+            raise TypeError(
+                f"{OWNER}: `inner` must have callable `init` and `update` (e.g. "
+                f"aadl_func.adam(...)), got {type(inner).__name__}"
+            )
+        mode = check_choice(OWNER, "mode", self.mode, tuple(MODES))
+        if not isinstance(self.average, bool):
+            raise TypeError(f"{OWNER}: `average` must be a bool, got {type(self.average).__name__}")
+        if self.average and not MODES[mode].averages:
+            raise ValueError(f"{OWNER}: `average=True` is defined for mode='aadl' only")
+        skips = self.max_consecutive_skips
+        checked = dict(
+            history_depth=check_int(OWNER, "history_depth", self.history_depth, 3),
+            relaxation=check_float(OWNER, "relaxation", self.relaxation, minimum=0.0, strict=True),
+            reg=check_float(OWNER, "reg", self.reg, minimum=0.0),
+            wait_iterations=check_int(OWNER, "wait_iterations", self.wait_iterations, 0),
+            store_each_nth=check_int(OWNER, "store_each_nth", self.store_each_nth, 1),
+            frequency=check_int(OWNER, "frequency", self.frequency, 1),
+            mode=mode,
+            average_tol=check_float(
+                OWNER, "average_tol", self.average_tol, minimum=0.0, strict=True
+            ),
+            history_device=check_device(OWNER, "history_device", self.history_device),
+            compute_device=check_device(OWNER, "compute_device", self.compute_device),
+            history_dtype=check_dtype(OWNER, "history_dtype", self.history_dtype),
+            skip_nonfinite=check_bool(OWNER, "skip_nonfinite", self.skip_nonfinite),
+            max_consecutive_skips=(
+                None if skips is None else check_int(OWNER, "max_consecutive_skips", skips, 0)
+            ),
+            reg_relative=check_float(OWNER, "reg_relative", self.reg_relative, minimum=0.0),
+            restart_on_reject=check_bool(OWNER, "restart_on_reject", self.restart_on_reject),
+        )
+        if checked["max_consecutive_skips"] is not None and not checked["skip_nonfinite"]:
+            raise ValueError(f"{OWNER}: `max_consecutive_skips` needs `skip_nonfinite=True`")
+        for name, value in checked.items():  # the normalised values (ints, floats, devices)
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names after ``inner``, in :func:`aadl_func.anderson`'s order."""
+        return tuple(field.name for field in dataclasses.fields(cls))[1:]
+
+    def values(self) -> dict[str, Any]:
+        """The options after ``inner`` by name (what a checkpoint records)."""
+        return {name: getattr(self, name) for name in self.names()}
+
+    @property
+    def rules(self) -> Mode:
+        """The mode's description: slot layout, window minimum, step function, bound."""
+        return MODES[self.mode]
+
+    @property
+    def num_slots(self) -> int:
+        return self.rules.num_slots(self.history_depth)
+
+    def history_device_of(self, p: Tensor) -> torch.device:
+        return self.history_device if self.history_device is not None else p.device
+
+    def history_dtype_of(self, p: Tensor) -> torch.dtype:
+        return self.history_dtype if self.history_dtype is not None else p.dtype
+
+    def compute_device_of(self, leaves: list[Tensor]) -> torch.device:
+        if self.compute_device is not None:
+            return self.compute_device
+        return self.history_device_of(leaves[0])

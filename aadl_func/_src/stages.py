@@ -1,0 +1,813 @@
+r"""The stages of one ``update`` call that both modes share.
+
+A mode's step function (:mod:`aadl_func._src.aadl_step`, :mod:`aadl_func._src.classic_step`)
+is a short sequence of these stages:
+
+1. :func:`plain_step` -- the inner optimizer's step :math:`y = g(x)`;
+2. :func:`append` -- the new residual joins the ring and its Gram rows the float64 Grams;
+3. :func:`commit_plain` -- the commit point: the caller now holds a finished plain step;
+4. :func:`solve` -- the mixing weights of the window's least-squares problem;
+5. the mode's own combination (:func:`aadl_func._src.window.combine`), then :func:`finite`
+   and :func:`safeguard` -- accept or reject the mix;
+6. :func:`output` and :func:`commit` -- the returned params and the final state.
+
+Every stage takes the :class:`Call` (the call's inputs, read-only) and returns what it
+computed; nothing is handed from one stage to another through shared attributes. The
+execution concerns a stage meets are left to the module that owns them: a gate without a
+value (vmap, torch.compile) to :func:`aadl_func._src.window.select`, the window passes'
+backends to :mod:`aadl_func._src.window`, an eager in-place commit to
+:mod:`aadl_func._src.atomic`, sharded params' reductions to :class:`Reduction` below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from aadl_func._src import distributed, flags, tree
+from aadl_func._src.atomic import InterruptGuard, write_back
+from aadl_func._src.solve import MixingWeights, solve_differences, solve_factor, stack_factors
+from aadl_func._src.state import AndersonState
+from aadl_func._src.window import (
+    assign,
+    blending,
+    difference_factor,
+    difference_rows,
+    select,
+    set_gram_row,
+    write_slot,
+)
+
+if TYPE_CHECKING:
+    from aadl_func._src.options import AndersonOptions
+
+__all__ = [
+    "Call",
+    "Reduction",
+    "Solution",
+    "advance",
+    "append",
+    "commit",
+    "commit_plain",
+    "count_outcome",
+    "finite",
+    "gate",
+    "output",
+    "plain_step",
+    "replace_newest",
+    "safeguard",
+    "solve",
+    "stores",
+    "to_history",
+    "to_params",
+    "to_ring_order",
+    "window_tree",
+]
+
+Params = Any
+
+
+class Call:
+    """One call of ``update``: its inputs and what follows from them alone, fixed before the
+    first stage runs and never written afterwards.
+
+    Attributes:
+      options: the :class:`~aadl_func._src.options.AndersonOptions`.
+      state: the state passed in (in an eager in-place call, the tensors every commit writes).
+      params, spec: the params' leaves ``x`` and their tree structure.
+      updates: the inner optimizer's update leaves ``u`` (``y = x + u``).
+      inner_state: the inner optimizer's state after this call's update.
+      inplace, loss_fn: as given to ``update``.
+      shards: sharded params only, the call's :class:`aadl_func._src.distributed.ShardedCall`.
+      guard: eager in-place calls only, the :class:`~aadl_func._src.atomic.InterruptGuard`.
+      plain: the wrapper's recovery: record the plain step, never mix.
+      count, count_value: the call's number (1-based) as a counter and, eagerly, as an int.
+      q: ring slots.
+      ring, anchor, iterates: the state's window leaves (``iterates``: mode "classic").
+      compute_device: where the Grams and the small problem live.
+      compute_dtypes: per params leaf, the dtype the mix is computed in.
+      overflow_limit: half the largest value of the params' and compute dtypes.
+      exact: a float64 window, solved through a QR factor instead of its Grams.
+    """
+
+    __slots__ = (
+        "options",
+        "state",
+        "params",
+        "spec",
+        "updates",
+        "inner_state",
+        "inplace",
+        "loss_fn",
+        "shards",
+        "guard",
+        "plain",
+        "count",
+        "count_value",
+        "q",
+        "ring",
+        "anchor",
+        "iterates",
+        "compute_device",
+        "compute_dtypes",
+        "overflow_limit",
+        "exact",
+    )
+
+    def __init__(
+        self,
+        options: AndersonOptions,
+        state: AndersonState,
+        params: list[Tensor],
+        spec: Any,
+        updates: list[Tensor],
+        inner_state: Any,
+        *,
+        inplace: bool,
+        loss_fn: Any,
+        shards: distributed.ShardedCall | None = None,
+        guard: InterruptGuard | None = None,
+        plain: bool = False,
+    ) -> None:
+        self.options = options
+        self.state = state
+        self.params = params
+        self.spec = spec
+        self.updates = updates
+        self.inner_state = inner_state
+        self.inplace = inplace
+        self.loss_fn = loss_fn
+        self.shards = shards
+        self.guard = guard
+        self.plain = plain
+        # Eager: the call's number as an int, from which the call-count gates are read
+        # without tensor operations (None under vmap / torch.compile).
+        self.count, self.count_value = advance(state.count, 1)
+        self.q = options.num_slots
+        self.ring = tuple(tree.flatten(r, "state.residuals")[0] for r in state.residuals)
+        self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
+        self.iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
+        self.compute_device = state.gram.device
+        self.compute_dtypes, self.overflow_limit = _arithmetic(
+            options.history_dtype, tuple(p.dtype for p in params)
+        )
+        # A float64 window is mixed through a QR factor of its differences (accurate to
+        # eps * cond); other windows through their float64 Gram matrices (O(m n)).
+        self.exact = all(leaf.dtype == torch.float64 for leaf in self.ring[0])
+
+
+class Reduction(NamedTuple):
+    """Sharded params: what the call's one all_reduce summed over ranks (:func:`reduce_rows`).
+
+    Attributes:
+      rows: ``(g, h, c)``, the newest residual's rows of ``gram``, ``dr_gram`` and ``dr_rhs``.
+      factor: a float64 window's QR factor of the whole window's differences (else None).
+      base_bound: the bound of the combination's base, for :func:`certified_finite`.
+    """
+
+    rows: tuple
+    factor: Tensor | None
+    base_bound: Tensor
+
+
+class Solution(NamedTuple):
+    """:func:`solve`'s result.
+
+    Attributes:
+      weights: the :class:`~aadl_func._src.solve.MixingWeights` (chronological).
+      order: the chronological slot order for :func:`to_ring_order`.
+      reduction: sharded params only, the call's :class:`Reduction` (else None).
+      norms: sharded params only, :math:`\\|f_i\\|` chronological (else None).
+    """
+
+    weights: MixingWeights
+    order: Tensor | int
+    reduction: Reduction | None = None
+    norms: Tensor | None = None
+
+
+# -- the plain step ---------------------------------------------------------------------------
+def plain_step(call: Call) -> list[Tensor]:
+    """``y = x + u``: the plain step, written into the params' buffers if ``inplace``."""
+    if call.inplace:
+        if not blending():
+            return [p.add_(u) for p, u in zip(call.params, call.updates)]
+        for p, u in zip(call.params, call.updates):
+            assign(p, p + u)  # inside a blended select (skip_nonfinite, traced)
+        return call.params
+    return [p + u for p, u in zip(call.params, call.updates)]
+
+
+def owned(call: Call, values: list[Tensor], callers: list[Tensor]) -> list[Tensor]:
+    """``values`` with copies of those that are the caller's own tensors.
+
+    The window must own its buffers, or a caller writing into what it passed or got back
+    (``x.copy_(new)``, a later in-place step) corrupts it. In-place steps copy into the
+    window's slots anyway, so nothing needs cloning there.
+    """
+    if call.inplace:
+        return values
+    return [v.clone() if v is c else v for v, c in zip(values, callers)]
+
+
+def store_anchor(
+    call: Call, anchor: list[Tensor], values: list[Tensor], callers: list[Tensor]
+) -> list[Tensor]:
+    """The anchor after ``anchor = values`` (the newest entry, in the params' dtype): copied
+    into its buffers in place, else ``values`` owned by the window (``callers``: the caller's
+    tensors that ``values`` may be, see :func:`owned`)."""
+    if call.inplace:
+        for a, v in zip(anchor, values):
+            assign(a, v)
+        return anchor
+    return owned(call, values, callers)
+
+
+def to_history(leaves: list[Tensor], like: list[Tensor]) -> list[Tensor]:
+    """Leaves moved to the window's device/dtype/layout (O(n) per leaf, no-op if there).
+
+    A copy from CUDA to a CPU window lands in page-locked memory (``non_blocking``), all
+    leaves in flight at once; the CPU reads the window right away, so we wait for those
+    copies once before handing the leaves over (reading them earlier would race).
+    """
+    moved, streams = [], {}
+    for v, w in zip(leaves, like):
+        moved.append(v.to(device=w.device, dtype=w.dtype, non_blocking=True))
+        if v.is_cuda and w.device.type == "cpu" and not tree.is_transformed(v):
+            streams[v.device] = torch.cuda.current_stream(v.device)
+    for stream in streams.values():
+        stream.synchronize()
+    return [tree.as_layout(v, w) for v, w in zip(moved, like)]
+
+
+def to_params(call: Call, leaves: list[Tensor]) -> list[Tensor]:
+    """Leaves moved to the params' devices and dtypes. From a page-locked CPU window to
+    CUDA the copy is asynchronous (stream-ordered before any use of the params)."""
+    return [
+        v.to(device=p.device, dtype=p.dtype, non_blocking=True) for v, p in zip(leaves, call.params)
+    ]
+
+
+# -- the call-count gates ---------------------------------------------------------------------
+def may_mix(call: Call) -> Tensor:
+    """The call-count gates of a mix: past ``wait_iterations`` and on the ``frequency``;
+    eagerly read from the call's number."""
+    options = call.options
+    if call.count_value is not None:
+        count = call.count_value
+        return flags.known(count > options.wait_iterations and count % options.frequency == 0)
+    return (call.count > options.wait_iterations) & (call.count % options.frequency == 0)
+
+
+def gate(call: Call, window_size: Tensor) -> Tensor:
+    """Whether this call mixes: past ``wait_iterations``, on the ``frequency``, with the
+    mode's minimum window (and never in the wrapper's ``plain`` recovery)."""
+    if call.plain:
+        return flags.FALSE
+    minimum = call.options.rules.min_window
+    mixes = may_mix(call)
+    size = tree.static_value(window_size)
+    known = flags.value(mixes)
+    if size is not None and known is not None:
+        return flags.known(known and size >= minimum)
+    return flags.both(mixes, window_size >= minimum)
+
+
+def stores(call: Call) -> Tensor:
+    """Whether this call stores its plain step in the window (every ``store_each_nth``)."""
+    if call.count_value is not None:
+        return flags.known(call.count_value % call.options.store_each_nth == 0)
+    return call.count % call.options.store_each_nth == 0
+
+
+# -- the ring and its Grams -------------------------------------------------------------------
+def _slot_valid(q: int, head: Tensor, num_residuals: Tensor) -> Tensor:
+    """Ring-order mask of slots holding one of the newest ``num_residuals`` residuals."""
+    age = (head - torch.arange(q, device=head.device)) % q
+    return age < num_residuals
+
+
+def _chronological(q: int, head: Tensor) -> Tensor:
+    """Ring slots from oldest to newest (the newest is ``head``)."""
+    return (head + 1 + torch.arange(q, device=head.device)) % q
+
+
+def _difference_valid(q: int, num_residuals: Tensor) -> Tensor:
+    """Chronological mask of the differences ``f_{j+1} - f_j`` between valid residuals."""
+    return torch.arange(q - 1) >= q - num_residuals
+
+
+def append(
+    call: Call,
+    ring: tuple,
+    grams: tuple,
+    head: Tensor,
+    num_residuals: Tensor,
+    residual: list[Tensor],
+    g: Tensor | None = None,
+) -> tuple[tuple, tuple, Tensor, Tensor, Tensor, Reduction | None]:
+    """Writes ``residual`` into the next slot and updates ``grams = (gram, dr_gram, dr_rhs)``.
+
+    ``g``: the residual's Gram row when :func:`~aadl_func._src.window.append_difference`
+    already computed it.
+
+    A residual whose Gram rows are not finite (an Inf/NaN iterate) is zeroed and the window
+    restarts from the newest entry, so poisoned data never reaches a later mix.
+
+    Returns ``(ring, grams, head, num_residuals, poisoned, reduction)``; ``reduction`` (sharded
+    params only) holds the sums over ranks that :func:`solve` then uses.
+    """
+    q = call.q
+    slot, _ = advance(head, 1, modulo=q)
+    ring = write_slot(ring, slot, residual, call.inplace)
+    rows = local_rows = difference_rows(ring, slot, call.compute_device, grams[0], g=g)
+    grown, _ = advance(num_residuals, 1, high=q)
+    reduction = None
+    if call.shards is not None:
+        # The state keeps the newest rows as this rank's partial sums; the decisions below
+        # use the sums over ranks. A float64 window's factor for this call's mix rides
+        # along in the same all_reduce.
+        grams, reduction = reduce_rows(
+            call, grams, head, rows, _shard_factor(call, ring, slot, grown)
+        )
+        rows = reduction.rows
+    stacked = torch.stack(rows)  # (3, Q): one finiteness check for the three rows
+    if tree.static_value(grown) != q:  # a full window has no invalid slot to mask
+        valid = _slot_valid(q, slot, grown).to(stacked.device)
+        stacked = torch.where(valid, stacked, 0.0)
+    poisoned = flags.negate(flags.all_finite(stacked, call.compute_device))
+
+    def restart() -> tuple:
+        if blending():  # blended into the slot by select: a broadcast zero, no fill
+            zeros = [r.new_zeros(()).expand_as(r) for r in residual]
+        else:
+            zeros = [torch.zeros_like(r) for r in residual]
+        return write_slot(ring, slot, zeros, call.inplace), tuple(map(torch.zeros_like, grams))
+
+    g, h, c = local_rows
+    updated = (set_gram_row(grams[0], slot, g), set_gram_row(grams[1], slot, h), c)
+    ring, grams = select(poisoned, restart, (ring, updated))
+    num_residuals = select(poisoned, lambda: torch.zeros_like(grown), grown)
+    if reduction is not None:
+        summed = select(poisoned, lambda: tuple(map(torch.zeros_like, rows)), rows)
+        reduction = reduction._replace(rows=summed)
+    return ring, grams, slot, num_residuals, poisoned, reduction
+
+
+def replace_newest(call: Call, ring: tuple, grams: tuple, head: Tensor, residual: list[Tensor]):
+    """``ring[head] = residual`` (the safeguard moved the newest entry) and its Gram rows.
+
+    Only the newest residual changed, so the rows of ``head`` and ``dr_rhs`` are recomputed;
+    the difference it forms with its successor belongs to the oldest slot, which is unused.
+    Sharded, the rows come from this rank's data alone (``direct``): the row of the
+    previous residual in ``grams`` was summed over ranks by this call's reduction.
+    """
+    ring = write_slot(ring, head, residual, call.inplace)
+    g, h, c = difference_rows(
+        ring, head, call.compute_device, grams[0], direct=call.shards is not None
+    )
+    return ring, (set_gram_row(grams[0], head, g), set_gram_row(grams[1], head, h), c)
+
+
+# -- the least-squares problem ----------------------------------------------------------------
+def _factor(call: Call, ring: tuple, head: Tensor, num_residuals: Tensor) -> Tensor:
+    """The float64 QR factor of ``[DF | f_head]`` over the valid residuals of ``ring``
+    (this rank's rows only when sharded): one streaming pass, O(Q^2 n) flops."""
+    order = _chronological(call.q, head)
+    valid = _difference_valid(call.q, num_residuals)
+    return difference_factor(ring, order, valid, call.compute_device)
+
+
+def solve(
+    call: Call,
+    ring: tuple,
+    grams: tuple,
+    head: Tensor,
+    num_residuals: Tensor,
+    reduction: Reduction | None = None,
+) -> Solution:
+    """The mixing weights of the window (chronological) and the chronological slot order
+    (a tensor of ring slots; eagerly, the newest slot as an int: see :func:`to_ring_order`).
+
+    A float64 window: a float64 QR factor of ``[DF | f_last]`` streamed from the ring
+    (summed over ranks by stacking every rank's factor) and
+    :func:`aadl_func._src.solve.solve_factor`, accurate to ``eps * cond(DF)``. Other
+    windows: the incrementally kept float64 Gram matrices and
+    :func:`aadl_func._src.solve.solve_differences` (normal equations, ``O(Q^2)``).
+
+    Sharded params: ``reduction`` is :func:`append`'s, or made here on a call that stored
+    nothing; the :class:`Solution` carries it on to :func:`finite`.
+    """
+    q = call.q
+    gram, dr_gram, dr_rhs = grams
+    if call.shards is not None:
+        if reduction is None:
+            factor = _shard_factor(call, ring, head, num_residuals)
+            (gram, dr_gram, _), reduction = reduce_rows(call, grams, head, factor=factor)
+        g, h, dr_rhs = reduction.rows
+        gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
+    newest = tree.static_value(head)
+    if newest is not None:
+        # Eager: a cached index instead of index arithmetic on every call.
+        slots, later = _chronological_slots(q, newest, gram.device)
+    else:
+        slots = _chronological(q, head).to(call.compute_device)
+        later = slots[1:]  # d at chronological position j + 1 is the column of gamma_j
+    residual_sq = torch.diagonal(gram).index_select(0, slots)  # ||f_i||^2, oldest first
+    dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
+    dr_rhs = dr_rhs.index_select(0, later)
+    order = newest if newest is not None else slots
+    num_valid = num_residuals.to(call.compute_device)
+    reg = regularisation(call.options, dr_chrono, num_valid)
+    if call.exact:
+        if reduction is not None:
+            factor = reduction.factor  # every rank's, from this call's all_reduce
+        else:
+            factor = _factor(call, ring, head, num_residuals)
+        valid = _difference_valid(q, num_residuals).to(call.compute_device)
+        weights = solve_factor(factor, valid, reg)
+    else:
+        weights = solve_differences(
+            dr_chrono, dr_rhs, residual_sq, num_valid, reg, residual_norm=False
+        )
+    if reduction is None:
+        return Solution(weights, order)
+    return Solution(weights, order, reduction, residual_sq.clamp(min=0.0).sqrt())
+
+
+def regularisation(
+    options: AndersonOptions, dr_chrono: Tensor, num_valid: Tensor
+) -> float | Tensor:
+    r"""The Tikhonov weight :math:`\lambda = \mathrm{reg} + \mathrm{reg\_relative}\,
+    \|\Delta F\|_F^2 / m` of the small problem.
+
+    :math:`\Delta F` holds the :math:`m` valid differences of consecutive residuals (the
+    columns of :math:`\gamma`), so the relative part is their mean squared norm, the
+    diagonal of ``dr_chrono`` (:math:`\Delta F^\top \Delta F`, chronological) over the
+    valid columns: no pass over the window. Scaling every residual by :math:`s` scales
+    both sides of the normal equations by :math:`s^2`, so this part leaves
+    :math:`\gamma` unchanged (scale-free, unlike the absolute ``reg``).
+    """
+    if options.reg_relative == 0.0:
+        return options.reg
+    m = dr_chrono.shape[0]
+    # gamma_j (j = 0..m-1) is valid when residuals j and j + 1 both are (solve.py).
+    valid = torch.arange(m, device=dr_chrono.device) >= m + 1 - num_valid
+    mean_sq = torch.where(valid, torch.diagonal(dr_chrono), 0.0).sum() / valid.sum().clamp(min=1)
+    return options.reg + options.reg_relative * mean_sq
+
+
+def to_ring_order(chrono_values: Tensor, order: Tensor | int) -> Tensor:
+    """Values by chronological position (oldest first) moved to their ring slots;
+    ``order`` from :func:`solve`."""
+    if isinstance(order, int):  # the newest slot: position j is slot (order + 1 + j) % Q
+        return chrono_values.roll(order + 1)
+    return torch.zeros_like(chrono_values).index_copy(0, order, chrono_values)
+
+
+# -- accept or reject -------------------------------------------------------------------------
+def finite(call: Call, leaves: list[Tensor], solution: Solution) -> Tensor:
+    """Whether the mix ``leaves`` is finite in the params' dtypes (and the solve was)."""
+    solved = flags.decision(solution.weights.ok, call.compute_device)
+    if call.shards is not None:
+        # A local check would differ between ranks; the certificate is the same on all.
+        return flags.both(solved, certified_finite(call, solution))
+    # Checked against the params' dtype, which the mix is cast to: a float32 mix of fp16
+    # params can be finite and still overflow there. NaN fails both comparisons.
+    flag = flags.TRUE
+    for t, p in zip(leaves, call.params):
+        if t.numel() == 0:
+            continue
+        limit = torch.finfo(p.dtype).max
+        transformed = tree.is_transformed(t)
+        if transformed:
+            # Batched, aminmax runs as a per-row reduction ~10x slower than amin + amax.
+            low, high = t.amin(), t.amax()
+        else:
+            low, high = torch.aminmax(t)
+        if not transformed and flags.value(flag) is not None:
+            # Eager on the CPU: the two values read and compared in Python (no device
+            # wait there), which saves the small comparison operations.
+            lo, hi = low.item(), high.item()
+            if not (lo >= -limit and hi <= limit):
+                return flags.both(solved, flags.FALSE)
+            continue
+        flag = flags.both(
+            flag, tree.decision((low >= -limit) & (high <= limit), call.compute_device)
+        )
+    return flags.both(solved, flag)
+
+
+def safeguard(call: Call, gate: Tensor, x: list[Tensor], y: list[Tensor]) -> Tensor:
+    """``gate`` and ``loss_fn(x) < loss_fn(y)`` (both finite); ``gate`` without ``loss_fn``."""
+    loss_fn = call.loss_fn
+    if loss_fn is None:
+        return gate
+
+    def decide() -> Tensor:
+        with callbacks(call):
+            loss_x = loss_fn(tree.unflatten(call.spec, x))
+            loss_y = loss_fn(tree.unflatten(call.spec, y))
+        for loss in (loss_x, loss_y):
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError("anderson.update: `loss_fn` must return a scalar tensor")
+        if call.shards is not None:
+            loss_x, loss_y = call.shards.mean_losses(loss_x, loss_y)
+        better = torch.isfinite(loss_x) & (loss_x < loss_y)
+        return flags.both(gate, flags.decision(better.reshape(()), call.compute_device))
+
+    return select(gate, decide, flags.FALSE)
+
+
+def restarted(call: Call, window_size: Tensor, rejected: Tensor) -> Tensor:
+    """``restart_on_reject``: the window size after a rejected mix is cut to the newest
+    entry (aadl) or pair (classic); older slots count again only once overwritten."""
+    if not call.options.restart_on_reject:
+        return window_size
+    known = flags.value(rejected)
+    if known is not None:
+        return window_size.clamp(max=1) if known else window_size
+    return torch.where(rejected, window_size.clamp(max=1), window_size)
+
+
+def output(call: Call, use_mix: Tensor, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
+    """The returned params: ``x`` where ``use_mix`` else ``y``, in the params' buffers if
+    ``inplace`` (``y`` already lives there)."""
+    chosen = select(use_mix, lambda: x, y)
+    if call.inplace:
+        for p, v in zip(call.params, chosen):
+            if v is not p:
+                assign(p, v)
+        return call.params
+    return list(chosen)
+
+
+# -- the state and its commits ----------------------------------------------------------------
+def window_tree(call: Call, name: str, leaves: Any) -> Any:
+    """The state field ``name`` (``anchor``: one list of leaves; ``residuals`` and
+    ``iterates``: one list per slot) as trees like ``params``. When every leaf is the
+    caller's own tensor (a window written in place, or not written) this is the caller's
+    own field object: nothing to rebuild, and nothing to write back at a commit."""
+    mine = {"anchor": call.anchor, "residuals": call.ring, "iterates": call.iterates}[name]
+    if name == "anchor":
+        if _same_leaves(leaves, mine):
+            return call.state.anchor
+        return tree.unflatten(call.spec, list(leaves))
+    if len(leaves) == len(mine) and all(_same_leaves(a, b) for a, b in zip(leaves, mine)):
+        return getattr(call.state, name)
+    return tuple(tree.unflatten(call.spec, list(r)) for r in leaves)
+
+
+def commit_plain(
+    call: Call,
+    ring: tuple,
+    grams: tuple,
+    head: Tensor,
+    window_size: Tensor,
+    poisoned: Tensor,
+    **fields: Any,
+) -> AndersonState:
+    """The commit point: the state after this call's plain step (the window after its
+    append, and the mode's own ``fields``), made the caller's; a Ctrl-C deferred so far is
+    raised here."""
+    state = call.state
+    plain = state._replace(
+        count=call.count,
+        inner_state=call.inner_state,
+        skip_streak=select(
+            flags.known(tree.static_value(state.skip_streak) == 0),
+            lambda: state.skip_streak,
+            lambda: torch.zeros_like(state.skip_streak),
+        ),
+        residuals=window_tree(call, "residuals", ring),
+        gram=grams[0],
+        dr_gram=grams[1],
+        dr_rhs=grams[2],
+        head=head,
+        window_size=window_size,
+        num_nonfinite=flags.add_if(state.num_nonfinite, poisoned),
+        **fields,
+    )
+    # In place, the caller's state now holds these values: building the final state
+    # from it leaves the fields the mix does not change as the caller's own tensors,
+    # which the final commit then need not copy again.
+    plain = commit(call, plain)
+    if call.guard is not None:
+        call.guard.checkpoint()
+    return plain
+
+
+def count_outcome(
+    call: Call,
+    plain: AndersonState,
+    *,
+    gate: Tensor,
+    ok: Tensor,
+    use_mix: Tensor,
+    poisoned: Tensor,
+    **fields: Any,
+) -> AndersonState:
+    """The final state: ``plain`` with the mix's outcome counted (and the mode's ``fields``)."""
+    mixable = flags.both(gate, ok)
+    rejected = flags.both(mixable, flags.negate(use_mix))
+    failed = flags.both(gate, flags.both(flags.negate(ok), flags.negate(poisoned)))
+    return plain._replace(
+        window_size=restarted(call, plain.window_size, rejected),
+        num_mixed=flags.add_if(plain.num_mixed, use_mix),
+        num_rejected=flags.add_if(plain.num_rejected, rejected),
+        # A poisoned append was counted at the commit; a failed mix on a poisoned call
+        # is the same event.
+        num_nonfinite=flags.add_if(plain.num_nonfinite, failed),
+        **fields,
+    )
+
+
+def commit(call: Call, new_state: AndersonState) -> AndersonState:
+    """Makes ``new_state`` the caller's: in an eager in-place call its values are written
+    into the tensors of the state passed in (which is returned), see atomic.py."""
+    if call.guard is None:
+        return new_state
+    write_back(call.state, new_state)
+    return call.state
+
+
+def callbacks(call: Call) -> contextlib.AbstractContextManager:
+    """Where the user's ``loss_fn`` runs: interruptible, after a deferred Ctrl-C is raised."""
+    return call.guard.callbacks() if call.guard is not None else contextlib.nullcontext()
+
+
+# -- sharded params (DTensor / FSDP2; see distributed.py) -------------------------------------
+def _shard_factor(call: Call, ring: tuple, head: Tensor, num_residuals: Tensor) -> Tensor | None:
+    """This rank's factor for the step's all_reduce: float64 windows, on calls that may mix."""
+    if not call.exact or flags.value(may_mix(call)) is False:
+        return None
+    return _factor(call, ring, head, num_residuals)
+
+
+def reduce_rows(
+    call: Call,
+    grams: tuple,
+    head: Tensor,
+    new_rows: tuple | None = None,
+    factor: Tensor | None = None,
+) -> tuple[tuple, Reduction]:
+    """The step's one all_reduce over the shard group.
+
+    Sums over ranks, in one float64 vector: the rows ``gram[head]`` and ``dr_gram[head]`` of
+    the previous newest residual (kept as this rank's partial sums because the safeguard
+    may have replaced that residual after the previous reduction), then either the three
+    partial rows of the residual appended now (``new_rows``) or the partial ``dr_rhs``,
+    then, with ``factor`` (this rank's ``Q x Q`` QR factor of a float64 window), a
+    ``(world, Q, Q)`` block holding it in this rank's slot and zeros elsewhere, and this
+    rank's bound for :func:`certified_finite`.
+
+    The sum of the blocks is every rank's factor, in rank order, on every rank; their
+    stacked QR (:func:`aadl_func._src.solve.stack_factors`) is the factor of the whole
+    window, identical on all ranks. (Summing the factors' Gram matrices would square the
+    condition number again; a TSQR tree needs a reduction with QR as its operator, which
+    collectives do not offer.)
+
+    Returns ``(grams with the head rows summed, the Reduction)``.
+    """
+    q = call.q
+    shards = call.shards
+    gram, dr_gram, dr_rhs = grams
+    device = gram.device
+    at = head.to(device)
+    tail = list(new_rows) if new_rows is not None else [dr_rhs]
+    parts = [gram[at], dr_gram[at], *(t.to(device) for t in tail)]
+    rows_end = sum(p.numel() for p in parts)
+    world = shards.world_size
+    if factor is not None:
+        own = torch.arange(world, device=device) == shards.rank
+        slots = torch.where(own[:, None, None], factor.to(device)[None], 0.0)
+        parts.append(slots.reshape(-1))
+    parts.append(_local_base_bound(call).to(device).reshape(1))
+    total = shards.all_sum(torch.cat(parts))
+    summed_factor = None
+    if factor is not None:
+        every_rank = total[rows_end : rows_end + world * q * q].reshape(world * q, q)
+        summed_factor = stack_factors([every_rank])
+    gram = set_gram_row(gram, head, total[:q])
+    dr_gram = set_gram_row(dr_gram, head, total[q : 2 * q])
+    if new_rows is not None:
+        summed = (total[2 * q : 3 * q], total[3 * q : 4 * q], total[4 * q : 5 * q])
+    else:
+        summed = (total[:q], total[q : 2 * q], total[2 * q : 3 * q])
+    return (gram, dr_gram, dr_rhs), Reduction(summed, summed_factor, total[-1])
+
+
+def _local_base_bound(call: Call) -> Tensor:
+    """This rank's bound of the combination's base (the mode's rule); 0 if no mix can happen."""
+    known = flags.value(may_mix(call))
+    if known is not None and not known:
+        return torch.zeros((), dtype=torch.float64, device=call.compute_device)
+    return call.options.rules.base_bound(call)
+
+
+def certified_finite(call: Call, solution: Solution) -> Tensor:
+    r"""Whether the mix is certainly finite, from reduced quantities only (same on all ranks):
+    the mode's bound of every entry of the mix (from the summed base bound and
+    :math:`\|r_s\| = \sqrt{G_{ss}}`) is at most half the largest value of the parameter and
+    compute dtypes."""
+    bound = call.options.rules.mix_bound(
+        call.options, solution.weights.alpha, solution.norms, solution.reduction.base_bound
+    )
+    return tree.decision(bound <= call.overflow_limit, call.compute_device)
+
+
+def max_abs_leaves(call: Call, leaves: list[Tensor]) -> Tensor:
+    """The largest magnitude over ``leaves`` on this rank (float64, compute device)."""
+    return distributed.max_abs(leaves, call.compute_device)
+
+
+# -- small helpers ----------------------------------------------------------------------------
+def advance(
+    counter: Tensor,
+    step: int,
+    *,
+    modulo: int | None = None,
+    low: int | None = None,
+    high: int | None = None,
+) -> tuple[Tensor, int | None]:
+    """``counter + step`` (a 0-d int64 counter), then taken ``% modulo`` or clamped to
+    ``[low, high]``: a new tensor and, eagerly, its value as an int (else ``None``).
+
+    An eager counter is read once and the result made in one operation; the same chain of
+    tensor operations (``clamp(w - 1, min=0)``: two) costs a few microseconds per link,
+    which adds up over the counters a step advances. Under vmap or torch.compile the chain
+    is applied to the tensor.
+    """
+    value = tree.static_value(counter)
+    if value is None:
+        result = counter + step
+        if modulo is not None:
+            result = result % modulo
+        if low is not None or high is not None:
+            result = torch.clamp(result, min=low, max=high)
+        return result, None
+    value += step
+    if modulo is not None:
+        value %= modulo
+    if low is not None:
+        value = max(value, low)
+    if high is not None:
+        value = min(value, high)
+    return torch.scalar_tensor(value, dtype=torch.int64), value
+
+
+_ARITHMETIC: dict[tuple, tuple[tuple[torch.dtype, ...], float]] = {}
+
+
+def _arithmetic(
+    history_dtype: torch.dtype | None, param_dtypes: tuple[torch.dtype, ...]
+) -> tuple[tuple[torch.dtype, ...], float]:
+    """Per params leaf, the dtype the mix is computed in (the params' and the history's,
+    at least float32), and the overflow limit of :func:`finite`'s certificate: half the
+    largest value of every params and compute dtype. Cached for eager calls, which ask on
+    every step (a traced step computes it once, at trace time)."""
+    key = (history_dtype, param_dtypes)
+    if not tree.tracing() and key in _ARITHMETIC:
+        return _ARITHMETIC[key]
+    compute = tuple(
+        torch.promote_types(torch.promote_types(d, history_dtype or d), torch.float32)
+        for d in param_dtypes
+    )
+    result = compute, 0.5 * min(torch.finfo(d).max for d in [*param_dtypes, *compute])
+    if not tree.tracing():
+        _ARITHMETIC[key] = result
+    return result
+
+
+_SLOT_ORDERS: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _chronological_slots(q: int, newest: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The ring slots oldest first when ``newest`` is the newest one, and those after the
+    oldest (the slots of the differences' newer ends), cached: a handful of tiny index
+    tensors per device, shared read-only by every step."""
+    key = (q, newest, device)
+    if key not in _SLOT_ORDERS:
+        slots = torch.tensor([(newest + 1 + j) % q for j in range(q)], device=device)
+        _SLOT_ORDERS[key] = (slots, slots[1:])
+    return _SLOT_ORDERS[key]
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def read_slot(ring: tuple, slot: Tensor) -> list[Tensor]:
+    """The leaves of ``ring[slot]`` (``slot`` a 0-d tensor, traced or not)."""
+    index = tree.static_value(slot)
+    if index is not None:
+        return list(ring[index])
+    # index_select, not ``[slot]``: indexing with a tensor would read its value (torch.compile).
+    at = slot.reshape(1)
+    return [
+        torch.stack([entries[i] for entries in ring]).index_select(0, at.to(ring[0][i].device))[0]
+        for i in range(len(ring[0]))
+    ]
