@@ -1,4 +1,10 @@
-"""The pure AADL extrapolation over an explicit window: the reference every fast path matches."""
+"""``mix``: AADL's extrapolation over an explicit, stacked window (no state, no ring).
+
+It is the package's reference for the step: ``update`` does not call it, but mixes with the
+same solver (:func:`aadl_func._src.solve.solve_factor` for float64 windows) and the same
+coefficients (:func:`aadl_func._src.solve.aadl_coefficients`) over its ring, and the tests
+hold the two to each other and both to NumPy references written from the mathematics.
+"""
 
 from __future__ import annotations
 

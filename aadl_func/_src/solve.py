@@ -33,7 +33,7 @@ CUDA) exactly when the window was rank deficient."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -51,6 +51,7 @@ __all__ = [
     "RTOL",
     "aadl_coefficients",
     "classic_coefficients",
+    "ridge",
 ]
 
 # Factor route: singular values of DF (shifted by reg) at or below RCOND * s are dropped, s the
@@ -429,3 +430,23 @@ def classic_coefficients(alpha: Tensor) -> Tensor:
     """
     partial = torch.cumsum(alpha, 0)
     return torch.cat([torch.zeros_like(partial[:1]), -partial[:-1]])
+
+
+def ridge(options: Any, dr_chrono: Tensor, num_valid: Tensor) -> float | Tensor:
+    r"""The Tikhonov weight of the small problem for :func:`aadl_func.anderson`'s ``options``:
+    :math:`\lambda = \mathrm{reg} + \mathrm{reg\_relative}\, \|\Delta F\|_F^2 / m`.
+
+    :math:`\Delta F` holds the :math:`m` valid differences of consecutive residuals (the
+    columns of :math:`\gamma`), so the relative part is their mean squared norm, the
+    diagonal of ``dr_chrono`` (:math:`\Delta F^\top \Delta F`, chronological) over the
+    valid columns: no pass over the window. Scaling every residual by :math:`s` scales
+    both sides of the normal equations by :math:`s^2`, so this part leaves
+    :math:`\gamma` unchanged (scale-free, unlike the absolute ``reg``).
+    """
+    if options.reg_relative == 0.0:
+        return options.reg
+    m = dr_chrono.shape[0]
+    # gamma_j (j = 0..m-1) is valid when residuals j and j + 1 both are (solve_differences).
+    valid = torch.arange(m, device=dr_chrono.device) >= m + 1 - num_valid
+    mean_sq = torch.where(valid, torch.diagonal(dr_chrono), 0.0).sum() / valid.sum().clamp(min=1)
+    return options.reg + options.reg_relative * mean_sq

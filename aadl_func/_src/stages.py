@@ -29,7 +29,13 @@ from torch import Tensor
 
 from aadl_func._src import distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard, write_back
-from aadl_func._src.solve import MixingWeights, solve_differences, solve_factor, stack_factors
+from aadl_func._src.solve import (
+    MixingWeights,
+    ridge,
+    solve_differences,
+    solve_factor,
+    stack_factors,
+)
 from aadl_func._src.state import AndersonState
 from aadl_func._src.window import (
     assign,
@@ -421,7 +427,7 @@ def solve(
     dr_rhs = dr_rhs.index_select(0, later)
     order = newest if newest is not None else slots
     num_valid = num_residuals.to(call.compute_device)
-    reg = regularisation(call.options, dr_chrono, num_valid)
+    reg = ridge(call.options, dr_chrono, num_valid)
     if call.exact:
         if reduction is not None:
             factor = reduction.factor  # every rank's, from this call's all_reduce
@@ -436,28 +442,6 @@ def solve(
     if reduction is None:
         return Solution(weights, order)
     return Solution(weights, order, reduction, residual_sq.clamp(min=0.0).sqrt())
-
-
-def regularisation(
-    options: AndersonOptions, dr_chrono: Tensor, num_valid: Tensor
-) -> float | Tensor:
-    r"""The Tikhonov weight :math:`\lambda = \mathrm{reg} + \mathrm{reg\_relative}\,
-    \|\Delta F\|_F^2 / m` of the small problem.
-
-    :math:`\Delta F` holds the :math:`m` valid differences of consecutive residuals (the
-    columns of :math:`\gamma`), so the relative part is their mean squared norm, the
-    diagonal of ``dr_chrono`` (:math:`\Delta F^\top \Delta F`, chronological) over the
-    valid columns: no pass over the window. Scaling every residual by :math:`s` scales
-    both sides of the normal equations by :math:`s^2`, so this part leaves
-    :math:`\gamma` unchanged (scale-free, unlike the absolute ``reg``).
-    """
-    if options.reg_relative == 0.0:
-        return options.reg
-    m = dr_chrono.shape[0]
-    # gamma_j (j = 0..m-1) is valid when residuals j and j + 1 both are (solve.py).
-    valid = torch.arange(m, device=dr_chrono.device) >= m + 1 - num_valid
-    mean_sq = torch.where(valid, torch.diagonal(dr_chrono), 0.0).sum() / valid.sum().clamp(min=1)
-    return options.reg + options.reg_relative * mean_sq
 
 
 def to_ring_order(chrono_values: Tensor, order: Tensor | int) -> Tensor:
