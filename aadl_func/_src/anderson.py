@@ -63,6 +63,7 @@ def anderson(
     max_consecutive_skips: int | None = None,
     reg_relative: float = 0.0,
     restart_on_reject: bool = False,
+    reg_column: float = 0.0,
 ) -> Anderson:
     r"""Anderson-accelerates an inner optimizer, treating its step as a fixed-point map ``g``.
 
@@ -135,6 +136,11 @@ def anderson(
         or of the step.
       restart_on_reject: when the ``loss_fn`` safeguard rejects a mix, the window restarts
         from its newest entry (below). Without ``loss_fn`` nothing is ever rejected.
+      reg_column: a Tikhonov weight per column, ``>= 0``: column :math:`j` of the
+        least-squares problem gets :math:`\mathrm{reg\_column}\, \|\Delta f_j\|^2` on top of
+        :math:`\lambda` (below). This is SciPy's ``w0`` (``scipy.optimize.anderson``) with
+        ``reg_column = w0**2``: each column is damped relative to its own norm, so the newest,
+        smallest differences are not over-damped as by ``reg_relative``'s window mean.
 
     Options for minibatch (stochastic) training, where consecutive residuals differ by gradient
     noise as much as by curvature (see examples/minibatch.py and the README):

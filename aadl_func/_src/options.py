@@ -51,6 +51,7 @@ class AndersonOptions:
     max_consecutive_skips: int | None = None
     reg_relative: float = 0.0
     restart_on_reject: bool = False
+    reg_column: float = 0.0
 
     def __post_init__(self) -> None:
         inner = self.inner
@@ -87,6 +88,7 @@ class AndersonOptions:
             ),
             reg_relative=check_float(OWNER, "reg_relative", self.reg_relative, minimum=0.0),
             restart_on_reject=check_bool(OWNER, "restart_on_reject", self.restart_on_reject),
+            reg_column=check_float(OWNER, "reg_column", self.reg_column, minimum=0.0),
         )
         if checked["max_consecutive_skips"] is not None and not checked["skip_nonfinite"]:
             raise ValueError(f"{OWNER}: `max_consecutive_skips` needs `skip_nonfinite=True`")

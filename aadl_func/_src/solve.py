@@ -158,7 +158,8 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
     Args:
       factor: ``(m + 1, m + 1)`` upper-triangular float64 ``R`` of :math:`[\Delta F \mid f]`.
       valid: ``(m,)`` bool, the columns of :math:`\Delta F` that take part.
-      reg: absolute Tikhonov weight on :math:`\gamma` (``reg >= 0``).
+      reg: Tikhonov weight on :math:`\gamma` (``>= 0``): a number, or an ``(m,)`` tensor of
+        one weight per column (solved as the augmented problem, see :func:`ridge`).
 
     Returns:
       :class:`MixingWeights`, ``residual_norm`` being :math:`\|f - \Delta F \gamma\|`.
@@ -185,17 +186,32 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
     # Eager: on the CPU (one LAPACK routine for every device). Traced by torch.compile: on
     # the factor's device, so that the graph holds no device-to-host copy.
     small = device if tree.tracing() else torch.device("cpu")
-    u, sigma, vh = torch.linalg.svd(r[:m, :m].to(small))
-    rhs = r[:m, m].to(small)
+    r11, rhs = r[:m, :m].to(small), r[:m, m].to(small)
     shift = shift.to(small)
-    b = u.mT @ rhs
-    denominator = sigma * sigma + shift
+    per_column = shift.dim() == 1
+    if per_column:
+        # A ridge per column (reg_column): min ||rhs - R11 g||^2 + sum_j shift_j g_j^2 is the
+        # least-squares problem of [R11; diag(sqrt(shift))] against [rhs; 0], reduced by one
+        # more QR to m x m; its SVD then needs no shift.
+        ridge_rows = torch.diag(shift.clamp(min=0.0).sqrt())
+        q_aug, r_aug = torch.linalg.qr(torch.cat([r11, ridge_rows]))
+        u, sigma, vh = torch.linalg.svd(r_aug)
+        b = u.mT @ (q_aug[:m].mT @ rhs)
+        denominator = sigma * sigma
+    else:
+        u, sigma, vh = torch.linalg.svd(r11)
+        b = u.mT @ rhs
+        denominator = sigma * sigma + shift
     keep = denominator > RCOND * RCOND
     phi = torch.where(keep, sigma / torch.where(keep, denominator, 1.0), 0.0)
     gamma = vh.mT @ (phi * b)
     gamma = torch.where(valid.to(small), gamma, 0.0)
-    unresolved = (1.0 - sigma * phi) * b
-    mixed_sq = r[m, m].to(small) ** 2 + (unresolved * unresolved).sum()
+    if per_column:
+        misfit = rhs - r11 @ gamma
+        mixed_sq = r[m, m].to(small) ** 2 + (misfit * misfit).sum()
+    else:
+        unresolved = (1.0 - sigma * phi) * b
+        mixed_sq = r[m, m].to(small) ** 2 + (unresolved * unresolved).sum()
 
     gamma = gamma.to(device)
     ok = ok & torch.isfinite(gamma).all()
@@ -295,7 +311,7 @@ def solve_coefficients(
       dr_gram: ``(m, m)`` float64 :math:`H`.
       dr_rhs: ``(m,)`` float64 :math:`c`.
       residual_scale: 0-d float64, :math:`\max_i \|f_i\|^2` (1 is used when it is 0).
-      reg: absolute Tikhonov weight, ``>= 0``.
+      reg: Tikhonov weight, ``>= 0``: a number, or an ``(m,)`` tensor, one per unknown.
       valid: optional ``(m,)`` bool mask; the other unknowns are decoupled and get
         :math:`\gamma_j = 0`.
 
@@ -313,6 +329,9 @@ def solve_coefficients(
         h = h + torch.diag(torch.where(valid, 0.0, torch.as_tensor(unit, dtype=h.dtype)))
         b = torch.where(valid, b, 0.0)
 
+    if isinstance(reg, Tensor) and reg.dim() == 1:  # a ridge per column (reg_column)
+        h = h + torch.diag(reg)
+        reg = 0.0
     eigvals, eigvecs = torch.linalg.eigh(h)
     shifted = eigvals.clamp(min=0.0)
     if not (isinstance(reg, float) and reg == 0.0):  # + 0.0 could only flip the sign of a 0
@@ -354,7 +373,7 @@ def solve_differences(
       dr_rhs: ``(q - 1,)`` float64 :math:`c`, chronological.
       residual_sq: ``(q,)`` float64 :math:`\|f_i\|^2`, chronological.
       num_valid: how many of the newest residuals are valid (0-d tensor or int).
-      reg: absolute Tikhonov weight on :math:`\gamma`, ``>= 0``.
+      reg: Tikhonov weight on :math:`\gamma`, ``>= 0``: a number or one per column.
       residual_norm: False skips computing it (``update`` does not use it); the field is
         then None.
 
@@ -434,19 +453,31 @@ def classic_coefficients(alpha: Tensor) -> Tensor:
 
 def ridge(options: Any, dr_chrono: Tensor, num_valid: Tensor) -> float | Tensor:
     r"""The Tikhonov weight of the small problem for :func:`aadl_func.anderson`'s ``options``:
-    :math:`\lambda = \mathrm{reg} + \mathrm{reg\_relative}\, \|\Delta F\|_F^2 / m`.
+    :math:`\lambda_j = \mathrm{reg} + \mathrm{reg\_relative}\, \|\Delta F\|_F^2 / m
+    + \mathrm{reg\_column}\, \|\Delta f_j\|^2` on :math:`\gamma_j`: a number, or with
+    ``reg_column`` one weight per column (zero for invalid columns).
 
     :math:`\Delta F` holds the :math:`m` valid differences of consecutive residuals (the
     columns of :math:`\gamma`), so the relative part is their mean squared norm, the
     diagonal of ``dr_chrono`` (:math:`\Delta F^\top \Delta F`, chronological) over the
     valid columns: no pass over the window. Scaling every residual by :math:`s` scales
     both sides of the normal equations by :math:`s^2`, so this part leaves
-    :math:`\gamma` unchanged (scale-free, unlike the absolute ``reg``).
+    :math:`\gamma` unchanged (scale-free, unlike the absolute ``reg``). So does the
+    per-column part, SciPy's ``w0`` (``reg_column = w0**2``: ``scipy.optimize.anderson``
+    adds :math:`w_0^2 \|\Delta f_j\|^2` to the diagonal), which damps each column by its
+    own norm rather than by the window's mean.
     """
-    if options.reg_relative == 0.0:
+    if options.reg_relative == 0.0 and options.reg_column == 0.0:
         return options.reg
     m = dr_chrono.shape[0]
     # gamma_j (j = 0..m-1) is valid when residuals j and j + 1 both are (solve_differences).
     valid = torch.arange(m, device=dr_chrono.device) >= m + 1 - num_valid
-    mean_sq = torch.where(valid, torch.diagonal(dr_chrono), 0.0).sum() / valid.sum().clamp(min=1)
-    return options.reg + options.reg_relative * mean_sq
+    column_sq = torch.diagonal(dr_chrono)  # ||Delta f_j||^2
+    weight = options.reg
+    if options.reg_relative != 0.0:
+        mean_sq = torch.where(valid, column_sq, 0.0).sum() / valid.sum().clamp(min=1)
+        weight = weight + options.reg_relative * mean_sq
+    if options.reg_column != 0.0:
+        # One weight per column (a vector): each column is damped by its own scale.
+        weight = torch.where(valid, weight + options.reg_column * column_sq, 0.0)
+    return weight
