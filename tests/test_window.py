@@ -25,7 +25,8 @@ from reference import aadl_extrapolate
 from torch.func import vmap
 
 import aadl_func as aa
-from aadl_func._src import window
+from aadl_func._src import kernels, tree, window
+from aadl_func._src.blend import Blend
 
 CPU = torch.device("cpu")
 
@@ -47,8 +48,8 @@ class AddGrads:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of a few dozen elements: small params then cross many chunk boundaries."""
-    monkeypatch.setattr(window, "_CHUNK_ELEMENTS", 256)
-    monkeypatch.setattr(window, "_MIN_CHUNK", 16)
+    monkeypatch.setattr(kernels, "_CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(kernels, "_MIN_CHUNK", 16)
 
 
 def make_params(dtype: torch.dtype, generator: torch.Generator) -> dict:
@@ -142,7 +143,7 @@ def test_incremental_window_matches_reference_over_many_steps(
 def test_window_wider_than_the_default_chunk(gram_path):
     """Default chunk sizes, an odd-sized float32 leaf spanning several chunks."""
     history_depth = 5
-    n = 3 * window.chunk_size(history_depth - 1) + 5
+    n = 3 * kernels.chunk_size(history_depth - 1) + 5
     generator = torch.Generator().manual_seed(3)
     opt = aa.anderson(AddGrads(), history_depth=history_depth, relaxation=0.5)
     x = torch.randn(n, generator=generator)
@@ -202,7 +203,7 @@ def test_gram_row_and_combine_on_every_layout(request, gram_path, chunks, dtype,
     for name, slots in cases.items():
         ring = [[s] for s in slots]
         if name == "block":
-            assert len(window._runs([window.tree.flat_view(s) for s in slots])) == 1
+            assert len(kernels.slot_runs([tree.flat_view(s) for s in slots])) == 1
         # The vector is a slot (the residual just written) or a tensor of its own.
         for vector, v_dense in ((ring[2], dense[2]), ([base.to(dtype)], None)):
             if v_dense is None:
@@ -290,15 +291,15 @@ def test_select_calls_a_callable_fallback_only_when_needed():
         return torch.zeros(3)
 
     assert torch.equal(
-        window.select(torch.tensor(True), lambda: torch.ones(3), fallback), torch.ones(3)
+        Blend().select(torch.tensor(True), lambda: torch.ones(3), fallback), torch.ones(3)
     )
     assert not calls
     assert torch.equal(
-        window.select(torch.tensor(False), lambda: torch.ones(3), fallback), torch.zeros(3)
+        Blend().select(torch.tensor(False), lambda: torch.ones(3), fallback), torch.zeros(3)
     )
     assert calls == [1]
     gates = torch.tensor([True, False])
-    out = vmap(lambda g: window.select(g, lambda: torch.ones(3), fallback))(gates)
+    out = vmap(lambda g: Blend().select(g, lambda: torch.ones(3), fallback))(gates)
     assert torch.equal(out, torch.tensor([[1.0] * 3, [0.0] * 3]))
 
 

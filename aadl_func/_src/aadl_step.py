@@ -49,7 +49,7 @@ from aadl_func._src.stages import (
     window_tree,
 )
 from aadl_func._src.state import AndersonState
-from aadl_func._src.window import append_difference, assign, combine, select
+from aadl_func._src.window import append_difference, combine
 
 __all__ = ["aadl_step", "base_bound", "mix_bound"]
 
@@ -90,17 +90,17 @@ def aadl_step(call: Call) -> tuple[Any, AndersonState]:
     mixes = flags.both(gate(call, window.window_size), flags.negate(averaged))
     # x is only used where mixable = mixes & ok holds (the safeguard, the output): a gate
     # without a value (vmap, compile) computes it unblended.
-    x_hist, ok = select(
+    x_hist, ok = call.blend.select(
         mixes, lambda: extrapolate(call, window, store), lambda: no_mix(call), blend=False
     )
     mixable = flags.both(mixes, ok)
-    x = select(mixable, lambda: to_params(call, x_hist), y, blend=False)
+    x = call.blend.select(mixable, lambda: to_params(call, x_hist), y, blend=False)
     use_mix = safeguard(call, mixable, x, y)  # step 4
     if call.loss_fn is not None:
         # A kept mix replaces the newest entry, so that the next residual starts from it.
-        window = select(use_mix, lambda: move_newest(call, window, x_hist, x), window)
+        window = call.blend.select(use_mix, lambda: move_newest(call, window, x_hist, x), window)
     if options.average:
-        x = select(averaged, lambda: to_params(call, mean), x)
+        x = call.blend.select(averaged, lambda: to_params(call, mean), x)
     out = output(call, flags.either(use_mix, averaged), x, y)
     final = count_outcome(
         call,
@@ -140,7 +140,7 @@ def store_iterate(call: Call, y: list[Tensor], store: Tensor) -> Window:
         return (*appended, g is not None)
 
     no_append = (call.ring, grams, state.head, num_residuals, flags.FALSE, None, False)
-    ring, grams, head, num_residuals, poisoned, reduction, anchor_stored = select(
+    ring, grams, head, num_residuals, poisoned, reduction, anchor_stored = call.blend.select(
         flags.both(store, flags.negate(empty)), append_residual, no_append
     )
 
@@ -150,7 +150,7 @@ def store_iterate(call: Call, y: list[Tensor], store: Tensor) -> Window:
         return store_anchor(call, anchor, y_hist, y)
 
     def grown() -> Tensor:
-        return select(
+        return call.blend.select(
             empty, lambda: torch.ones_like(num_residuals), lambda: advance(num_residuals, 1)[0]
         )
 
@@ -159,8 +159,8 @@ def store_iterate(call: Call, y: list[Tensor], store: Tensor) -> Window:
         grams=grams,
         head=head,
         num_residuals=num_residuals,
-        window_size=select(store, grown, state.window_size),
-        anchor=select(store, new_anchor, anchor),
+        window_size=call.blend.select(store, grown, state.window_size),
+        anchor=call.blend.select(store, new_anchor, anchor),
         poisoned=poisoned,
         reduction=reduction,
     )
@@ -213,7 +213,7 @@ def moving_average(call: Call, window: Window) -> tuple[list[Tensor] | None, Ten
         )
 
     no_mean = [torch.zeros_like(a, dtype=c) for a, c in zip(window.anchor, call.compute_dtypes)]
-    return select(window.window_size >= 2, average, (no_mean, flags.FALSE))
+    return call.blend.select(window.window_size >= 2, average, (no_mean, flags.FALSE))
 
 
 def extrapolate(call: Call, window: Window, store: Tensor) -> tuple[list[Tensor], Tensor]:
@@ -286,7 +286,7 @@ def move_newest(call: Call, window: Window, x_hist: list[Tensor], x: list[Tensor
     ring, grams = replace_newest(call, ring, window.grams, window.head, residual)
     if call.inplace:
         for a, xa in zip(anchor, x_anchor):
-            assign(a, xa)
+            call.blend.assign(a, xa)
         x_anchor = anchor
     else:
         x_anchor = owned(call, x_anchor, x)

@@ -28,7 +28,7 @@ from aadl_func._src.checks import (
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.stages import Call, commit
 from aadl_func._src.state import COUNTERS, AndersonState
-from aadl_func._src.window import new_ring, select
+from aadl_func._src.window import new_ring
 
 __all__ = ["Anderson", "anderson"]
 
@@ -381,7 +381,7 @@ def _run_if_finite(
     def skipped() -> tuple[Any, AndersonState]:
         return tree.unflatten(call.spec, list(call.params)), commit(call, count_skip(call.state))
 
-    return select(finite, lambda: run(call), skipped)
+    return call.blend.select(finite, lambda: run(call), skipped)
 
 
 def check_skip_allowed(options: AndersonOptions, state: AndersonState, owner: str) -> None:

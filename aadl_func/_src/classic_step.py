@@ -49,7 +49,7 @@ from aadl_func._src.stages import (
     window_tree,
 )
 from aadl_func._src.state import AndersonState
-from aadl_func._src.window import combine, select, write_slot
+from aadl_func._src.window import combine, write_slot
 
 __all__ = ["base_bound", "classic_step", "mix_bound"]
 
@@ -81,7 +81,7 @@ def classic_step(call: Call) -> tuple[Any, AndersonState]:
         None,
     )
     # The pair (x_k, g(x_k) - x_k) is stored before an in-place step overwrites x_k.
-    window = select(stores(call), lambda: store_pair(call), unchanged)
+    window = call.blend.select(stores(call), lambda: store_pair(call), unchanged)
     y = plain_step(call)
     # Commit point (atomic.py): from here on the caller holds a finished plain step.
     plain = commit_plain(
@@ -97,9 +97,11 @@ def classic_step(call: Call) -> tuple[Any, AndersonState]:
     mixes = gate(call, window.window_size)
     # x is only used where mixable = mixes & ok holds (the safeguard, the output): a gate
     # without a value (vmap, compile) computes it unblended.
-    x_hist, ok = select(mixes, lambda: extrapolate(call, window), lambda: no_mix(call), blend=False)
+    x_hist, ok = call.blend.select(
+        mixes, lambda: extrapolate(call, window), lambda: no_mix(call), blend=False
+    )
     mixable = flags.both(mixes, ok)
-    x = select(mixable, lambda: to_params(call, x_hist), y, blend=False)
+    x = call.blend.select(mixable, lambda: to_params(call, x_hist), y, blend=False)
     use_mix = safeguard(call, mixable, x, y)
     out = output(call, use_mix, x, y)
     final = count_outcome(call, plain, gate=mixes, ok=ok, use_mix=use_mix, poisoned=window.poisoned)
@@ -113,7 +115,7 @@ def store_pair(call: Call) -> Window:
     slot, _ = advance(state.head, 1, modulo=call.q)
     point = to_history(call.params, anchor)
     step = [(x - a).to(d.dtype) for x, a, d in zip(point, anchor, iterates[0])]
-    iterates = write_slot(iterates, slot, to_history(step, iterates[0]), call.inplace)
+    iterates = write_slot(iterates, slot, to_history(step, iterates[0]), call.inplace, call.blend)
     residual = owned(call, to_history(call.updates, call.ring[0]), call.updates)
     grams = (state.gram, state.dr_gram, state.dr_rhs)
     ring, grams, head, size, poisoned, reduction = append(

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from aadl_func._src import distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard, write_back
+from aadl_func._src.blend import Blend
 from aadl_func._src.solve import (
     MixingWeights,
     ridge,
@@ -37,15 +38,7 @@ from aadl_func._src.solve import (
     stack_factors,
 )
 from aadl_func._src.state import AndersonState
-from aadl_func._src.window import (
-    assign,
-    blending,
-    difference_factor,
-    difference_rows,
-    select,
-    set_gram_row,
-    write_slot,
-)
+from aadl_func._src.window import difference_factor, difference_rows, set_gram_row, write_slot
 
 if TYPE_CHECKING:
     from aadl_func._src.options import AndersonOptions
@@ -97,6 +90,7 @@ class Call:
       compute_dtypes: per params leaf, the dtype the mix is computed in.
       overflow_limit: half the largest value of the params' and compute dtypes.
       exact: a float64 window, solved through a QR factor instead of its Grams.
+      blend: the call's :class:`~aadl_func._src.blend.Blend` (``select`` and masked writes).
     """
 
     __slots__ = (
@@ -121,6 +115,7 @@ class Call:
         "compute_dtypes",
         "overflow_limit",
         "exact",
+        "blend",
     )
 
     def __init__(
@@ -163,6 +158,8 @@ class Call:
         # A float64 window is mixed through a QR factor of its differences (accurate to
         # eps * cond); other windows through their float64 Gram matrices (O(m n)).
         self.exact = all(leaf.dtype == torch.float64 for leaf in self.ring[0])
+        # The call's decisions without values (vmap, torch.compile): see blend.py.
+        self.blend = Blend()
 
 
 class Reduction(NamedTuple):
@@ -199,10 +196,10 @@ class Solution(NamedTuple):
 def plain_step(call: Call) -> list[Tensor]:
     """``y = x + u``: the plain step, written into the params' buffers if ``inplace``."""
     if call.inplace:
-        if not blending():
+        if not call.blend.active():
             return [p.add_(u) for p, u in zip(call.params, call.updates)]
         for p, u in zip(call.params, call.updates):
-            assign(p, p + u)  # inside a blended select (skip_nonfinite, traced)
+            call.blend.assign(p, p + u)  # inside a blended select (skip_nonfinite, traced)
         return call.params
     return [p + u for p, u in zip(call.params, call.updates)]
 
@@ -227,7 +224,7 @@ def store_anchor(
     tensors that ``values`` may be, see :func:`owned`)."""
     if call.inplace:
         for a, v in zip(anchor, values):
-            assign(a, v)
+            call.blend.assign(a, v)
         return anchor
     return owned(call, values, callers)
 
@@ -328,7 +325,7 @@ def append(
     """
     q = call.q
     slot, _ = advance(head, 1, modulo=q)
-    ring = write_slot(ring, slot, residual, call.inplace)
+    ring = write_slot(ring, slot, residual, call.inplace, call.blend)
     rows = local_rows = difference_rows(ring, slot, call.compute_device, grams[0], g=g)
     grown, _ = advance(num_residuals, 1, high=q)
     reduction = None
@@ -347,18 +344,20 @@ def append(
     poisoned = flags.negate(flags.all_finite(stacked, call.compute_device))
 
     def restart() -> tuple:
-        if blending():  # blended into the slot by select: a broadcast zero, no fill
+        if call.blend.active():  # blended into the slot by select: a broadcast zero, no fill
             zeros = [r.new_zeros(()).expand_as(r) for r in residual]
         else:
             zeros = [torch.zeros_like(r) for r in residual]
-        return write_slot(ring, slot, zeros, call.inplace), tuple(map(torch.zeros_like, grams))
+        return write_slot(ring, slot, zeros, call.inplace, call.blend), tuple(
+            map(torch.zeros_like, grams)
+        )
 
     g, h, c = local_rows
     updated = (set_gram_row(grams[0], slot, g), set_gram_row(grams[1], slot, h), c)
-    ring, grams = select(poisoned, restart, (ring, updated))
-    num_residuals = select(poisoned, lambda: torch.zeros_like(grown), grown)
+    ring, grams = call.blend.select(poisoned, restart, (ring, updated))
+    num_residuals = call.blend.select(poisoned, lambda: torch.zeros_like(grown), grown)
     if reduction is not None:
-        summed = select(poisoned, lambda: tuple(map(torch.zeros_like, rows)), rows)
+        summed = call.blend.select(poisoned, lambda: tuple(map(torch.zeros_like, rows)), rows)
         reduction = reduction._replace(rows=summed)
     return ring, grams, slot, num_residuals, poisoned, reduction
 
@@ -371,7 +370,7 @@ def replace_newest(call: Call, ring: tuple, grams: tuple, head: Tensor, residual
     Sharded, the rows come from this rank's data alone (``direct``): the row of the
     previous residual in ``grams`` was summed over ranks by this call's reduction.
     """
-    ring = write_slot(ring, head, residual, call.inplace)
+    ring = write_slot(ring, head, residual, call.inplace, call.blend)
     g, h, c = difference_rows(
         ring, head, call.compute_device, grams[0], direct=call.shards is not None
     )
@@ -503,7 +502,7 @@ def safeguard(call: Call, gate: Tensor, x: list[Tensor], y: list[Tensor]) -> Ten
         better = torch.isfinite(loss_x) & (loss_x < loss_y)
         return flags.both(gate, flags.decision(better.reshape(()), call.compute_device))
 
-    return select(gate, decide, flags.FALSE)
+    return call.blend.select(gate, decide, flags.FALSE)
 
 
 def restarted(call: Call, window_size: Tensor, rejected: Tensor) -> Tensor:
@@ -520,11 +519,11 @@ def restarted(call: Call, window_size: Tensor, rejected: Tensor) -> Tensor:
 def output(call: Call, use_mix: Tensor, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
     """The returned params: ``x`` where ``use_mix`` else ``y``, in the params' buffers if
     ``inplace`` (``y`` already lives there)."""
-    chosen = select(use_mix, lambda: x, y)
+    chosen = call.blend.select(use_mix, lambda: x, y)
     if call.inplace:
         for p, v in zip(call.params, chosen):
             if v is not p:
-                assign(p, v)
+                call.blend.assign(p, v)
         return call.params
     return list(chosen)
 
@@ -561,7 +560,7 @@ def commit_plain(
     plain = state._replace(
         count=call.count,
         inner_state=call.inner_state,
-        skip_streak=select(
+        skip_streak=call.blend.select(
             flags.known(tree.static_value(state.skip_streak) == 0),
             lambda: state.skip_streak,
             lambda: torch.zeros_like(state.skip_streak),

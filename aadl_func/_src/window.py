@@ -1,83 +1,44 @@
-r"""Passes over the ring window: the Gram row of a new residual and the mixing combination.
+r"""The window as a ring-buffer data structure, and its passes over whole rings.
 
 The window is a ring of ``Q`` slots, each a list of tensors (one per parameter leaf) living
-on the history device in the history dtype. A step makes at most two passes over it:
+on the history device in the history dtype (:func:`new_ring` lays a leaf's slots out as
+rows of one buffer). Its operations:
 
-* :func:`gram_row` -- :math:`\langle s_j, v \rangle` for every slot :math:`s_j`, accumulated
-  in float64 from the stored values (products of float32 or bf16 numbers are exact in
-  float64, so the Gram matrix is exact up to float64 summation rounding);
-* :func:`combine` -- :math:`b + \sum_j w_j s_j` in the compute dtype.
+* :func:`write_slot` -- ``ring[slot] = value`` (in place or not, the slot concrete or traced);
+* :func:`set_gram_row` -- a row and column of a Gram matrix replaced;
+* :func:`gram_row` -- :math:`\langle s_j, v \rangle` for every slot, in float64;
+* :func:`difference_rows` -- the Gram rows of a newly written slot, in one pass;
+* :func:`append_difference` -- the fused in-place append of a float32 window (native kernel);
+* :func:`combine` -- :math:`b + \sum_j w_j s_j` in the compute dtype;
+* :func:`difference_factor` -- a streaming float64 QR factor of the slots' differences.
 
-Both are O(Q n) and never build a window-sized temporary: ``torch.stack``/``torch.cat`` never
-touch the whole window, and no parameter-sized float64 copy is made.
-
-How fast they run depends on the layout, which :func:`new_ring` chooses: it allocates the
-``Q`` slots of a leaf as equally spaced rows of one buffer. A pass then sees the window as
-one strided ``(Q, n)`` matrix without copying it, so
-
-* a pass whose dtypes already match is a single BLAS matrix-vector product over the window
-  (``torch.mv``/``torch.addmv`` on the strided view), exactly the two passes that bound any
-  Anderson step from below;
-* a pass that must widen the data (a float32 or bf16 window into the float64 Gram) streams it
-  in chunks of ``Q x chunk`` elements: each chunk is converted with one copy into a small
-  float64 buffer that stays in cache, then multiplied there.
-
-Slots that are not rows of one buffer (the pure ``inplace=False`` path replaces a slot by a
-new tensor each step) take the same chunked route, one copy per slot and chunk. Under
-``torch.func`` transforms the slots are gathered per chunk with ``torch.stack``. ``flat_view``
-lines slots up element by element in storage order, so ``channels_last`` buffers stream
-without copies.
+Each pass runs leaf by leaf with the eager kernels (:mod:`aadl_func._src.kernels`) or, for
+leaves batched by vmap or traced by torch.compile, their counterparts
+(:mod:`aadl_func._src.batched`); the choice is per leaf because one tree may mix devices and
+batched and unbatched leaves. All are O(Q n) and build no window-sized temporary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
-import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import flags, native, ops, traced, tree
+from aadl_func._src import batched, kernels, native, tree
+from aadl_func._src.blend import Blend
 
 __all__ = [
-    "chunk_size",
-    "new_ring",
-    "gram_row",
-    "combine",
-    "write_slot",
-    "select",
-    "assign",
-    "blending",
-    "set_gram_row",
-    "difference_rows",
     "append_difference",
+    "combine",
     "difference_factor",
+    "difference_rows",
+    "gram_row",
+    "new_ring",
+    "set_gram_row",
+    "stored_value",
+    "write_slot",
 ]
-
-T = TypeVar("T")
-
-# Elements per chunk across all slots: 2^16 float64 values (512 KiB) stay in a core's L2
-# cache while they are converted and multiplied. Larger chunks fall out of cache, smaller
-# ones pay Python's per-operation overhead more often (measured on a 2-core Xeon VM).
-_CHUNK_ELEMENTS = 1 << 16
-_MIN_CHUNK = 1 << 10
-# On an accelerator every chunk is a kernel launch: chunks of 2^22 float64 values (32 MiB)
-# keep launches few while the buffer stays far below a large model's parameter size.
-_DEVICE_CHUNK_ELEMENTS = 1 << 22
-
-
-def chunk_size(num_slots: int, device: torch.device | None = None) -> int:
-    """Elements per slot in one chunk of a streaming pass over ``num_slots`` slots."""
-    total = _CHUNK_ELEMENTS if device is None or device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
-    return max(_MIN_CHUNK, total // max(num_slots, 1))
-
-
-def _buffer_width(num_slots: int, numel: int, device: torch.device) -> int:
-    """Chunk width of a widening pass: a chunk size, capped so that the ``num_slots x width``
-    float64 buffer is at most about one float32 parameter (``4 numel`` bytes)."""
-    cap = max(_MIN_CHUNK, numel // (2 * max(num_slots, 1)))
-    return min(chunk_size(num_slots, device), cap, numel)
 
 
 def new_ring(
@@ -116,59 +77,6 @@ def new_ring(
     return [buffer.as_strided(like.shape, strides, s * numel) for s in range(num_slots)]
 
 
-def _runs(flats: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
-    """Groups consecutive slots into ``(first slot, (k, n) view)`` runs.
-
-    Slots ``i .. i + k - 1`` form a run when they are equally spaced, non-overlapping,
-    contiguous views of one storage (as :func:`new_ring` makes them); the run is then a
-    strided matrix over that storage, no copy made. Any other slot is a run of one. The
-    slots are flat views or C-contiguous tensors of any shape (their ``n`` elements in
-    order either way).
-    """
-    runs: list[tuple[int, Tensor]] = []
-    numel = flats[0].numel()
-    start = 0
-    while start < len(flats):
-        first = flats[start]
-        stop = start + 1
-        if numel > 0 and first.is_contiguous():
-            ptr = first.untyped_storage().data_ptr()
-            spacing = None
-            while stop < len(flats):
-                f = flats[stop]
-                if (
-                    f.dtype != first.dtype
-                    or f.device != first.device
-                    or not f.is_contiguous()
-                    or f.untyped_storage().data_ptr() != ptr
-                ):
-                    break
-                gap = f.storage_offset() - flats[stop - 1].storage_offset()
-                if gap < numel or (spacing is not None and gap != spacing):
-                    break
-                spacing = gap
-                stop += 1
-            if spacing is not None:
-                view = first.as_strided((stop - start, numel), (spacing, 1))
-                runs.append((start, view))
-                start = stop
-                continue
-        runs.append((start, first.reshape(1, numel)))
-        start = stop
-    return runs
-
-
-def _same(a: Tensor, b: Tensor) -> bool:
-    """Whether two flat views are the same elements (e.g. the residual just written)."""
-    return (
-        a.dtype == b.dtype
-        and a.device == b.device
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.data_ptr() == b.data_ptr()
-    )
-
-
 def gram_row(
     slots: Sequence[Sequence[Tensor]], vector: Sequence[Tensor], device: torch.device
 ) -> Tensor:
@@ -192,73 +100,12 @@ def gram_row(
         flats = [tree.flat_view(slot[leaf_index]) for slot in slots]
         v_flat = tree.flat_view(v)
         if tree.any_transformed([v_flat, *flats]):
-            partial = _gram_leaf_transformed(flats, v_flat)
+            partial = batched.gram_leaf(flats, v_flat)
         else:
-            partial = _gram_leaf(flats, v_flat)
+            partial = kernels.gram_leaf(flats, v_flat)
         if partial is not None:
             row = row + partial.to(device)
     return row
-
-
-def _gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
-    q, numel = len(flats), v.shape[0]
-    if numel == 0:
-        return None
-    runs = _runs(flats)
-    f64 = torch.float64
-    partial = torch.zeros(q, dtype=f64, device=v.device)
-    if v.dtype == f64 and all(block.dtype == f64 for _, block in runs):
-        # Nothing to widen: one BLAS product per run over the whole vector.
-        for first, block in runs:
-            torch.mv(block, v, out=partial[first : first + block.shape[0]])
-        return partial
-    dots = native.float64_dots(flats, v)
-    if dots is not None:
-        return dots
-    step = _buffer_width(q, numel, v.device)
-    buffer = torch.empty(q, step, dtype=f64, device=v.device)
-    # Chunk views made in one call per run (cheaper than slicing chunk by chunk).
-    pieces = [(first, block.shape[0], block.split(step, dim=1)) for first, block in runs]
-    v_row = next((s for s, f in enumerate(flats) if _same(f, v)), None)
-    if v_row is None:
-        v_pieces = v.split(step)
-        v_buffer = torch.empty(step, dtype=f64, device=v.device)
-    else:
-        v_full = buffer[v_row]
-    for i in range(len(pieces[0][2])):
-        width = pieces[0][2][i].shape[1]
-        b = buffer if width == step else buffer[:, :width]
-        if len(pieces) == 1:
-            b.copy_(pieces[0][2][i])
-        else:
-            for first, k, chunks in pieces:
-                b[first : first + k].copy_(chunks[i])
-        if v_row is None:
-            v_chunk = v_buffer[:width].copy_(v_pieces[i])
-        else:
-            v_chunk = v_full if width == step else b[v_row]
-        partial.addmv_(b, v_chunk)
-    return partial
-
-
-def _gram_leaf_transformed(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
-    """The same pass for tensors wrapped by a torch.func transform (batched under vmap)."""
-    if ops.per_member([*flats, v]):
-        return ops.gram_row(list(flats), v)
-    if tree.tracing():
-        # Whole-vector expressions: the compiler fuses the widening into one reduction per
-        # slot (no chunks, no float64 copy of the window).
-        v64 = v.to(torch.float64)
-        return torch.stack([torch.sum(f.to(torch.float64) * v64) for f in flats])
-    numel = v.shape[0]
-    step = chunk_size(len(flats), v.device)
-    partial = None
-    for start in range(0, numel, step):
-        stop = min(start + step, numel)
-        block = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
-        contribution = torch.mv(block, v[start:stop].to(torch.float64))
-        partial = contribution if partial is None else partial + contribution
-    return partial
 
 
 def combine(
@@ -299,7 +146,7 @@ def combine(
         base_flat = None if base is None else tree.flat_view(base[leaf_index])
         if tree.any_transformed([w, base_flat, *leaves]):
             flats = [tree.flat_view(t) for t in leaves]
-            result = _combine_leaf_transformed(base_flat, flats, w, cdt, template)
+            result = batched.combine_leaf(base_flat, flats, w, cdt, template)
             results.append(result if out is None else out[leaf_index].copy_(result))
             continue
         if out is None:
@@ -317,100 +164,9 @@ def combine(
             flats = leaves  # in C order, as the flat views of base and result: no views needed
         else:  # e.g. channels_last: every operand as a dense view in storage order
             flats = [tree.flat_view(t) for t in leaves]
-        _combine_leaf(base_flat, flats, w, flat_result)
+        kernels.combine_leaf(base_flat, flats, w, flat_result)
         results.append(result)
     return results
-
-
-def _combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, result: Tensor) -> None:
-    """Writes ``base + sum_s w[s] flats[s]`` into the flat ``result``."""
-    cdt, numel = result.dtype, result.shape[0]
-    if numel == 0:
-        return
-    runs = _runs(flats)
-    # ``base`` may be ``result`` itself: the sum is then accumulated in place, which reads
-    # and writes one buffer instead of reading one and writing another.
-    in_place = base is not None and _same(base, result)
-    if all(block.dtype == cdt for _, block in runs) and (base is None or base.dtype == cdt):
-        # Matching dtypes: BLAS reads the slots in place. One run is one product over the
-        # whole vector; several runs go chunk by chunk so the result chunk stays in cache.
-        step = numel if len(runs) == 1 else min(chunk_size(1, result.device), numel)
-        for start in range(0, numel, step):
-            stop = min(start + step, numel)
-            out = result[start:stop]
-            for index, (first, block) in enumerate(runs):
-                wk = w[first : first + block.shape[0]]
-                matrix = block[:, start:stop].mT
-                if index > 0 or in_place:
-                    out.addmv_(matrix, wk)
-                elif base is None:
-                    torch.mv(matrix, wk, out=out)
-                else:
-                    torch.addmv(base[start:stop], matrix, wk, out=out)
-        return
-    # Widening (e.g. a bf16 window into float32): convert a chunk of every slot in cache.
-    # A float32 result is accumulated in float64 and rounded once: the products of float32
-    # weights and bf16/fp16 values are exact there, so every element rounds to the same
-    # float32 whatever order BLAS sums it in, which changes with the vector's length and
-    # alignment (a shard of it, say). Rounded to bf16 in the next stored step, a one-ulp
-    # difference would otherwise grow into a different run.
-    q = len(flats)
-    acc = _accumulator(cdt, base, flats)
-    w = w.to(acc)
-    step = _buffer_width(q, numel, result.device)
-    buffer = torch.empty(q, step, dtype=acc, device=result.device)
-    sums = torch.empty(step, dtype=acc, device=result.device)
-    for start in range(0, numel, step):
-        stop = min(start + step, numel)
-        b = buffer if stop - start == step else buffer[:, : stop - start]
-        for first, block in runs:
-            b[first : first + block.shape[0]].copy_(block[:, start:stop])
-        total = sums[: stop - start]
-        if base is None:
-            torch.mv(b.mT, w, out=total)
-        else:
-            total.copy_(base[start:stop]).addmv_(b.mT, w)
-        result[start:stop].copy_(total)
-
-
-def _accumulator(cdt: torch.dtype, base: Tensor | None, flats: Sequence[Tensor]) -> torch.dtype:
-    """The dtype a combination accumulates in: float64 for a float32 result widened from
-    narrower operands (a bf16/fp16 window or params), so that it is rounded once and comes
-    out the same on every path (see :func:`_combine_leaf`); else the compute dtype."""
-    operands = [*flats, base] if base is not None else flats
-    if cdt == torch.float32 and any(t.dtype != cdt for t in operands):
-        return torch.float64
-    return cdt
-
-
-def _combine_leaf_transformed(
-    base: Tensor | None, flats: Sequence[Tensor], w: Tensor, cdt: torch.dtype, template: Tensor
-) -> Tensor:
-    """The same pass under a torch.func transform: chunks gathered with ``torch.stack``."""
-    if ops.per_member([base, *flats, w]):
-        return ops.combine(base, list(flats), w).reshape(template.shape)
-    acc = _accumulator(cdt, base, flats)
-    w = w.to(acc)
-    if tree.tracing():
-        # One elementwise expression, fused by the compiler into a single pass.
-        total = None if base is None else base.to(acc)
-        for s, f in enumerate(flats):
-            term = w[s] * f.to(acc)
-            total = term if total is None else total + term
-        return total.to(cdt).reshape(template.shape)
-    numel = flats[0].shape[0]
-    step = chunk_size(len(flats), flats[0].device)
-    pieces = []
-    for start in range(0, numel, step):
-        stop = min(start + step, numel)
-        block = torch.stack([f[start:stop] for f in flats]).to(acc)
-        if base is None:
-            pieces.append(torch.mv(block.mT, w).to(cdt))
-        else:
-            pieces.append(torch.addmv(base[start:stop].to(acc), block.mT, w).to(cdt))
-    if not pieces:
-        return torch.zeros_like(template, dtype=cdt)
-    return torch.cat(pieces).reshape(template.shape)
 
 
 def _empty_like(
@@ -429,12 +185,17 @@ def _is_pinned(t: Tensor) -> bool:
 
 
 def write_slot(
-    ring: tuple[list[Tensor], ...], slot: Tensor, value: Sequence[Tensor], inplace: bool
+    ring: tuple[list[Tensor], ...],
+    slot: Tensor,
+    value: Sequence[Tensor],
+    inplace: bool,
+    blend: Blend,
 ) -> tuple[list[Tensor], ...]:
     """The ring with ``ring[slot] = value``: touches one slot when ``slot`` is concrete.
 
     In place, ``value`` is copied into the slot's buffers (nothing to do when ``value`` is
-    those buffers, e.g. a residual computed straight into its slot), with :func:`assign`.
+    those buffers, e.g. a residual computed straight into its slot), with ``blend.assign``
+    (masked inside a blended select of the call, see :class:`aadl_func._src.blend.Blend`).
     When the slot index is not concrete (traced by torch.compile; members of a vmapped
     ensemble out of step) every slot is blended with ``torch.where``: one pass over the
     window, the price of data-dependent indexing without reading the index. A compiled
@@ -448,7 +209,7 @@ def write_slot(
         if inplace:
             for dst, src in zip(ring[index], value):
                 if src is not dst:
-                    assign(dst, src)
+                    blend.assign(dst, src)
             return ring
         return tuple(list(value) if s == index else entries for s, entries in enumerate(ring))
     if inplace:
@@ -458,7 +219,7 @@ def write_slot(
         large = _skips_misses(ring, slot, value)
         for s, entries in enumerate(ring):
             for dst, src, big in zip(entries, value, large):
-                assign(dst, src, where=slot == s, skip_misses=big)
+                blend.assign(dst, src, where=slot == s, skip_misses=big)
         return ring
     return tuple(
         [torch.where((slot == s).to(v.device), v, e) for v, e in zip(value, entries)]
@@ -518,85 +279,6 @@ def _skips_misses(
     if not (tree.tracing() and slot.device.type == "cpu"):
         return [False] * len(value)
     return [v.device.type == "cpu" and v.numel() >= _TRACED_COPY_MIN_NUMEL for v in value]
-
-
-# The gates of the blended ``select`` calls whose ``compute`` is running (outermost first).
-_blending: list[Tensor] = []
-
-
-def blending() -> bool:
-    """Whether a blended :func:`select` is computing (its in-place writes must be masked)."""
-    return len(_blending) > 0  # not bool(): dynamo 2.10-2.12 cannot trace bool() of a list
-
-
-def _gates(mask: Tensor | None) -> Tensor | None:
-    for gate in _blending:
-        mask = gate if mask is None else mask & gate.to(mask.device)
-    return mask
-
-
-def assign(
-    dst: Tensor, src: Tensor, where: Tensor | None = None, *, skip_misses: bool = False
-) -> None:
-    """``dst.copy_(src)``, except inside a blended :func:`select` (a gate without a value:
-    vmap, torch.compile), where both outcomes are computed: the write then happens only
-    where the gates hold (and ``where``), so an in-place write is right whatever the gates
-    decide. Every in-place write to the params or the state during a step goes through
-    here.
-
-    ``skip_misses``: the masked write goes through ``traced.copy_if_``, which copies on a
-    hit and leaves ``dst`` untouched otherwise instead of rewriting it (a compiled step's
-    large ring slots, see :func:`write_slot`)."""
-    mask = _gates(where)
-    if mask is None:
-        dst.copy_(src)
-    elif skip_misses:
-        traced.copy_if_(dst, mask, src)
-    else:
-        dst.copy_(torch.where(mask.to(dst.device), src, dst))
-
-
-def select(
-    gate: Tensor,
-    compute: Callable[[], T],
-    otherwise: T | Callable[[], T],
-    *,
-    blend: bool = True,
-) -> T:
-    """``compute()`` where ``gate`` holds, else ``otherwise`` -- without computing it when the
-    gate is a concrete False (or, under vmap, False for every member). Under vmap with members
-    that disagree, and under torch.compile, both are evaluated and blended leaf by leaf.
-
-    ``otherwise`` may be a zero-argument callable, called only when its value is needed (a
-    concrete False gate, or blending under vmap): placeholders such as a parameter-sized
-    zero tensor then cost nothing on the steps that compute.
-
-    ``blend=False``: for a result the caller only uses where ``gate`` holds (it masks the
-    rest itself); a gate without a value then returns ``compute()`` as it is, saving a
-    parameter-sized blend (its in-place writes are still masked, see :func:`assign`).
-    """
-    known = flags.value(gate)
-    if known is None:
-        known = tree.uniform_value(gate)  # a vmapped ensemble whose members agree
-    if known is not None:
-        if known:
-            return compute()
-        return otherwise() if callable(otherwise) else otherwise
-    fallback = otherwise() if callable(otherwise) and blend else otherwise
-    _blending.append(gate)
-    try:
-        computed = compute()
-    finally:
-        _blending.pop()
-    if not blend:
-        return computed
-    # A leaf both outcomes share (a window slot neither touched, a buffer written in place
-    # by assign) is kept, not blended.
-    return optree.tree_map(
-        lambda new, old: old if new is old else torch.where(gate.to(new.device), new, old),
-        computed,
-        fallback,
-    )
 
 
 def append_difference(
@@ -692,9 +374,9 @@ def difference_rows(
     for leaf_index in leaves:
         flats = [tree.flat_view(s[leaf_index]) for s in slots]
         if index is None or tree.any_transformed(flats):
-            parts = _difference_rows_transformed(flats, slot, exact)
+            parts = batched.difference_rows_leaf(flats, slot, exact)
         else:
-            parts = _difference_rows_leaf(flats, index, exact)
+            parts = kernels.difference_rows_leaf(flats, index, exact)
         if parts is not None:
             g = g + parts[0].to(device)
             if exact:
@@ -718,81 +400,6 @@ def difference_rows(
 def _pick(t: Tensor, index: Tensor) -> Tensor:
     """``t[index]`` for a 0-d index tensor, without reading its value (vmap, torch.compile)."""
     return t.index_select(0, index.reshape(1)).squeeze(0)
-
-
-def _difference_rows_leaf(
-    flats: Sequence[Tensor], s: int, exact: bool
-) -> tuple[Tensor, Tensor | None] | None:
-    q, numel = len(flats), flats[0].shape[0]
-    if numel == 0:
-        return None
-    if not exact:
-        g = native.float64_dots(flats, flats[s])
-        if g is not None:
-            return g, None
-    f64, dev = torch.float64, flats[0].device
-    runs = _runs(flats)
-    step = _buffer_width(q, numel, dev)
-    buffer = torch.empty(q, step, dtype=f64, device=dev)
-    newest_step = torch.empty(step, dtype=f64, device=dev)
-    g = torch.zeros(q, dtype=f64, device=dev)
-    p = torch.zeros(q, dtype=f64, device=dev)
-    pieces = [(first, block.shape[0], block.split(step, dim=1)) for first, block in runs]
-    for i in range(len(pieces[0][2])):
-        width = pieces[0][2][i].shape[1]
-        b = buffer if width == step else buffer[:, :width]
-        for first, k, chunks in pieces:
-            b[first : first + k].copy_(chunks[i])
-        g.addmv_(b, b[s])
-        if exact:
-            p.addmv_(b, torch.sub(b[s], b[s - 1], out=newest_step[:width]))
-    return g, p
-
-
-def _difference_rows_traced(
-    flats: Sequence[Tensor], slot: Tensor, exact: bool
-) -> tuple[Tensor, Tensor]:
-    """The pass as whole-vector expressions for the compiler: the slots are selected by
-    masks and every product is widened in registers, so it fuses into one read of the
-    window."""
-    wide = [f.to(torch.float64) for f in flats]
-    at = slot.to(flats[0].device)
-
-    def pick(index: Tensor) -> Tensor:
-        chosen = wide[0]
-        for s in range(1, len(wide)):
-            chosen = torch.where(index == s, wide[s], chosen)
-        return chosen
-
-    newest = pick(at)
-    g = torch.stack([torch.sum(f * newest) for f in wide])
-    if not exact:
-        return g, g[:0]
-    step = newest - pick((at - 1) % len(wide))
-    return g, torch.stack([torch.sum(f * step) for f in wide])
-
-
-def _difference_rows_transformed(
-    flats: Sequence[Tensor], slot: Tensor, exact: bool
-) -> tuple[Tensor, Tensor]:
-    """The same pass under a torch.func transform (the slot may be a batched tensor)."""
-    index = tree.static_value(slot)
-    if index is not None and ops.per_member(flats):
-        return ops.difference_rows(list(flats), index, exact)
-    if tree.tracing():
-        return _difference_rows_traced(flats, slot, exact)
-    numel = flats[0].shape[0]
-    step = chunk_size(len(flats), flats[0].device)
-    totals = None
-    pick = torch.stack([torch.as_tensor(slot), (torch.as_tensor(slot) - 1) % len(flats)])
-    pick = pick.to(flats[0].device)
-    for start in range(0, numel, step):
-        stop = min(start + step, numel)
-        b = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
-        newest, previous = b.index_select(0, pick)
-        parts = (torch.mv(b, newest), torch.mv(b, newest - previous) if exact else newest[:0])
-        totals = parts if totals is None else tuple(t + u for t, u in zip(totals, parts))
-    return totals
 
 
 def difference_factor(
@@ -832,67 +439,7 @@ def difference_factor(
         # update): the differentiable path (no out= writes, no LAPACK-only geqrf).
         differentiable = torch.is_grad_enabled() and any(f.requires_grad for f in flats)
         if positions is None or differentiable or tree.any_transformed(flats):
-            factor = _factor_leaf_transformed(flats, order, valid, factor.to(here))
+            factor = batched.factor_leaf(flats, order, valid, factor.to(here))
         else:
-            factor = _factor_leaf(flats, *positions, factor.to(here))
+            factor = kernels.factor_leaf(flats, *positions, factor.to(here))
     return factor.to(device)
-
-
-def _factor_leaf(
-    flats: Sequence[Tensor], order: list[int], valid: list[bool], factor: Tensor
-) -> Tensor:
-    q, numel = len(flats), flats[0].shape[0]
-    f64, dev = torch.float64, flats[0].device
-    # Each chunk costs a LAPACK call whose overhead rivals O(Q^2 b) flops for small b: chunks
-    # 4x wider than the other passes' (2^18 values on a CPU; measured 2x faster at n = 2^20,
-    # Q = 9), with the same cap of about one float32 parameter.
-    step = min(4 * _buffer_width(q, numel, dev), max(_MIN_CHUNK, numel // (2 * q)), numel)
-    # The QR's input [R; block], column-major (LAPACK's layout) as the transpose of a
-    # row-major (Q, Q + step) buffer: each column of the block is then one contiguous row,
-    # written by one subtraction. Columns of invalid differences stay zero (so do R's).
-    work_t = torch.zeros(q, q + step, dtype=f64, device=dev)
-    # geqrf writes its Householder vectors and R into a second buffer of that layout (R is
-    # its upper triangle), so that no chunk allocates anything chunk-sized.
-    reflected_t = torch.empty(q, q + step, dtype=f64, device=dev)
-    tau = torch.empty(q, dtype=f64, device=dev)
-    # float64 slots are read in place; others are widened chunk by chunk first (subtracting
-    # them in their own dtype would round the differences).
-    widen = any(f.dtype != f64 for f in flats)
-    buffer = torch.empty(q, step, dtype=f64, device=dev) if widen else None
-    for start in range(0, numel, step):
-        stop = min(start + step, numel)
-        width = stop - start
-        if widen:
-            rows = [buffer[s, :width].copy_(f[start:stop]) for s, f in enumerate(flats)]
-        else:
-            rows = [f[start:stop] for f in flats]
-        work_t[:, :q].copy_(factor.mT)
-        for j in range(q - 1):
-            if valid[j]:
-                torch.sub(rows[order[j + 1]], rows[order[j]], out=work_t[j, q : q + width])
-        work_t[q - 1, q : q + width].copy_(rows[order[-1]])
-        reflected = reflected_t[:, : q + width].mT
-        torch.geqrf(work_t[:, : q + width].mT, out=(reflected, tau))
-        factor = reflected[:q].triu()
-    return factor
-
-
-def _factor_leaf_transformed(
-    flats: Sequence[Tensor], order: Tensor, valid: Tensor, factor: Tensor
-) -> Tensor:
-    """The same pass under a torch.func transform (``order`` and ``valid`` may be batched):
-    chunks gathered with ``torch.stack``, the block formed by a ``Q x Q`` difference matrix
-    (``1 * a - 1 * b`` is one rounding, exactly ``a - b``)."""
-    q = len(flats)
-    dev = flats[0].device
-    chrono = torch.eye(q, dtype=torch.float64, device=dev)[order.to(dev)]
-    steps = torch.where(valid.to(dev)[:, None], chrono[1:] - chrono[:-1], 0.0)
-    select = torch.cat([steps, chrono[-1:]])
-    numel = flats[0].shape[0]
-    step = chunk_size(q, dev)
-    for start in range(0, numel, step):
-        stop = min(start + step, numel)
-        chunk = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
-        # mode="reduced": the R of mode="r" has no derivative (torch.func.grad through update).
-        factor = torch.linalg.qr(torch.cat([factor, chunk.mT @ select.mT]), mode="reduced").R
-    return factor

@@ -117,10 +117,9 @@ class AcceleratedOptimizer(Optimizer):
     Args:
       optimizer: a ``torch.optim.Optimizer``; its ``step``, ``state_dict`` and
         ``load_state_dict`` are captured now.
-      **anderson_options: keyword options of :func:`aadl_func.anderson` (``history_depth``,
-        ``relaxation``, ``reg``, ``wait_iterations``, ``store_each_nth``, ``frequency``,
-        ``mode``, ``average``, ``average_tol``, ``history_device``, ``compute_device``,
-        ``history_dtype``), validated here.
+      **anderson_options: any keyword option of :func:`aadl_func.anderson` (all but
+        ``inner``, with the same defaults; one list, ``aadl_func._src.options.AndersonOptions``),
+        validated here.
     """
 
     def __init__(self, optimizer: Optimizer, **anderson_options: Any) -> None:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import tree
+from aadl_func._src import kernels, tree
 
 __all__ = ["per_member", "gram_row", "difference_rows", "combine"]
 
@@ -62,13 +62,6 @@ def _differentiated(t: Tensor) -> bool:
     return False
 
 
-def _window():
-    # The eager passes live in window.py, which imports this module.
-    from aadl_func._src import window
-
-    return window
-
-
 def _wrapped(tensors: Sequence[Tensor | None]) -> bool:
     """Whether a member's tensors are still wrapped by another transform level."""
     return any(t is not None and _functorch.is_functorch_wrapped_tensor(t) for t in tensors)
@@ -84,7 +77,7 @@ def _rows(rows: Sequence[Tensor], dims: Sequence[int | None], b: int) -> list[Te
 
 # -- the Gram row <r_s, v> -------------------------------------------------------------
 def _gram_row(rows: list[Tensor], vector: Tensor) -> Tensor:
-    partial = _window()._gram_leaf(rows, vector)
+    partial = kernels.gram_leaf(rows, vector)
     return partial if partial is not None else vector.new_zeros(len(rows), dtype=torch.float64)
 
 
@@ -98,12 +91,12 @@ def gram_row(rows: List[Tensor], vector: Tensor) -> Tensor:  # noqa: UP006
 
 
 @gram_row.register_fake
-def _(rows: list[Tensor], vector: Tensor) -> Tensor:
+def gram_row_shape(rows: list[Tensor], vector: Tensor) -> Tensor:
     return vector.new_empty(len(rows), dtype=torch.float64)
 
 
 @gram_row.register_vmap
-def _(info, in_dims, rows: list[Tensor], vector: Tensor):
+def gram_row_per_member(info, in_dims, rows: list[Tensor], vector: Tensor):
     row_dims, vector_dim = in_dims
     out = torch.empty(info.batch_size, len(rows), dtype=torch.float64, device=vector.device)
     for b in range(info.batch_size):
@@ -129,7 +122,7 @@ def difference_rows(
 
 def _difference_rows(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor, Tensor]:
     q = len(rows)
-    parts = _window()._difference_rows_leaf(rows, slot, exact)
+    parts = kernels.difference_rows_leaf(rows, slot, exact)
     zeros = rows[0].new_zeros(q if exact else 0, dtype=torch.float64)
     if parts is None:  # empty rows
         return rows[0].new_zeros(q, dtype=torch.float64), zeros
@@ -138,7 +131,7 @@ def _difference_rows(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor
 
 
 @difference_rows.register_fake
-def _(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor, Tensor]:
+def difference_rows_shape(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor, Tensor]:
     q = len(rows)
     return rows[0].new_empty(q, dtype=torch.float64), rows[0].new_empty(
         q if exact else 0, dtype=torch.float64
@@ -146,7 +139,7 @@ def _(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor, Tensor]:
 
 
 @difference_rows.register_vmap
-def _(info, in_dims, rows: list[Tensor], slot: int, exact: bool):
+def difference_rows_per_member(info, in_dims, rows: list[Tensor], slot: int, exact: bool):
     row_dims = in_dims[0]
     q, size = len(rows), info.batch_size
     device = next(r.device for r in rows)
@@ -164,21 +157,20 @@ def _(info, in_dims, rows: list[Tensor], slot: int, exact: bool):
 def combine(base: Tensor | None, rows: List[Tensor], weights: Tensor) -> Tensor:  # noqa: UP006
     """``base + sum_s weights[s] rows[s]`` in ``weights``' dtype (the compute dtype)."""
     result = torch.empty(rows[0].shape, dtype=weights.dtype, device=rows[0].device)
-    _window()._combine_leaf(base, rows, weights, result)
+    kernels.combine_leaf(base, rows, weights, result)
     return result
 
 
 @combine.register_fake
-def _(base: Tensor | None, rows: list[Tensor], weights: Tensor) -> Tensor:
+def combine_shape(base: Tensor | None, rows: list[Tensor], weights: Tensor) -> Tensor:
     return rows[0].new_empty(rows[0].shape, dtype=weights.dtype)
 
 
 @combine.register_vmap
-def _(info, in_dims, base: Tensor | None, rows: list[Tensor], weights: Tensor):
+def combine_per_member(info, in_dims, base: Tensor | None, rows: list[Tensor], weights: Tensor):
     base_dim, row_dims, weight_dim = in_dims
     numel = next(r.shape[-1] for r in rows)
     out = torch.empty(info.batch_size, numel, dtype=weights.dtype, device=rows[0].device)
-    window = _window()
     for b in range(info.batch_size):
         member_base = _member(base, base_dim, b)
         member_rows = _rows(rows, row_dims, b)
@@ -187,5 +179,5 @@ def _(info, in_dims, base: Tensor | None, rows: list[Tensor], weights: Tensor):
             # Batched at another level too (nested vmap): that level's rule takes over.
             out[b] = combine(member_base, member_rows, member_weights)
         else:
-            window._combine_leaf(member_base, member_rows, member_weights, out[b])
+            kernels.combine_leaf(member_base, member_rows, member_weights, out[b])
     return out, 0
