@@ -10,7 +10,7 @@ field and raises an error that names the argument; the instance is immutable and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -32,7 +32,15 @@ OWNER = "anderson"
 
 @dataclasses.dataclass(frozen=True)
 class AndersonOptions:
-    """The validated options of :func:`aadl_func.anderson` (see its docstring for each)."""
+    """The validated options of :func:`aadl_func.anderson` (see its docstring for each).
+
+    Besides the fields: ``rules``, the mode's :class:`~aadl_func._src.modes.Mode` record
+    (slot layout, window minimum, step function, bounds), and ``num_slots``, the ring's
+    slots for ``history_depth`` in that mode.
+    """
+
+    rules: ClassVar[Mode]
+    num_slots: ClassVar[int]
 
     inner: Any
     history_depth: int = 10
@@ -94,6 +102,9 @@ class AndersonOptions:
             raise ValueError(f"{OWNER}: `max_consecutive_skips` needs `skip_nonfinite=True`")
         for name, value in checked.items():  # the normalised values (ints, floats, devices)
             object.__setattr__(self, name, value)
+        # Derived once: every step reads them (not fields: they follow from ``mode``).
+        object.__setattr__(self, "rules", MODES[mode])
+        object.__setattr__(self, "num_slots", MODES[mode].num_slots(checked["history_depth"]))
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -103,15 +114,6 @@ class AndersonOptions:
     def values(self) -> dict[str, Any]:
         """The options after ``inner`` by name (what a checkpoint records)."""
         return {name: getattr(self, name) for name in self.names()}
-
-    @property
-    def rules(self) -> Mode:
-        """The mode's description: slot layout, window minimum, step function, bound."""
-        return MODES[self.mode]
-
-    @property
-    def num_slots(self) -> int:
-        return self.rules.num_slots(self.history_depth)
 
     def history_device_of(self, p: Tensor) -> torch.device:
         return self.history_device if self.history_device is not None else p.device
