@@ -580,7 +580,12 @@ class _ImplicitFixedPoint(torch.autograd.Function):
         theta = tree.unflatten(theta_spec, list(leaves[n_z:]))
         z0 = tree.unflatten(z_spec, list(leaves[:n_z]))
         z, info = fixed_point(lambda z: f(z, theta), z0, **options)
-        return (*tree.flatten(z, "z")[0], *info)
+        # An input returned as is (z0 already converged, max_iter=0) cannot be saved for
+        # backward by setup_context: return a copy.
+        z_leaves = [
+            t.clone() if any(t is i for i in leaves) else t for t in tree.flatten(z, "z")[0]
+        ]
+        return (*z_leaves, *info)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
