@@ -96,7 +96,7 @@ def scipy_solve(fn, x0, jacobian, **kw):
                 tol_norm=np.linalg.norm, callback=lambda x, fx: iterates.append(x.copy()), **kw,
             )  # fmt: skip
             success = bool(info["success"])
-        except (ArithmeticError, ValueError):  # SciPy overflowing on Powell's problem, say
+        except (ArithmeticError, ValueError, nonlin.NoConvergence):  # e.g. overflow on Powell
             success = False
     singular = any(issubclass(w.category, LinAlgWarning) for w in caught)
     return iterates, success, singular
