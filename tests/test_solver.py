@@ -484,6 +484,11 @@ def test_bad_problems():
             aa.root(lambda x: x, torch.zeros(3), alpha=alpha)
     with pytest.raises(ValueError, match="`line_search`.*vmap"):
         vmap(lambda x: aa.fixed_point(torch.sin, x, line_search=True))(torch.zeros(2, 3))
+    # Differentiating through the iterations: refused, pointing to the implicit gradient.
+    with pytest.raises(RuntimeError, match="implicit_fixed_point"):
+        grad(lambda c: aa.fixed_point(lambda x: 0.5 * x + c, torch.zeros(3, dtype=D))[0].sum())(
+            torch.ones(3, dtype=D)
+        )
     with pytest.raises(TypeError, match="`adjoint_options`"):
         aa.implicit_fixed_point(lambda z, t: z, torch.zeros(2), torch.ones(2), adjoint_options=1)
 

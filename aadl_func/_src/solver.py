@@ -28,7 +28,7 @@ from torch._C import _functorch
 
 from aadl_func._src import tree
 from aadl_func._src.anderson import Anderson, anderson
-from aadl_func._src.checks import autograd_policy
+from aadl_func._src.checks import autograd_policy, differentiating
 from aadl_func._src.inner import InnerOptimizer
 from aadl_func._src.validation import check_bool, check_callable, check_float, check_int
 
@@ -397,6 +397,14 @@ def _solve(
     opt: Anderson,
 ) -> tuple[PyTree, SolverInfo]:
     leaves, spec = _check_x0(owner, x0)
+    if torch.is_grad_enabled() and differentiating():
+        # Unrolled through the core's update the gradient is not usable (NaN where the
+        # window degenerates), and torch.no_grad here would make it silently zero.
+        raise RuntimeError(
+            f"{owner}: torch.func.grad/vjp/jvp around the solver would differentiate through "
+            "its iterations, which is not supported: use aa.implicit_fixed_point for the "
+            "gradient of a fixed point, or call the solver under torch.no_grad()"
+        )
     with autograd_policy():  # no graph through the iterations (see checks.autograd_policy)
         x = [t.detach() if t.requires_grad else t for t in leaves]
         problem = _Problem(owner, fn, spec, x, kind)
@@ -502,7 +510,9 @@ def fixed_point(
     after ``max_iter`` rounds if that cannot be read without a device synchronisation). Under
     ``torch.compile`` the masked loop runs the full budget of ``max_iter`` rounds in one graph.
     The line search needs the eager loop. The result carries no autograd graph; to
-    differentiate through the fixed point use :func:`implicit_fixed_point`.
+    differentiate through the fixed point use :func:`implicit_fixed_point` (under
+    ``torch.func.grad``/``vjp``/``jvp`` the solver raises ``RuntimeError`` rather than
+    differentiate through its iterations).
     """
     owner = "fixed_point"
     check_callable(owner, "g", g)
