@@ -28,7 +28,7 @@ from torch._C import _functorch
 
 from aadl_func._src import tree
 from aadl_func._src.anderson import Anderson, anderson
-from aadl_func._src.checks import autograd_policy, differentiating
+from aadl_func._src.checks import differentiating
 from aadl_func._src.inner import InnerOptimizer
 from aadl_func._src.validation import check_bool, check_callable, check_float, check_int
 
@@ -405,7 +405,7 @@ def _solve(
             "its iterations, which is not supported: use aa.implicit_fixed_point for the "
             "gradient of a fixed point, or call the solver under torch.no_grad()"
         )
-    with autograd_policy():  # no graph through the iterations (see checks.autograd_policy)
+    with torch.no_grad():  # no graph through the iterations (nor through the window)
         x = [t.detach() if t.requires_grad else t for t in leaves]
         problem = _Problem(owner, fn, spec, x, kind)
         masked = _masked_wanted(options.masked, x)
