@@ -139,6 +139,26 @@ def test_iterates_match_scipy_without_regularisation(name):
         np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_history_depth_is_scipys_m_plus_one(m):
+    """SciPy's M counts differences, history_depth pairs: on F only depth M + 1 gives SciPy's
+    iterates; M and M + 2 differ by 0.06 or more."""
+    nonlin = pytest.importorskip("scipy.optimize._nonlin")
+    fn, x0 = PROBLEMS["F"]
+    theirs, ok, _ = scipy_solve(
+        fn, x0, nonlin.Anderson(M=m, w0=0), f_tol=1e-2, maxiter=200, line_search=None
+    )
+    assert ok
+    for depth in (m, m + 1, m + 2):
+        if depth < 3:
+            continue
+        ours, _ = our_iterates(fn, x0, history_depth=depth, tol=1e-2, max_iter=200)
+        gap = max(np.abs(a - b).max() for a, b in zip(theirs, ours))
+        assert (gap < 1e-12) == (depth == m + 1), (depth, gap)
+        assert depth != m + 1 or len(ours) == len(theirs)
+        assert depth == m + 1 or gap > 0.05
+
+
 def test_linear_system_matches_scipy():
     """SciPy's TestLinear.test_anderson (M=50, alpha=1, f_tol=1e-6, 29 steps, no line search):
     with w0 = 0 the iterates match SciPy's; at SciPy's w0 = 0.01 it needs 24 steps, we 21."""
