@@ -4,6 +4,7 @@ from aadl_func._src.anderson import Anderson, anderson
 from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
 from aadl_func._src.mix import mix, mixing_weights
 from aadl_func._src.solve import MixingWeights, solve_weights
+from aadl_func._src.solver import SolverInfo, fixed_point, implicit_fixed_point, root
 from aadl_func._src.state import AndersonState
 from aadl_func._src.wrapper import AcceleratedOptimizer, accelerate
 
@@ -17,12 +18,16 @@ __all__ = [
     "InnerOptimizer",
     "MixingWeights",
     "SgdState",
+    "SolverInfo",
     "accelerate",
     "adam",
     "adamw",
     "anderson",
+    "fixed_point",
+    "implicit_fixed_point",
     "mix",
     "mixing_weights",
+    "root",
     "sgd",
     "solve_weights",
 ]

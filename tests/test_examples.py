@@ -387,3 +387,26 @@ def _torch_adam_losses(minibatch, name, epochs, seed, lr, batch_size) -> list[fl
             optimizer.step()
         losses.append(full_loss())
     return losses
+
+
+def test_deq(examples, tmp_path, capsys):
+    """examples/deq.py --quick: both forward solvers reach the fixed point on every step, the
+    implicit gradients train the same model, and Anderson needs fewer forward iterations."""
+    deq = importlib.import_module("deq")  # on the path the ``examples`` fixture set
+    summary = deq.main(["--quick", "--out-dir", str(tmp_path)])
+    assert (tmp_path / "deq" / "summary.json").exists()
+    assert "iters/step" in capsys.readouterr().out
+    anderson, plain = summary["anderson"], summary["plain"]
+    assert anderson["all_converged"] and plain["all_converged"]
+    assert anderson["steps"] == plain["steps"] > 0
+    # ||W||_2 = gamma and tanh is 1-Lipschitz: f contracts by gamma at least, so the plain
+    # residual falls below rtol times the first one within log(rtol) / log(gamma) steps.
+    config = summary["config"]
+    assert plain["max_forward_iterations"] <= math.ceil(
+        math.log(config["rtol"]) / math.log(config["gamma"])
+    )
+    assert anderson["mean_forward_iterations"] < 0.85 * plain["mean_forward_iterations"]
+    # The two runs differ by the forward solves' tolerance only: the same training.
+    assert abs(anderson["train_loss"] - plain["train_loss"]) < 1e-3
+    assert abs(anderson["test_accuracy"] - plain["test_accuracy"]) <= 0.01
+    assert anderson["test_accuracy"] > 0.8  # 10 classes: chance is 0.1

@@ -1,0 +1,701 @@
+r"""Anderson acceleration as a solver: fixed points :math:`g(x) = x` and roots :math:`F(x) = 0`.
+
+Both solvers drive the package's own :func:`aadl_func.anderson` update (mode ``"classic"`` by
+default) around an *identity* inner optimizer: the "gradient" handed to ``update`` is the step
+:math:`r(x) = g(x) - x` (fixed point) or :math:`\alpha F(x)` (root), the identity turns it into
+the update, so the inner step is :math:`y = x + r(x) = g(x)` and type-II Anderson acceleration
+of the map :math:`g` follows. There is no second Anderson implementation here: this module
+only adds the loop, the stopping test, the bookkeeping, SciPy's backtracking line search, the
+masked fixed-budget variant for ``vmap``/``torch.compile``, and implicit differentiation.
+
+Residual norm: the 2-norm over all leaves of the pytree,
+:math:`\|r\| = (\sum_\ell \sum_i |r_{\ell,i}|^2)^{1/2}`, accumulated in float64, of
+:math:`g(x) - x` (``fixed_point``) or of :math:`F(x)` (``root``). The solver stops at the first
+iterate with :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\,\|r_0\|)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch._C import _functorch
+
+from aadl_func._src import tree
+from aadl_func._src.anderson import Anderson, anderson
+from aadl_func._src.checks import differentiating
+from aadl_func._src.inner import InnerOptimizer
+from aadl_func._src.validation import check_bool, check_callable, check_float, check_int
+
+__all__ = ["REASONS", "SolverInfo", "fixed_point", "root", "implicit_fixed_point"]
+
+PyTree = Any
+
+# Status codes of SolverInfo.status, indexing REASONS.
+CONVERGED, MAX_ITER, NONFINITE, CALLBACK = range(4)
+REASONS = ("converged", "max_iter", "nonfinite", "callback")
+
+
+class SolverInfo(NamedTuple):
+    """What a solve did. Tensors only, so the record also comes out of ``vmap``.
+
+    Attributes:
+      iterations: 0-d int64, accepted steps (updates of ``x``).
+      evaluations: 0-d int64, calls of ``g`` or ``F`` (line-search trials included).
+      residual_norms: 1-d float64, :math:`\\|r_k\\|` after ``k`` steps, ``k = 0, 1, ...``
+        (eager: ``iterations + 1`` entries; masked: one per round of the batch, a member that
+        has stopped repeating its last value).
+      converged: 0-d bool, the tolerance was met.
+      status: 0-d int64, the reason code: 0 converged, 1 ``max_iter`` reached, 2 a non-finite
+        residual (the step that produced it was not taken), 3 the callback asked to stop.
+    """
+
+    iterations: Tensor
+    evaluations: Tensor
+    residual_norms: Tensor
+    converged: Tensor
+    status: Tensor
+
+    @property
+    def reason(self) -> str:
+        """The status in words (eager results: one problem, not a batch)."""
+        return REASONS[int(self.status)]
+
+
+# -- the identity inner optimizer ------------------------------------------------------------
+def _identity_init(params: PyTree) -> tuple:
+    return ()
+
+
+def _identity_update(
+    updates: PyTree, state: tuple, params: PyTree = None, inplace: bool = False
+) -> tuple[PyTree, tuple]:
+    return updates, state
+
+
+# The inner "optimizer" whose step from x with grads r is x + r: Anderson then accelerates
+# x -> x + r(x), the map the solver was given.
+_IDENTITY = InnerOptimizer(_identity_init, _identity_update)
+
+
+# -- options ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    tol: float
+    rtol: float
+    max_iter: int
+    line_search: bool
+    callback: Callable | None
+    masked: bool | None
+
+
+def _options(
+    owner: str,
+    tol: object,
+    rtol: object,
+    max_iter: object,
+    line_search: object,
+    callback: object,
+    masked: object,
+) -> _Options:
+    if line_search not in (None, False, True, "armijo"):
+        raise ValueError(
+            f"{owner}: `line_search` must be None, False, True or 'armijo', got {line_search!r}"
+        )
+    if callback is not None:
+        check_callable(owner, "callback", callback)
+    return _Options(
+        tol=check_float(owner, "tol", tol, minimum=0.0),
+        rtol=check_float(owner, "rtol", rtol, minimum=0.0),
+        max_iter=check_int(owner, "max_iter", max_iter, 0),
+        line_search=line_search not in (None, False),
+        callback=callback,  # type: ignore[arg-type]
+        masked=None if masked is None else check_bool(owner, "masked", masked),
+    )
+
+
+def _accelerator(
+    owner: str,
+    history_depth: int,
+    relaxation: float,
+    reg: float,
+    reg_relative: float,
+    mode: str,
+    anderson_options: dict[str, Any],
+) -> Anderson:
+    if "inner" in anderson_options:
+        raise TypeError(f"{owner}: `inner` is set by the solver (the identity map), not by you")
+    return anderson(
+        _IDENTITY,
+        history_depth=history_depth,
+        relaxation=relaxation,
+        reg=reg,
+        reg_relative=reg_relative,
+        mode=mode,
+        **anderson_options,
+    )
+
+
+def _check_x0(owner: str, x0: PyTree) -> tuple[list[Tensor], Any]:
+    leaves, spec = tree.flatten(x0, "x0", owner=owner)
+    if not leaves:
+        raise ValueError(f"{owner}: `x0` must contain at least one tensor")
+    for i, leaf in enumerate(leaves):
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"{owner}: `{tree.leaf_path(spec, i, 'x0')}` has dtype {leaf.dtype}; the "
+                "solvers take real floating tensors (complex ones are not supported yet)"
+            )
+    return leaves, spec
+
+
+# -- pytree arithmetic -----------------------------------------------------------------------
+def _norm(leaves: list[Tensor]) -> Tensor:
+    """The 2-norm over all leaves, accumulated in float64 (a 0-d tensor)."""
+    squares = [torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in leaves]
+    return torch.stack(squares).sum().sqrt()
+
+
+def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
+    """``a * x + y`` leaf by leaf (``a`` a number or a 0-d tensor)."""
+    return [(a * xi).to(yi.dtype) + yi for xi, yi in zip(x, y)]
+
+
+def _where(flag: Tensor, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
+    return [torch.where(flag, ai, bi) for ai, bi in zip(a, b)]
+
+
+def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
+    """The masked fixed-budget loop under ``torch.compile`` or ``vmap``, where the stopping
+    test cannot be read on the host; ``masked`` overrides the choice."""
+    if masked is not None:
+        return masked
+    if tree.tracing():
+        return True
+    if _functorch.maybe_current_level() is not None:
+        stack = _functorch.get_interpreter_stack() or ()
+        if any(i.key() == _functorch.TransformType.Vmap for i in stack):
+            return True
+    return any(_functorch.is_batchedtensor(t) for t in leaves)
+
+
+# -- the residual of a problem ---------------------------------------------------------------
+class _Problem:
+    """Evaluates a problem's residual at ``x``: the step handed to ``update`` and its norm.
+
+    ``residual(x)`` is :math:`g(x) - x` or :math:`F(x)`; the step is ``scale`` times it (the
+    root's :math:`\\alpha`, fixed once from the first evaluation); the norm is the residual's.
+    """
+
+    def __init__(self, owner: str, fn: Callable, spec: Any, ref: list[Tensor], kind: str):
+        self.owner, self.fn, self.spec, self.ref, self.kind = owner, fn, spec, ref, kind
+        self.scale: Any = 1.0
+
+    def residual(self, x: list[Tensor]) -> list[Tensor]:
+        out = self.fn(tree.unflatten(self.spec, x))
+        name = "g(x)" if self.kind == "fixed_point" else "F(x)"
+        leaves, spec = tree.flatten(out, name, owner=self.owner)
+        tree.check_like(name, leaves, spec, self.ref, self.spec, "x0", owner=self.owner)
+        leaves = [o.to(r.dtype) for o, r in zip(leaves, self.ref)]
+        if self.kind == "fixed_point":
+            return [o - xi for o, xi in zip(leaves, x)]
+        return leaves
+
+    def __call__(self, x: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        r = self.residual(x)
+        step = r if _is_one(self.scale) else [(self.scale * t).to(t.dtype) for t in r]
+        return step, _norm(r)
+
+
+def _is_one(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and value == 1.0
+
+
+# -- SciPy's backtracking line search --------------------------------------------------------
+def _armijo(
+    phi: Callable[[float], float], phi0: float, derphi0: float, c1: float = 1e-4, amin: float = 1e-2
+) -> float | None:
+    """``scipy.optimize._linesearch.scalar_search_armijo`` (BSD licence), as SciPy's ``nonlin``
+    calls it: the first ``s`` found with :math:`\\phi(s) \\le \\phi(0) + c_1 s \\phi'(0)`, trying
+    ``s = 1``, then the minimiser of a quadratic, then of cubic interpolants through the last
+    two trials, down to ``amin``; None if none is found. Kept line for line, SciPy's
+    safeguard included: its two conditions together always hold, so after each rejected cubic
+    trial the next interpolation starts from half the previous step."""
+    alpha0 = 1.0
+    phi_a0 = phi(alpha0)
+    if phi_a0 <= phi0 + c1 * alpha0 * derphi0:
+        return alpha0
+    alpha1 = -derphi0 * alpha0**2 / 2.0 / (phi_a0 - phi0 - derphi0 * alpha0)
+    phi_a1 = phi(alpha1)
+    if phi_a1 <= phi0 + c1 * alpha1 * derphi0:
+        return alpha1
+    while alpha1 > amin:  # alpha > 0 is assumed a descent direction, as SciPy does
+        factor = alpha0**2 * alpha1**2 * (alpha1 - alpha0)
+        a = alpha0**2 * (phi_a1 - phi0 - derphi0 * alpha1) - alpha1**2 * (
+            phi_a0 - phi0 - derphi0 * alpha0
+        )
+        a = a / factor
+        b = -(alpha0**3) * (phi_a1 - phi0 - derphi0 * alpha1) + alpha1**3 * (
+            phi_a0 - phi0 - derphi0 * alpha0
+        )
+        b = b / factor
+        alpha2 = (-b + math.sqrt(abs(b**2 - 3 * a * derphi0))) / (3.0 * a)
+        phi_a2 = phi(alpha2)
+        if phi_a2 <= phi0 + c1 * alpha2 * derphi0:
+            return alpha2
+        if (alpha1 - alpha2) > alpha1 / 2.0 or (1 - alpha2 / alpha1) < 0.96:
+            alpha2 = alpha1 / 2.0
+        alpha0, alpha1 = alpha1, alpha2
+        phi_a0, phi_a1 = phi_a1, phi_a2
+    return None
+
+
+def _line_search(
+    problem: _Problem, x: list[Tensor], proposal: list[Tensor], norm: float
+) -> tuple[list[Tensor], list[Tensor], Tensor, int]:
+    """SciPy ``nonlin``'s Armijo search on :math:`\\phi(s) = \\|r(x + s d)\\|^2` along the
+    Anderson step :math:`d` = ``proposal - x``, with :math:`\\phi'(0)` taken as
+    :math:`-\\phi(0)` (exact for a Newton direction), ``c1 = 1e-4`` and ``amin = 1e-2``. When
+    no step length qualifies the full step is taken, as SciPy does.
+
+    Returns the new point, its step and norm, and the number of evaluations spent.
+    """
+    direction = [p - xi for p, xi in zip(proposal, x)]
+    trials: dict[float, tuple[list[Tensor], list[Tensor], Tensor]] = {}
+
+    def point(s: float) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        if s not in trials:
+            xs = proposal if s == 1.0 else _axpy(s, direction, x)
+            trials[s] = (xs, *problem(xs))
+        return trials[s]
+
+    def phi(s: float) -> float:
+        value = float(point(s)[2])
+        return value * value if math.isfinite(value) else math.inf
+
+    phi0 = norm * norm
+    s = _armijo(phi, phi0, -phi0)
+    return (*point(1.0 if s is None else s), len(trials))
+
+
+# -- the loops -------------------------------------------------------------------------------
+def _eager_loop(
+    problem: _Problem, x: list[Tensor], opt: Anderson, options: _Options, spec: Any
+) -> tuple[list[Tensor], SolverInfo]:
+    """Python control flow: stops at the first iterate that meets the tolerance."""
+    step, norm_t = problem(x)
+    norm = float(norm_t)
+    norms, evaluations, iterations = [norm], 1, 0
+    threshold = max(options.tol, options.rtol * norm)
+    state = opt.init(tree.unflatten(spec, x))
+    status = NONFINITE if not math.isfinite(norm) else MAX_ITER
+    while status != NONFINITE:
+        if norm <= threshold:
+            status = CONVERGED
+            break
+        if iterations == options.max_iter:
+            break
+        proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
+        proposal = tree.flatten(proposal, "x")[0]
+        if options.line_search:
+            new_x, new_step, new_norm_t, spent = _line_search(problem, x, proposal, norm)
+        else:
+            (new_step, new_norm_t), new_x, spent = problem(proposal), proposal, 1
+        evaluations += spent
+        new_norm = float(new_norm_t)
+        if not math.isfinite(new_norm):
+            status = NONFINITE  # the step is not taken: x stays the last finite iterate
+            break
+        x, step, norm = new_x, new_step, new_norm
+        iterations += 1
+        norms.append(norm)
+        if options.callback is not None and options.callback(
+            iterations, tree.unflatten(spec, x), norm
+        ):
+            status = CONVERGED if norm <= threshold else CALLBACK
+            break
+    info = SolverInfo(
+        iterations=torch.tensor(iterations),
+        evaluations=torch.tensor(evaluations),
+        residual_norms=torch.tensor(norms, dtype=torch.float64),
+        converged=torch.tensor(status == CONVERGED),
+        status=torch.tensor(status),
+    )
+    return x, info
+
+
+def _all_stopped(done: Tensor) -> bool:
+    """Whether every problem of the batch has stopped, when that can be read without a graph
+    break or a device synchronisation (eager vmap over CPU flags, or no transform)."""
+    if tree.tracing():
+        return False
+    if _functorch.is_batchedtensor(done):
+        return tree.uniform_value(done) is True
+    if _functorch.is_functorch_wrapped_tensor(done) or not done.is_cpu:
+        return False
+    return bool(done)
+
+
+def _masked_loop(
+    problem: _Problem, x: list[Tensor], opt: Anderson, options: _Options, spec: Any
+) -> tuple[list[Tensor], SolverInfo]:
+    """A fixed budget of ``max_iter`` rounds in which every decision is a mask: a problem
+    that has stopped keeps its ``x`` (its evaluations are computed and discarded), so a
+    ``vmap`` batch stops problem by problem and ``torch.compile`` sees one straight graph."""
+    step, norm = problem(x)
+    threshold = torch.clamp(options.rtol * norm, min=options.tol)
+    finite = torch.isfinite(norm)
+    met = finite & (norm <= threshold)
+    status = torch.where(met, CONVERGED, torch.where(finite, MAX_ITER, NONFINITE))
+    done = met | ~finite
+    iterations = torch.zeros_like(status)
+    evaluations = torch.ones_like(status)
+    norms = [norm]
+    state = opt.init(tree.unflatten(spec, x))
+    for _ in range(options.max_iter):
+        if _all_stopped(done):
+            break
+        proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
+        proposal = tree.flatten(proposal, "x")[0]
+        new_step, new_norm = problem(proposal)
+        active = ~done
+        bad = active & ~torch.isfinite(new_norm)
+        accept = active & ~bad
+        x = _where(accept, proposal, x)
+        step = _where(accept, new_step, step)
+        norm = torch.where(accept, new_norm, norm)
+        iterations = iterations + accept.to(iterations.dtype)
+        evaluations = evaluations + active.to(evaluations.dtype)
+        met = accept & (norm <= threshold)
+        status = torch.where(met, CONVERGED, torch.where(bad, NONFINITE, status))
+        done = done | met | bad
+        norms.append(norm)
+        if options.callback is not None:
+            options.callback(len(norms) - 1, tree.unflatten(spec, x), norm)
+    info = SolverInfo(
+        iterations=iterations,
+        evaluations=evaluations,
+        residual_norms=torch.stack(norms),
+        converged=status == CONVERGED,
+        status=status,
+    )
+    return x, info
+
+
+def _solve(
+    owner: str,
+    kind: str,
+    fn: Callable,
+    x0: PyTree,
+    alpha: Any,
+    options: _Options,
+    opt: Anderson,
+) -> tuple[PyTree, SolverInfo]:
+    leaves, spec = _check_x0(owner, x0)
+    if torch.is_grad_enabled() and differentiating():
+        # Unrolled through the core's update the gradient is not usable (NaN where the
+        # window degenerates), and torch.no_grad here would make it silently zero.
+        raise RuntimeError(
+            f"{owner}: torch.func.grad/vjp/jvp around the solver would differentiate through "
+            "its iterations, which is not supported: use aa.implicit_fixed_point for the "
+            "gradient of a fixed point, or call the solver under torch.no_grad()"
+        )
+    with torch.no_grad():  # no graph through the iterations (nor through the window)
+        x = [t.detach() if t.requires_grad else t for t in leaves]
+        problem = _Problem(owner, fn, spec, x, kind)
+        masked = _masked_wanted(options.masked, x)
+        if masked and options.line_search:
+            raise ValueError(
+                f"{owner}: `line_search` needs the eager loop; it is not available under vmap, "
+                "torch.compile or masked=True"
+            )
+        if kind == "root":
+            problem.scale = _root_alpha(problem, x, alpha, masked)
+        loop = _masked_loop if masked else _eager_loop
+        x, info = loop(problem, x, opt, options, spec)
+    return tree.unflatten(spec, x), info
+
+
+def _root_alpha(problem: _Problem, x: list[Tensor], alpha: Any, masked: bool) -> Any:
+    r"""The root solver's :math:`\alpha` (the map is :math:`x + \alpha F(x)`): as given, or
+    SciPy's rule :math:`\alpha = \tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|` (1 when
+    :math:`F(x_0) = 0`). The extra evaluation of :math:`F(x_0)` is not counted."""
+    if alpha is not None:
+        return alpha
+    f0 = _norm(problem.residual(x))
+    x0 = _norm(x)
+    if masked:
+        return torch.where(f0 > 0, 0.5 * torch.clamp(x0, min=1.0) / f0, 1.0)
+    f0, x0 = float(f0), float(x0)
+    return 0.5 * max(x0, 1.0) / f0 if f0 > 0 else 1.0
+
+
+# -- public entry points ---------------------------------------------------------------------
+
+
+def fixed_point(
+    g: Callable[[PyTree], PyTree],
+    x0: PyTree,
+    *,
+    tol: float = 1e-6,
+    rtol: float = 0.0,
+    max_iter: int = 100,
+    history_depth: int = 6,
+    relaxation: float = 1.0,
+    reg: float = 0.0,
+    reg_relative: float = 0.0,
+    mode: str = "classic",
+    line_search: bool | str | None = None,
+    callback: Callable | None = None,
+    masked: bool | None = None,
+    **anderson_options: Any,
+) -> tuple[PyTree, SolverInfo]:
+    r"""Solves :math:`x = g(x)` by Anderson acceleration; returns ``(x, info)``.
+
+    Each step evaluates :math:`g` once at the current :math:`x_k` and calls
+    :func:`aadl_func.anderson`'s ``update`` (an identity inner optimizer, so its plain step is
+    :math:`g(x_k)`). In mode ``"classic"`` over the last ``history_depth`` pairs:
+
+    .. math::
+
+        x_{k+1} = \sum_i \alpha_i \big((1 - \beta) x_i + \beta g(x_i)\big), \qquad
+        \alpha = \arg\min_{\sum_i \alpha_i = 1} \Big\| \sum_i \alpha_i (g(x_i) - x_i) \Big\|,
+
+    :math:`\beta` = ``relaxation``; with ``reg``/``reg_relative`` the least-squares problem in
+    its difference form gets the ridge :math:`\lambda \|\gamma\|^2`, :math:`\lambda` =
+    ``reg`` + ``reg_relative`` times the mean squared norm of the residual differences (see
+    :func:`aadl_func.anderson`). It stops at the first :math:`x_k` with
+    :math:`\|g(x_k) - x_k\| \le \max(\mathrm{tol}, \mathrm{rtol} \|g(x_0) - x_0\|)`, the
+    2-norm over all leaves of the pytree (in float64).
+
+    Mode ``"classic"`` is the default because it is Anderson's method for equations: the
+    pairs :math:`(x_i, g(x_i))` are taken as they are, so it is a multisecant (Broyden-like)
+    method, GMRES on an affine map. Mode ``"aadl"`` is meant for optimizer steps: its residual
+    proxy :math:`x_{i+1} - x_i` is the true residual only when :math:`x_i` was a plain step, so
+    as a root finder it is a weaker method, which diverges on SciPy's pressure-network and
+    linear test problems and is 10-20x slower on others (issue 25).
+
+    Args:
+      g: the map, pytree -> pytree of the structure, shapes (and dtypes, after a cast) of
+        ``x0``.
+      x0: the starting point, a pytree of real floating tensors.
+      tol, rtol: absolute and relative tolerances (``>= 0``) on the residual norm.
+      max_iter: the most steps (``>= 0``); the eager loop stops earlier.
+      history_depth: pairs in the window (``>= 3``); SciPy's ``M`` is ``history_depth - 1``.
+      relaxation: :math:`\beta > 0`, 1 undamped.
+      reg, reg_relative: Tikhonov weights (absolute; relative to the window), ``>= 0``.
+      mode: ``"classic"`` (default, see above) or ``"aadl"``.
+      line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s backtracking
+        search on :math:`\|g(x) - x\|^2` along the Anderson step (eager loop only).
+      callback: ``callback(k, x, residual_norm)`` after each step ``k = 1, 2, ...``; eagerly
+        a truthy return stops the solve (status ``"callback"``); in the masked loop it is
+        called once per round with tensors and its return value is ignored.
+      masked: None (default) picks the masked fixed-budget loop under ``vmap`` and
+        ``torch.compile`` and the eager loop otherwise; True/False force one.
+      **anderson_options: any other option of :func:`aadl_func.anderson` (e.g.
+        ``history_dtype``, ``compute_device``, or per-column regularisation where the core
+        offers it), passed through.
+
+    Returns:
+      ``(x, info)``: the last iterate (of ``x0``'s structure) and a :class:`SolverInfo`.
+
+    Composition. Eagerly the loop reads the residual norm on the host once per step. Under
+    ``torch.func.vmap`` a batch of problems runs the masked loop: each stops on its own (its
+    ``x`` is frozen once it meets the tolerance), and the loop ends when all have stopped (or
+    after ``max_iter`` rounds if that cannot be read without a device synchronisation). Under
+    ``torch.compile`` the masked loop runs the full budget of ``max_iter`` rounds in one graph.
+    The line search needs the eager loop. The result carries no autograd graph; to
+    differentiate through the fixed point use :func:`implicit_fixed_point` (under
+    ``torch.func.grad``/``vjp``/``jvp`` the solver raises ``RuntimeError`` rather than
+    differentiate through its iterations).
+    """
+    owner = "fixed_point"
+    check_callable(owner, "g", g)
+    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked)
+    opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
+    return _solve(owner, "fixed_point", g, x0, None, options, opt)
+
+
+def root(
+    F: Callable[[PyTree], PyTree],
+    x0: PyTree,
+    *,
+    alpha: float | None = None,
+    tol: float = 1e-6,
+    rtol: float = 0.0,
+    max_iter: int = 100,
+    history_depth: int = 6,
+    relaxation: float = 1.0,
+    reg: float = 0.0,
+    reg_relative: float = 0.0,
+    mode: str = "classic",
+    line_search: bool | str | None = None,
+    callback: Callable | None = None,
+    masked: bool | None = None,
+    **anderson_options: Any,
+) -> tuple[PyTree, SolverInfo]:
+    r"""Solves :math:`F(x) = 0` by Anderson acceleration of :math:`g(x) = x + \alpha F(x)`.
+
+    This is ``scipy.optimize.anderson``'s method: SciPy's initial Jacobian guess is
+    :math:`-1/\alpha` (so the plain step is :math:`x + \alpha F(x)`, with SciPy's sign), and
+    with ``history_depth = M + 1``, ``relaxation = 1``, no regularisation (SciPy's
+    ``w0 = 0``) and no line search the iterates are SciPy's. ``alpha=None`` takes SciPy's
+    default :math:`\tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|`; a negative ``alpha`` suits an
+    :math:`F` whose Jacobian is near a positive multiple of the identity. The tolerance is on
+    :math:`\|F(x_k)\|` (2-norm over all leaves, float64; SciPy defaults to the max-norm).
+    The default mode is ``"classic"``, for the reason :func:`fixed_point` gives.
+
+    Args:
+      F: the function, pytree -> pytree of ``x0``'s structure and shapes.
+      x0: the starting point, a pytree of real floating tensors.
+      alpha: None (SciPy's rule) or a finite non-zero real number.
+      line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s default
+        backtracking search on :math:`\|F\|^2` (``scipy.optimize.anderson`` uses it unless
+        given ``line_search=None``).
+      The other arguments are :func:`fixed_point`'s.
+
+    Returns:
+      ``(x, info)``, as :func:`fixed_point`.
+    """
+    owner = "root"
+    check_callable(owner, "F", F)
+    if alpha is not None:
+        alpha = check_float(owner, "alpha", alpha, minimum=-math.inf)
+        if alpha == 0.0:
+            raise ValueError(f"{owner}: `alpha` must be non-zero (the step is x + alpha F(x))")
+    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked)
+    opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
+    return _solve(owner, "root", F, x0, alpha, options, opt)
+
+
+# -- implicit differentiation ----------------------------------------------------------------
+class _ImplicitFixedPoint(torch.autograd.Function):
+    """``z* = f(z*, theta)`` forward by :func:`fixed_point`; backward by the implicit function
+    theorem. Inputs: the static ``(f, z_spec, theta_spec, n_z, options, adjoint_options)``, then
+    the leaves of ``z0`` and of ``theta``; outputs: the leaves of ``z*``, then the
+    :class:`SolverInfo` fields (not differentiable)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        f: Callable, z_spec: Any, theta_spec: Any, n_z: int, options: dict, adjoint: dict,
+        *leaves: Tensor,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
+        theta = tree.unflatten(theta_spec, list(leaves[n_z:]))
+        z0 = tree.unflatten(z_spec, list(leaves[:n_z]))
+        z, info = fixed_point(lambda z: f(z, theta), z0, **options)
+        # An input returned as is (z0 already converged, max_iter=0) cannot be saved for
+        # backward by setup_context: return a copy.
+        z_leaves = [
+            t.clone() if any(t is i for i in leaves) else t for t in tree.flatten(z, "z")[0]
+        ]
+        return (*z_leaves, *info)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        f, z_spec, theta_spec, n_z, _, adjoint, *leaves = inputs
+        ctx.save_for_backward(*output[:n_z], *leaves[n_z:])
+        ctx.mark_non_differentiable(*output[n_z:])
+        ctx.static = (f, z_spec, theta_spec, n_z, adjoint)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        f, z_spec, theta_spec, n_z, adjoint = ctx.static
+        saved = ctx.saved_tensors
+        z_star = tree.unflatten(z_spec, list(saved[:n_z]))
+        theta = tree.unflatten(theta_spec, list(saved[n_z:]))
+        cotangent = [torch.zeros_like(z) if g is None else g for g, z in zip(grads[:n_z], saved)]
+        u = _adjoint(f, z_star, theta, z_spec, cotangent, adjoint)
+        _, vjp_theta = torch.func.vjp(lambda th: f(z_star, th), theta)
+        (grad_theta,) = vjp_theta(u)
+        theta_leaves = tree.flatten(grad_theta, "theta")[0]
+        return (None,) * (6 + n_z) + tuple(theta_leaves)
+
+
+def _adjoint(
+    f: Callable, z_star: PyTree, theta: PyTree, spec: Any, cotangent: list[Tensor], options: dict
+) -> PyTree:
+    r"""The adjoint fixed point :math:`u = J_z f(z^*, \theta)^\top u + \bar z` by
+    :func:`fixed_point` (the map is affine, so classic Anderson acceleration is GMRES on
+    :math:`(I - J^\top) u = \bar z`); raises if it does not converge."""
+    _, vjp_z = torch.func.vjp(lambda z: f(z, theta), z_star)
+    rhs = tree.unflatten(spec, cotangent)
+
+    def adjoint_map(u: PyTree) -> PyTree:
+        (ju,) = vjp_z(u)
+        return tree.unflatten(spec, _axpy(1.0, tree.flatten(ju, "u")[0], cotangent))
+
+    with torch.no_grad():  # first derivatives only: no graph through the adjoint iterations
+        u, info = fixed_point(adjoint_map, rhs, **options)
+    if not _masked_wanted(options.get("masked"), cotangent) and not bool(info.converged):
+        raise RuntimeError(
+            "implicit_fixed_point: the adjoint fixed point u = J^T u + dL/dz* did not converge "
+            f"({info.reason} after {int(info.iterations)} steps, residual "
+            f"{float(info.residual_norms[-1]):.3g}); is f a contraction in z at z*? Raise "
+            "`max_iter` or loosen `tol` in `adjoint_options`"
+        )
+    return u
+
+
+def implicit_fixed_point(
+    f: Callable[[PyTree, PyTree], PyTree],
+    z0: PyTree,
+    theta: PyTree,
+    *,
+    adjoint_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> tuple[PyTree, SolverInfo]:
+    r"""The fixed point :math:`z^* = f(z^*, \theta)`, differentiable in :math:`\theta` by the
+    implicit function theorem; returns ``(z*, info)``.
+
+    The forward solve is :func:`fixed_point` on :math:`z \mapsto f(z, \theta)` from ``z0``
+    with ``options``; no iteration is recorded for autograd. The backward pass, given
+    :math:`\bar z = \partial L / \partial z^*`, solves the adjoint fixed point
+
+    .. math::
+
+        u = J_z f(z^*, \theta)^\top u + \bar z \quad \big(\text{i.e. } u = (I - J_z^\top)^{-1}
+        \bar z\big), \qquad \frac{\partial L}{\partial \theta} = J_\theta f(z^*, \theta)^\top u,
+
+    with the same solver (``adjoint_options``, default: ``options``), the products
+    :math:`J^\top v` being :func:`torch.func.vjp` of ``f`` at :math:`(z^*, \theta)`. This is
+    exact at an exact fixed point where :math:`I - J_z` is invertible (e.g. ``f`` a
+    contraction in ``z``); its error follows the two tolerances.
+
+    It is a :class:`torch.autograd.Function` (with ``setup_context`` and a generated vmap
+    rule), so ``loss.backward()``, :func:`torch.func.grad`/``vjp`` and :func:`torch.func.vmap`
+    of either work. Only first derivatives: the backward pass is not itself differentiable.
+
+    Args:
+      f: ``f(z, theta) -> z``, pure in its arguments: every tensor whose gradient you want
+        must come in through ``theta`` (a tensor ``f`` closes over gets no gradient).
+      z0: the starting point (no gradient flows to it: :math:`z^*` does not depend on it).
+      theta: a pytree of tensors, the parameters.
+      adjoint_options: :func:`fixed_point` options for the adjoint solve (default: the
+        forward's). A non-converged adjoint raises ``RuntimeError`` (eager loop).
+      **options: :func:`fixed_point` options for the forward solve.
+
+    Returns:
+      ``(z*, info)``: ``z*`` like ``z0``, and the forward solve's :class:`SolverInfo`.
+    """
+    owner = "implicit_fixed_point"
+    check_callable(owner, "f", f)
+    z_leaves, z_spec = _check_x0(owner, z0)
+    theta_leaves, theta_spec = tree.flatten(theta, "theta", owner=owner)
+    if adjoint_options is not None and not isinstance(adjoint_options, dict):
+        raise TypeError(
+            f"{owner}: `adjoint_options` must be None or a dict of fixed_point options, "
+            f"got {type(adjoint_options).__name__}"
+        )
+    adjoint = dict(options if adjoint_options is None else adjoint_options)
+    out = _ImplicitFixedPoint.apply(
+        f, z_spec, theta_spec, len(z_leaves), options, adjoint, *z_leaves, *theta_leaves
+    )
+    n_z = len(z_leaves)
+    return tree.unflatten(z_spec, list(out[:n_z])), SolverInfo(*out[n_z:])
