@@ -245,15 +245,6 @@ def test_armijo_search_is_scipys(a, w, phase):
     assert (ours is None) == (phase == 1.0)
 
 
-def _core_has(option: str) -> bool:
-    try:
-        aa.anderson(aa.sgd(1.0), mode="classic", **{option: 1e-4})
-    except TypeError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _core_has("reg_column"), reason="the core has no `reg_column` yet")
 @pytest.mark.parametrize("name", ["F", "F3", "F5"])
 def test_reg_column_is_scipy_w0(name):
     """SciPy's w0 adds w0^2 ||dF_j||^2 to column j: ``reg_column = w0**2`` gives its iterates
