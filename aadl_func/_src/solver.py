@@ -498,8 +498,8 @@ def fixed_point(
       masked: None (default) picks the masked fixed-budget loop under ``vmap`` and
         ``torch.compile`` and the eager loop otherwise; True/False force one.
       **anderson_options: any other option of :func:`aadl_func.anderson` (e.g.
-        ``history_dtype``, ``compute_device``, or per-column regularisation where the core
-        offers it), passed through.
+        ``history_dtype``, ``compute_device``, or ``reg_column``, the per-column
+        regularisation: SciPy's ``w0`` is ``reg_column = w0**2``), passed through.
 
     Returns:
       ``(x, info)``: the last iterate (of ``x0``'s structure) and a :class:`SolverInfo`.
