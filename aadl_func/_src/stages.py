@@ -14,7 +14,7 @@ is a short sequence of these stages:
 Every stage takes the :class:`Call` (the call's inputs, read-only) and returns what it
 computed; nothing is handed from one stage to another through shared attributes. The
 execution concerns a stage meets are left to the module that owns them: a gate without a
-value (vmap, torch.compile) to :func:`aadl_func._src.window.select`, the window passes'
+value (vmap, torch.compile) to the call's :class:`aadl_func._src.blend.Blend`, the window passes'
 backends to :mod:`aadl_func._src.window`, an eager in-place commit to
 :mod:`aadl_func._src.atomic`, sharded params' reductions to :class:`Reduction` below.
 """
