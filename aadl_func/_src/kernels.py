@@ -182,18 +182,21 @@ def combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, result
         # Matching dtypes: BLAS reads the slots in place. One run is one product over the
         # whole vector; several runs go chunk by chunk so the result chunk stays in cache.
         step = numel if len(runs) == 1 else min(chunk_size(1, result.device), numel)
+        # Each run's weights and, in one chunk, its whole matrix, sliced once: the pure path
+        # (slots not rows of one buffer) has a run per slot, and slicing costs per call.
+        terms = [(w[first : first + block.shape[0]], block) for first, block in runs]
+        whole = step == numel
         for start in range(0, numel, step):
             stop = min(start + step, numel)
-            out = result[start:stop]
-            for index, (first, block) in enumerate(runs):
-                wk = w[first : first + block.shape[0]]
-                matrix = block[:, start:stop].mT
+            out = result if whole else result[start:stop]
+            for index, (wk, block) in enumerate(terms):
+                matrix = (block if whole else block[:, start:stop]).mT
                 if index > 0 or in_place:
                     out.addmv_(matrix, wk)
                 elif base is None:
                     torch.mv(matrix, wk, out=out)
                 else:
-                    torch.addmv(base[start:stop], matrix, wk, out=out)
+                    torch.addmv(base if whole else base[start:stop], matrix, wk, out=out)
         return
     # Widening (e.g. a bf16 window into float32): convert a chunk of every slot in cache.
     # A float32 result is accumulated in float64 and rounded once: the products of float32
