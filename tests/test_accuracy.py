@@ -1,6 +1,6 @@
 """Numerical fidelity: float64 windows agree with float64 Householder-QR least squares and GMRES.
 
-The references (``accuracy_reference.py``) are textbook NumPy float64: a Householder QR written
+The references (``references.py``) are textbook NumPy float64: a Householder QR written
 out, Saad's GMRES, and the recurrences of ``update`` with an explicit window. The library must
 not square the condition number of the residual differences ``DF``:
 
@@ -30,14 +30,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from accuracy_reference import (
-    AadlRecurrence,
-    ClassicRecurrence,
-    aadl_gamma_qr,
-    aadl_point,
-    gmres,
-    householder_lstsq,
-)
 from conftest import (
     GradientDescent,
     relative_error,
@@ -46,6 +38,13 @@ from conftest import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import (
+    Recurrence,
+    aadl_gamma,
+    aadl_point,
+    gmres,
+    householder_lstsq,
+)
 
 import aadl_func as aa
 from aadl_func._src.solve import RCOND, solve_factor, stack_factors
@@ -115,7 +114,7 @@ def test_mix_matches_householder_qr_on_graded_windows(cond, k):
         assert 0.3 * cond <= dr_condition(X) <= 3 * cond
         # reg as a fraction of the smallest column's squared norm: it moves the answer.
         reg = reg_fraction * float(np.min(np.sum(np.diff(X, n=2, axis=1) ** 2, axis=0)))
-        gamma = aadl_gamma_qr(X, reg)
+        gamma = aadl_gamma(X, reg, solve=householder_lstsq)
         expected = aadl_point(X, gamma, relaxation)
         weights = aa.mixing_weights(as_history(X), reg=reg)
         assert bool(weights.ok)
@@ -143,7 +142,7 @@ def test_mix_on_rotated_windows_is_as_accurate_as_a_backward_stable_solver(cond)
     worst, references_apart, squared = 0.0, 0.0, 0.0
     for _ in range(4):
         X = rotated_window(rng, 120, 10, cond)
-        gamma = aadl_gamma_qr(X)
+        gamma = aadl_gamma(X, solve=householder_lstsq)
         got = aa.mixing_weights(as_history(X)).gamma.numpy()
         worst = max(worst, relative_error(got, gamma) / (EPS * dr_condition(X)))
         DX = np.diff(X, axis=1)
@@ -368,8 +367,7 @@ def test_update_follows_the_qr_recurrence_for_40_steps(logistic, mode, config, s
     lr = 1.0 / logistic.smoothness
     x0 = np.random.default_rng(0).standard_normal(logistic.dim)
     loss = logistic.loss if safeguard else None
-    Reference = AadlRecurrence if mode == "aadl" else ClassicRecurrence
-    reference = Reference(logistic.grad, lr, **config)
+    reference = Recurrence(logistic.grad, lr, mode=mode, solve=householder_lstsq, **config)
     expected, kinds = reference.run(x0, STEPS, loss)
     assert _sensitivity(reference, x0, loss) <= 1e-10
     opt = aa.anderson(GradientDescent(lr), mode=mode, **config)
@@ -405,7 +403,7 @@ def test_update_on_sensitive_recurrences(logistic, config, safeguard):
     loss = logistic.loss if safeguard else None
     opt = aa.anderson(GradientDescent(lr), **config)
     outputs, state = _run(logistic, opt, x0, STEPS, safeguard=safeguard)
-    reference = AadlRecurrence(logistic.grad, lr, **config)
+    reference = Recurrence(logistic.grad, lr, solve=householder_lstsq, **config)
     expected, kinds = reference.run(x0, STEPS, loss, inputs=outputs)
     errors = [relative_error(a, b) for a, b in zip(outputs, expected)]
     assert max(errors) <= 1e-10, (int(np.argmax(errors)) + 1, max(errors))
@@ -491,7 +489,7 @@ def test_graded_windows_at_any_scale(exponent, log_cond, k, seed, relaxation):
     mix to 1e-11."""
     rng = np.random.default_rng(seed)
     X = graded_window(rng, 40, k, 10.0**log_cond) * 10.0**exponent
-    expected = aadl_point(X, aadl_gamma_qr(X), relaxation)
+    expected = aadl_point(X, aadl_gamma(X, solve=householder_lstsq), relaxation)
     out = aa.mix(as_history(X), relaxation=relaxation).numpy()
     assert relative_error(out, expected) <= 1e-11
 
@@ -571,8 +569,13 @@ def test_accelerate_positional_call_follows_the_recurrence(logistic, relaxation,
     lr = 1.0 / logistic.smoothness
     x0 = np.random.default_rng(0).standard_normal(logistic.dim)
     steps = 15
-    reference = AadlRecurrence(
-        logistic.grad, lr, history_depth=depth, relaxation=relaxation, wait_iterations=1
+    reference = Recurrence(
+        logistic.grad,
+        lr,
+        history_depth=depth,
+        relaxation=relaxation,
+        wait_iterations=1,
+        solve=householder_lstsq,
     )
     expected, kinds = reference.run(x0, steps)
     assert _sensitivity(reference, x0, None, steps) <= 1e-10

@@ -2,7 +2,7 @@
 
 The trajectory checks run the optimizer on a NumPy logistic-regression problem with a plain
 gradient-descent inner step, and replay every call with the NumPy reference
-(``reference.AadlReference``: a deque window and ``lstsq``), fed with the implementation's own
+(``references.Recurrence``: an explicit window and ``lstsq``), fed with the implementation's own
 inputs so that Anderson acceleration's sensitivity does not amplify rounding.
 """
 
@@ -26,7 +26,7 @@ from conftest import (
     snapshot,
     vector_to_tree,
 )
-from reference import AadlReference, aadl_extrapolate
+from references import Recurrence, aadl_extrapolate
 from torch.func import functional_call, grad, vmap
 
 import aadl_func as aa
@@ -54,8 +54,9 @@ def check_against_reference(problem, config, history_dtype, dtype, safeguard, rt
     opt = aa.anderson(GradientDescent(lr), history_dtype=history_dtype, **config)
     outputs, mixed, _, state = run_problem(problem, opt, x0, STEPS, dtype, safeguard)
     loss = problem.loss if safeguard else None
-    reference = AadlReference(problem.grad, lr, **config)
-    expected, expected_mixed = reference.run(x0, STEPS, loss, inputs=outputs)
+    reference = Recurrence(problem.grad, lr, **config)
+    expected, kinds = reference.run(x0, STEPS, loss, inputs=outputs)
+    expected_mixed = [kind == "mix" for kind in kinds]
     assert mixed == expected_mixed
     assert any(expected_mixed)
     errors = [relative_error(a, b) for a, b in zip(outputs, expected)]
@@ -116,7 +117,8 @@ def test_free_running_trajectory_matches_reference(logistic):
         opt = aa.anderson(GradientDescent(lr), **config)
         outputs, mixed, _, _ = run_problem(logistic, opt, x0, STEPS, safeguard=safeguard)
         loss = logistic.loss if safeguard else None
-        expected, expected_mixed = AadlReference(logistic.grad, lr, **config).run(x0, STEPS, loss)
+        expected, kinds = Recurrence(logistic.grad, lr, **config).run(x0, STEPS, loss)
+        expected_mixed = [kind == "mix" for kind in kinds]
         assert mixed == expected_mixed
         assert max(relative_error(a, b) for a, b in zip(outputs, expected)) <= 1e-8
 
@@ -341,9 +343,10 @@ def test_functional_call_training_loop():
         params, state = opt.update(state, params, gradient(params), loss_fn=loss)
         assert list(params) == names
         outputs.append(flatten(params))
-    expected, mixed = AadlReference(np_grad, lr, history_depth=5, relaxation=0.5).run(
+    expected, kinds = Recurrence(np_grad, lr, history_depth=5, relaxation=0.5).run(
         x0, 40, np_loss, inputs=outputs
     )
+    mixed = [kind == "mix" for kind in kinds]
     # Mixing moves the params by >= 1e-3, so 1e-8 leaves no room for a semantic slip.
     assert max(relative_error(a, b) for a, b in zip(outputs, expected)) <= 1e-8
     assert int(state.num_mixed) == sum(mixed) > 0

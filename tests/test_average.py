@@ -11,7 +11,7 @@ import numpy as np
 import optree
 import pytest
 import torch
-from reference import aadl_extrapolate
+from references import aadl_extrapolate
 
 import aadl_func as aa
 from aadl_func._src.inner import sgd
@@ -31,7 +31,7 @@ class Feed:
 
 
 def np_mix(window, relaxation):
-    """AADL's extrapolation of the iterates ``window`` (oldest first): tests/reference.py."""
+    """AADL's extrapolation of the iterates ``window`` (oldest first): tests/references.py."""
     return aadl_extrapolate(
         np.stack([np.asarray(w, dtype=np.float64) for w in window], axis=1), relaxation
     )
