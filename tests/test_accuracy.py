@@ -10,8 +10,8 @@ not square the condition number of the residual differences ``DF``:
   can (two references differ from each other by ~eps * cond(DF)), and the library stays
   within a small multiple of eps * cond(DF) of the reference;
 * ``update`` (float64 windows, both modes, every option) follows the same recurrence, free
-  running, to 1e-9 over 40 steps where that recurrence is itself well posed (each call is
-  checked on the library's own inputs where it is not), and so does ``accelerate``;
+  running, to 1e-9 over 40 steps where that recurrence is itself well posed (where it is not,
+  test_contract.py checks each call on the library's own inputs), and so does ``accelerate``;
   full-history mode "classic" equals GMRES to 1e-10;
 * degenerate windows give finite, bounded coefficients.
 
@@ -312,7 +312,7 @@ STEPS = 40
 
 # Option combinations on which the float64 recurrence is well posed over 40 steps: the
 # reference itself moves by < 1e-10 when x0 moves by 1e-15 (checked below). Mode "aadl"
-# mixing every call without reg is not: see test_update_on_sensitive_recurrences.
+# mixing every call without reg is not: test_contract.py checks those call by call.
 SMOOTH_CONFIGS = [
     dict(
         history_depth=4, relaxation=0.5, reg=1e-3, wait_iterations=4, store_each_nth=2, frequency=3
@@ -324,7 +324,8 @@ SMOOTH_CONFIGS = [
     dict(history_depth=10, relaxation=0.5),
 ]
 # Mode "aadl" amplifies rounding on the last two configurations above (the last one only
-# with the safeguard): those are checked in test_update_on_sensitive_recurrences.
+# with the safeguard): test_contract.py checks those call by call (sets "aadl",
+# "aadl-depth10-half", "aadl-average"), on the library's own inputs.
 SENSITIVE = {("aadl", False): (4, 5), ("aadl", True): (5,)}
 RECURRENCES = [
     (mode, index, safeguard)
@@ -382,36 +383,6 @@ def test_update_follows_the_qr_recurrence_for_40_steps(logistic, mode, config, s
     assert relative_error(expected[-1], plain[-1]) > 1e-3
 
 
-SENSITIVE_CONFIGS = [
-    dict(history_depth=5),
-    dict(history_depth=10, relaxation=0.5),
-    dict(history_depth=7, average=True, average_tol=0.05),
-]
-
-
-@pytest.mark.parametrize("safeguard", [False, True], ids=["plain", "safeguard"])
-@pytest.mark.parametrize("config", range(len(SENSITIVE_CONFIGS)))
-def test_update_on_sensitive_recurrences(logistic, config, safeguard):
-    """Mode "aadl" mixing every call (and with the moving average) amplifies rounding: the
-    float64 reference itself moves by 1e-9..1e-7 over 40 steps when x0 moves by 1e-15, and so
-    do two references with different float64 solvers, so no solver can follow it to 1e-9.
-    Each call is checked on the library's own inputs instead (the reference replays them),
-    to 1e-10."""
-    config = SENSITIVE_CONFIGS[config]
-    lr = 1.0 / logistic.smoothness
-    x0 = np.random.default_rng(0).standard_normal(logistic.dim)
-    loss = logistic.loss if safeguard else None
-    opt = aa.anderson(GradientDescent(lr), **config)
-    outputs, state = _run(logistic, opt, x0, STEPS, safeguard=safeguard)
-    reference = Recurrence(logistic.grad, lr, solve=householder_lstsq, **config)
-    expected, kinds = reference.run(x0, STEPS, loss, inputs=outputs)
-    errors = [relative_error(a, b) for a, b in zip(outputs, expected)]
-    assert max(errors) <= 1e-10, (int(np.argmax(errors)) + 1, max(errors))
-    assert int(state.num_mixed) == kinds.count("mix") >= 2
-    if config.get("average"):
-        assert int(state.num_averaged) == kinds.count("average") > 0
-
-
 # -- classic full history = GMRES --------------------------------------------------------------
 
 
@@ -448,31 +419,7 @@ def test_classic_full_history_equals_gmres_to_1e10(kind):
         assert relative_error(x.numpy(), expected) <= 1e-10, (k, iterates[k][1])
 
 
-# -- vmap and property tests over scales -------------------------------------------------------
-
-
-def test_float64_window_under_vmap_equals_separate_runs():
-    """The streamed factor and its masks (window not yet full) run under vmap; members with
-    different data and decisions equal their separate runs to 1e-10 (batched and single
-    passes round differently; the recurrence amplifies that over 10 steps)."""
-    rng = np.random.default_rng(5)
-    targets = torch.from_numpy(rng.standard_normal((3, 7)))
-    scales = torch.tensor([1.0, 1e-6, 1e6], dtype=torch.float64)
-    opt = aa.anderson(GradientDescent(0.5), history_depth=4, relaxation=0.8, mode="aadl")
-    xs = torch.zeros(3, 7, dtype=torch.float64)
-    states = torch.func.vmap(opt.init)(xs)
-    singles = [(xs[i].clone(), opt.init(xs[i])) for i in range(3)]
-
-    def gradient(x, t, s):  # members at the scales 1, 1e-6 and 1e6
-        return x - s * t + 0.3 * s * torch.sin(x / s)
-
-    for _ in range(10):
-        grads = torch.func.vmap(gradient)(xs, targets, scales)
-        xs, states = torch.func.vmap(opt.update)(states, xs, grads)
-        for i, (x, state) in enumerate(singles):
-            singles[i] = opt.update(state, x, gradient(x, targets[i], scales[i]))
-            torch.testing.assert_close(xs[i], singles[i][0], rtol=1e-10, atol=0)
-    assert int(states.num_mixed.sum()) > 0
+# -- property tests over scales -------------------------------------------------------
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)

@@ -163,37 +163,6 @@ def test_restart_cuts_the_window_to_one_entry():
         assert np.array_equal(u, v)
 
 
-def test_options_under_vmap_match_a_loop():
-    """Both options blend with torch.where, so a vmapped ensemble equals its members run one by
-    one (each with its own rejection decisions)."""
-    a, b, _ = quadratic()
-    a_t, b_t = torch.tensor(a), torch.tensor(b)
-    starts = torch.tensor(np.random.default_rng(3).standard_normal((2, DIM)))
-    opt = aa.anderson(
-        GradientDescent(LR), mode="classic", history_depth=4, reg_relative=0.1,
-        restart_on_reject=True,
-    )  # fmt: skip
-    target = torch.linalg.solve(a_t, b_t)
-
-    def loss_fn(p):  # rejects the mixes that land farther from the minimiser than y
-        return ((p["x"] - target) ** 2).sum() + 1e-3 * torch.cos(40 * p["x"]).sum()
-
-    def step(state, params):
-        grads = {"x": params["x"] @ a_t - b_t}
-        return opt.update(state, params, grads, loss_fn=loss_fn)
-
-    params = {"x": starts}
-    state = torch.func.vmap(opt.init)(params)
-    singles = [({"x": starts[i]}, opt.init({"x": starts[i]})) for i in range(2)]
-    for _ in range(10):
-        params, state = torch.func.vmap(step)(state, params)
-        singles = [step(s, p) for p, s in singles]
-    for i, (p, s) in enumerate(singles):
-        torch.testing.assert_close(params["x"][i], p["x"], rtol=1e-10, atol=1e-12)
-        assert int(state.num_rejected[i]) == int(s.num_rejected)
-        assert int(state.window_size[i]) == int(s.window_size)
-
-
 # -- argument checks --------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "options,error,words",
