@@ -169,11 +169,6 @@ def logistic() -> LogisticProblem:
     return LogisticProblem.make()
 
 
-def config_id(config: dict) -> str:
-    """A readable pytest id for a dict of options."""
-    return ",".join(f"{k}={v}" for k, v in config.items())
-
-
 @pytest.fixture(params=["native", "torch"])
 def gram_path(request):
     """Runs a test on the native Gram-row kernel and on the torch path it replaces."""
