@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -675,19 +674,10 @@ def _sharded_run(spec: OptionSet, mesh) -> tuple[list, list]:
     return outputs, kinds
 
 
-def _worker(rank: int, world: int, work: Path) -> None:
-    from gloo import init_worker
-
-    mesh = init_worker(rank, world, work, 60)
-    results = {}
-    for name in SHARDED:
-        try:
-            results[name] = _sharded_run(SETS[name], mesh)
-        except Exception:
-            results[name] = traceback.format_exc()
-    torch.save(results, work / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    from gloo import run_scenarios
+
+    def run(name, mesh):
+        return _sharded_run(SETS[name], mesh)
+
+    run_scenarios(run, SHARDED, int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), 60)
