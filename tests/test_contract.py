@@ -56,6 +56,17 @@ LABELS = torch.from_numpy(PROBLEM.labels)
 SCALES = (1.0, 1e-6, 1e6)  # the vmap members: the problem in units scaled by s
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: a step here is many small operations, which stall when a busy
+    2-core machine's cores are oversubscribed (measured: the matrix takes 6x longer with the
+    default threads); results do not depend on it (test_accuracy.py does the same)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- option sets ------------------------------------------------------------------------------
 
 
