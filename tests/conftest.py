@@ -1,6 +1,6 @@
 """Shared helpers for the functional-core tests.
 
-The NumPy float64 references live in ``reference.py`` (no ``aadl_func`` import there); this
+The NumPy float64 references live in ``references.py`` (no ``aadl_func`` import there); this
 file holds the torch-side plumbing the tests share: a minimal inner optimizer independent of
 ``aadl_func``'s own, pytree <-> vector conversions, snapshots for purity checks and a small
 NumPy test problem.
@@ -167,11 +167,6 @@ def rng() -> np.random.Generator:
 @pytest.fixture(scope="session")
 def logistic() -> LogisticProblem:
     return LogisticProblem.make()
-
-
-def config_id(config: dict) -> str:
-    """A readable pytest id for a dict of options."""
-    return ",".join(f"{k}={v}" for k, v in config.items())
 
 
 @pytest.fixture(params=["native", "torch"])

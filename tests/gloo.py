@@ -13,6 +13,7 @@ import inspect
 import os
 import subprocess
 import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -71,6 +72,20 @@ def init_worker(rank: int, world: int, work: Path, timeout_s: float):
         timeout=timedelta(seconds=timeout_s),
     )
     return init_device_mesh("cpu", (world,))
+
+
+def run_scenarios(run, names, rank: int, world: int, work: Path, timeout_s: float) -> None:
+    """A worker's body: joins the group, runs ``run(name, mesh)`` for each of ``names`` and
+    saves the results (a scenario that raised: its traceback) for :func:`launch`."""
+    mesh = init_worker(rank, world, work, timeout_s)
+    results = {}
+    for name in names:
+        try:
+            results[name] = run(name, mesh)
+        except Exception:
+            results[name] = traceback.format_exc()
+    torch.save(results, work / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
 
 
 def distribute(tensor: torch.Tensor, mesh, placements):

@@ -1,6 +1,6 @@
 """Numerical fidelity: float64 windows agree with float64 Householder-QR least squares and GMRES.
 
-The references (``accuracy_reference.py``) are textbook NumPy float64: a Householder QR written
+The references (``references.py``) are textbook NumPy float64: a Householder QR written
 out, Saad's GMRES, and the recurrences of ``update`` with an explicit window. The library must
 not square the condition number of the residual differences ``DF``:
 
@@ -10,8 +10,8 @@ not square the condition number of the residual differences ``DF``:
   can (two references differ from each other by ~eps * cond(DF)), and the library stays
   within a small multiple of eps * cond(DF) of the reference;
 * ``update`` (float64 windows, both modes, every option) follows the same recurrence, free
-  running, to 1e-9 over 40 steps where that recurrence is itself well posed (each call is
-  checked on the library's own inputs where it is not), and so does ``accelerate``;
+  running, to 1e-9 over 40 steps where that recurrence is itself well posed (where it is not,
+  test_contract.py checks each call on the library's own inputs), and so does ``accelerate``;
   full-history mode "classic" equals GMRES to 1e-10;
 * degenerate windows give finite, bounded coefficients.
 
@@ -30,14 +30,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from accuracy_reference import (
-    AadlRecurrence,
-    ClassicRecurrence,
-    aadl_gamma_qr,
-    aadl_point,
-    gmres,
-    householder_lstsq,
-)
 from conftest import (
     GradientDescent,
     relative_error,
@@ -46,6 +38,13 @@ from conftest import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import (
+    Recurrence,
+    aadl_gamma,
+    aadl_point,
+    gmres,
+    householder_lstsq,
+)
 
 import aadl_func as aa
 from aadl_func._src.solve import RCOND, solve_factor, stack_factors
@@ -115,7 +114,7 @@ def test_mix_matches_householder_qr_on_graded_windows(cond, k):
         assert 0.3 * cond <= dr_condition(X) <= 3 * cond
         # reg as a fraction of the smallest column's squared norm: it moves the answer.
         reg = reg_fraction * float(np.min(np.sum(np.diff(X, n=2, axis=1) ** 2, axis=0)))
-        gamma = aadl_gamma_qr(X, reg)
+        gamma = aadl_gamma(X, reg, solve=householder_lstsq)
         expected = aadl_point(X, gamma, relaxation)
         weights = aa.mixing_weights(as_history(X), reg=reg)
         assert bool(weights.ok)
@@ -143,7 +142,7 @@ def test_mix_on_rotated_windows_is_as_accurate_as_a_backward_stable_solver(cond)
     worst, references_apart, squared = 0.0, 0.0, 0.0
     for _ in range(4):
         X = rotated_window(rng, 120, 10, cond)
-        gamma = aadl_gamma_qr(X)
+        gamma = aadl_gamma(X, solve=householder_lstsq)
         got = aa.mixing_weights(as_history(X)).gamma.numpy()
         worst = max(worst, relative_error(got, gamma) / (EPS * dr_condition(X)))
         DX = np.diff(X, axis=1)
@@ -313,7 +312,7 @@ STEPS = 40
 
 # Option combinations on which the float64 recurrence is well posed over 40 steps: the
 # reference itself moves by < 1e-10 when x0 moves by 1e-15 (checked below). Mode "aadl"
-# mixing every call without reg is not: see test_update_on_sensitive_recurrences.
+# mixing every call without reg is not: test_contract.py checks those call by call.
 SMOOTH_CONFIGS = [
     dict(
         history_depth=4, relaxation=0.5, reg=1e-3, wait_iterations=4, store_each_nth=2, frequency=3
@@ -325,7 +324,8 @@ SMOOTH_CONFIGS = [
     dict(history_depth=10, relaxation=0.5),
 ]
 # Mode "aadl" amplifies rounding on the last two configurations above (the last one only
-# with the safeguard): those are checked in test_update_on_sensitive_recurrences.
+# with the safeguard): test_contract.py checks those call by call (sets "aadl",
+# "aadl-depth10-half", "aadl-average"), on the library's own inputs.
 SENSITIVE = {("aadl", False): (4, 5), ("aadl", True): (5,)}
 RECURRENCES = [
     (mode, index, safeguard)
@@ -368,8 +368,7 @@ def test_update_follows_the_qr_recurrence_for_40_steps(logistic, mode, config, s
     lr = 1.0 / logistic.smoothness
     x0 = np.random.default_rng(0).standard_normal(logistic.dim)
     loss = logistic.loss if safeguard else None
-    Reference = AadlRecurrence if mode == "aadl" else ClassicRecurrence
-    reference = Reference(logistic.grad, lr, **config)
+    reference = Recurrence(logistic.grad, lr, mode=mode, solve=householder_lstsq, **config)
     expected, kinds = reference.run(x0, STEPS, loss)
     assert _sensitivity(reference, x0, loss) <= 1e-10
     opt = aa.anderson(GradientDescent(lr), mode=mode, **config)
@@ -382,36 +381,6 @@ def test_update_follows_the_qr_recurrence_for_40_steps(logistic, mode, config, s
     for _ in range(STEPS):
         plain.append(plain[-1] - lr * logistic.grad(plain[-1]))
     assert relative_error(expected[-1], plain[-1]) > 1e-3
-
-
-SENSITIVE_CONFIGS = [
-    dict(history_depth=5),
-    dict(history_depth=10, relaxation=0.5),
-    dict(history_depth=7, average=True, average_tol=0.05),
-]
-
-
-@pytest.mark.parametrize("safeguard", [False, True], ids=["plain", "safeguard"])
-@pytest.mark.parametrize("config", range(len(SENSITIVE_CONFIGS)))
-def test_update_on_sensitive_recurrences(logistic, config, safeguard):
-    """Mode "aadl" mixing every call (and with the moving average) amplifies rounding: the
-    float64 reference itself moves by 1e-9..1e-7 over 40 steps when x0 moves by 1e-15, and so
-    do two references with different float64 solvers, so no solver can follow it to 1e-9.
-    Each call is checked on the library's own inputs instead (the reference replays them),
-    to 1e-10."""
-    config = SENSITIVE_CONFIGS[config]
-    lr = 1.0 / logistic.smoothness
-    x0 = np.random.default_rng(0).standard_normal(logistic.dim)
-    loss = logistic.loss if safeguard else None
-    opt = aa.anderson(GradientDescent(lr), **config)
-    outputs, state = _run(logistic, opt, x0, STEPS, safeguard=safeguard)
-    reference = AadlRecurrence(logistic.grad, lr, **config)
-    expected, kinds = reference.run(x0, STEPS, loss, inputs=outputs)
-    errors = [relative_error(a, b) for a, b in zip(outputs, expected)]
-    assert max(errors) <= 1e-10, (int(np.argmax(errors)) + 1, max(errors))
-    assert int(state.num_mixed) == kinds.count("mix") >= 2
-    if config.get("average"):
-        assert int(state.num_averaged) == kinds.count("average") > 0
 
 
 # -- classic full history = GMRES --------------------------------------------------------------
@@ -450,31 +419,7 @@ def test_classic_full_history_equals_gmres_to_1e10(kind):
         assert relative_error(x.numpy(), expected) <= 1e-10, (k, iterates[k][1])
 
 
-# -- vmap and property tests over scales -------------------------------------------------------
-
-
-def test_float64_window_under_vmap_equals_separate_runs():
-    """The streamed factor and its masks (window not yet full) run under vmap; members with
-    different data and decisions equal their separate runs to 1e-10 (batched and single
-    passes round differently; the recurrence amplifies that over 10 steps)."""
-    rng = np.random.default_rng(5)
-    targets = torch.from_numpy(rng.standard_normal((3, 7)))
-    scales = torch.tensor([1.0, 1e-6, 1e6], dtype=torch.float64)
-    opt = aa.anderson(GradientDescent(0.5), history_depth=4, relaxation=0.8, mode="aadl")
-    xs = torch.zeros(3, 7, dtype=torch.float64)
-    states = torch.func.vmap(opt.init)(xs)
-    singles = [(xs[i].clone(), opt.init(xs[i])) for i in range(3)]
-
-    def gradient(x, t, s):  # members at the scales 1, 1e-6 and 1e6
-        return x - s * t + 0.3 * s * torch.sin(x / s)
-
-    for _ in range(10):
-        grads = torch.func.vmap(gradient)(xs, targets, scales)
-        xs, states = torch.func.vmap(opt.update)(states, xs, grads)
-        for i, (x, state) in enumerate(singles):
-            singles[i] = opt.update(state, x, gradient(x, targets[i], scales[i]))
-            torch.testing.assert_close(xs[i], singles[i][0], rtol=1e-10, atol=0)
-    assert int(states.num_mixed.sum()) > 0
+# -- property tests over scales -------------------------------------------------------
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -491,7 +436,7 @@ def test_graded_windows_at_any_scale(exponent, log_cond, k, seed, relaxation):
     mix to 1e-11."""
     rng = np.random.default_rng(seed)
     X = graded_window(rng, 40, k, 10.0**log_cond) * 10.0**exponent
-    expected = aadl_point(X, aadl_gamma_qr(X), relaxation)
+    expected = aadl_point(X, aadl_gamma(X, solve=householder_lstsq), relaxation)
     out = aa.mix(as_history(X), relaxation=relaxation).numpy()
     assert relative_error(out, expected) <= 1e-11
 
@@ -571,8 +516,13 @@ def test_accelerate_positional_call_follows_the_recurrence(logistic, relaxation,
     lr = 1.0 / logistic.smoothness
     x0 = np.random.default_rng(0).standard_normal(logistic.dim)
     steps = 15
-    reference = AadlRecurrence(
-        logistic.grad, lr, history_depth=depth, relaxation=relaxation, wait_iterations=1
+    reference = Recurrence(
+        logistic.grad,
+        lr,
+        history_depth=depth,
+        relaxation=relaxation,
+        wait_iterations=1,
+        solve=householder_lstsq,
     )
     expected, kinds = reference.run(x0, steps)
     assert _sensitivity(reference, x0, None, steps) <= 1e-10

@@ -1,8 +1,10 @@
 """``average=True``: AADL's moving-average rule, against a float64 NumPy reference.
 
-The reference keeps the window as an explicit list and applies the documented rule
-``||std||_2 > average_tol * ||mean||_2`` (per-coordinate sample std, Bessel's correction)
-with ``numpy.std``/``numpy.mean``; it imports nothing from aadl_func.
+The reference (``references.Recurrence``) keeps the window as an explicit list and applies
+the documented rule ``||std||_2 > average_tol * ||mean||_2`` (per-coordinate sample std,
+Bessel's correction); it imports nothing from aadl_func. The in-place, vmap and safeguard
+combinations of ``average`` are also test_contract.py's (sets "aadl-average",
+"aadl-f32-average-store2").
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import numpy as np
 import optree
 import pytest
 import torch
-from reference import aadl_extrapolate
+from references import Recurrence
 
 import aadl_func as aa
 from aadl_func._src.inner import sgd
@@ -30,39 +32,32 @@ class Feed:
         return optree.tree_map(torch.sub, updates, params), state
 
 
-def np_mix(window, relaxation):
-    """AADL's extrapolation of the iterates ``window`` (oldest first): tests/reference.py."""
-    return aadl_extrapolate(
-        np.stack([np.asarray(w, dtype=np.float64) for w in window], axis=1), relaxation
-    )
+class _Targets:
+    """The reference's inner step for a feed: ``y`` is the next target (``grad`` returns it)."""
 
+    def init(self, x):
+        return None
 
-def relative_spread(window):
-    W = np.stack(window)
-    return np.linalg.norm(W.std(axis=0, ddof=1)) / np.linalg.norm(W.mean(axis=0))
+    def step(self, x, target, state):
+        return target, state
 
 
 def np_run(targets, *, depth, tol, relaxation=1.0, wait=0, store=1, freq=1):
-    """spec.md steps 1-3 and 5 for a feed inner; returns (outputs, decisions)."""
-    window, outputs, decisions = [], [], []
-    for k, y in enumerate(targets, start=1):
-        if k % store == 0:
-            window = (window + [y.copy()])[-depth:]
-        if len(window) >= 2:
-            ratio = relative_spread(window)
-            # Keep the data away from the threshold, where rounding could flip the decision.
-            assert abs(ratio / tol - 1.0) > 1e-6
-            if ratio > tol:
-                outputs.append(np.stack(window).mean(axis=0))
-                decisions.append("averaged")
-                continue
-        if k > wait and k % freq == 0 and len(window) >= 3:
-            outputs.append(np_mix(window, relaxation))
-            decisions.append("mixed")
-        else:
-            outputs.append(y.copy())
-            decisions.append("plain")
-    return outputs, decisions
+    """The steps of the ``anderson`` docstring (``references.Recurrence``) for a feed inner;
+    returns (outputs, decisions)."""
+    feed = iter(targets)
+    reference = Recurrence(
+        lambda x: next(feed),
+        _Targets(),
+        history_depth=depth,
+        relaxation=relaxation,
+        wait_iterations=wait,
+        store_each_nth=store,
+        frequency=freq,
+        average=True,
+        average_tol=tol,
+    )
+    return reference.run(np.zeros_like(targets[0]), len(targets))
 
 
 def noisy_targets(n, steps, seed):
@@ -86,8 +81,8 @@ def test_average_matches_reference(config):
     n, steps = 9, 22
     targets = noisy_targets(n, steps, seed=config["depth"])
     expected, decisions = np_run(targets, **config)
-    assert "averaged" in decisions and ("mixed" in decisions or config.get("wait"))
-    assert decisions.count("averaged") < steps - 1
+    assert "average" in decisions and ("mix" in decisions or config.get("wait"))
+    assert decisions.count("average") < steps - 1
 
     opt = aa.anderson(
         Feed(),
@@ -104,8 +99,8 @@ def test_average_matches_reference(config):
     for k, target in enumerate(targets):
         params, state = opt.update(state, params, [torch.tensor(target)])
         np.testing.assert_allclose(params[0].numpy(), expected[k], rtol=1e-9, atol=1e-12)
-    assert int(state.num_averaged) == decisions.count("averaged")
-    assert int(state.num_mixed) == decisions.count("mixed")
+    assert int(state.num_averaged) == decisions.count("average")
+    assert int(state.num_mixed) == decisions.count("mix")
 
 
 def test_average_pytree_float32_channels_last():
@@ -116,7 +111,7 @@ def test_average_pytree_float32_channels_last():
     n, steps, depth, tol = sum(sizes.values()), 16, 4, 0.1
     targets = [t.astype(np.float32).astype(np.float64) for t in noisy_targets(n, steps, seed=2)]
     expected, decisions = np_run(targets, depth=depth, tol=tol, wait=10**6)
-    assert 0 < decisions.count("averaged") < steps - 1
+    assert 0 < decisions.count("average") < steps - 1
 
     def split(flat):
         w = torch.tensor(flat[: sizes["w"]], dtype=torch.float32).reshape(shapes["w"])
@@ -132,7 +127,7 @@ def test_average_pytree_float32_channels_last():
         assert params["w"].dtype == torch.float32
         got = np.concatenate([params["w"].numpy().reshape(-1), params["b"].numpy()])
         np.testing.assert_allclose(got, expected[k], rtol=2e-6, atol=1e-6)
-    assert int(state.num_averaged) == decisions.count("averaged")
+    assert int(state.num_averaged) == decisions.count("average")
 
 
 def test_average_vmap_matches_loop():
@@ -161,27 +156,6 @@ def test_average_vmap_matches_loop():
             assert int(outs[k][1][i]) == int(si.num_averaged)
         counts.append(int(si.num_averaged))
     assert counts[0] == 0 and counts[1] == steps - 1 and len(set(counts)) == 3
-
-
-def test_average_inplace_equals_pure():
-    n, steps = 7, 14
-    targets = [torch.tensor(t) for t in noisy_targets(n, steps, seed=9)]
-    opt = aa.anderson(Feed(), history_depth=5, average=True)
-
-    def run(inplace):
-        params = [torch.zeros(n, dtype=torch.float64)]
-        state = opt.init(params)
-        outs = []
-        for t in targets:
-            params, state = opt.update(state, params, [t.clone()], inplace=inplace)
-            outs.append(params[0].clone())
-        return outs, state
-
-    pure, s_pure = run(False)
-    inplace, s_inplace = run(True)
-    for a, b in zip(pure, inplace):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-    assert int(s_pure.num_averaged) == int(s_inplace.num_averaged) > 0
 
 
 def test_average_skips_the_mix_and_its_loss_evaluations():
@@ -217,22 +191,16 @@ def test_average_with_gradient_descent_reference():
     b = 1.0 + rng.random(n)
     noise = 0.4 * rng.standard_normal((steps, n))
 
-    window, x, expected, decisions = [], np.zeros(n), [], []
-    for k in range(steps):
-        y = x - lr * (A @ x - b + noise[k])
-        window = (window + [y])[-depth:]
-        if len(window) >= 2 and relative_spread(window) > tol:
-            assert abs(relative_spread(window) / tol - 1) > 1e-6
-            x = np.stack(window).mean(axis=0)
-            decisions.append("averaged")
-        elif len(window) >= 3:
-            x = np_mix(window, 0.5)
-            decisions.append("mixed")
-        else:
-            x = y
-            decisions.append("plain")
-        expected.append(x)
-    assert "averaged" in decisions and "mixed" in decisions
+    calls = iter(range(steps))  # the gradient is evaluated once per call
+
+    def gradient(x):
+        return A @ x - b + noise[next(calls)]
+
+    reference = Recurrence(
+        gradient, lr, history_depth=depth, relaxation=0.5, average=True, average_tol=tol
+    )
+    expected, decisions = reference.run(np.zeros(n), steps)
+    assert "average" in decisions and "mix" in decisions
 
     At, bt, noise_t = torch.tensor(A), torch.tensor(b), torch.tensor(noise)
     opt = aa.anderson(sgd(lr), history_depth=depth, relaxation=0.5, average=True, average_tol=tol)
@@ -241,7 +209,7 @@ def test_average_with_gradient_descent_reference():
     for k in range(steps):
         xt, state = opt.update(state, xt, At @ xt - bt + noise_t[k])
         np.testing.assert_allclose(xt.numpy(), expected[k], rtol=1e-9, atol=1e-12)
-    assert int(state.num_averaged) == decisions.count("averaged")
+    assert int(state.num_averaged) == decisions.count("average")
 
 
 def test_classic_mode_rejects_average():

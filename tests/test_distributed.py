@@ -6,8 +6,8 @@ executes every scenario below in both ranks and saves what it measured; the test
 The launch has a hard timeout (the processes are killed) and gloo collectives time out, so a
 deadlock fails the tests instead of hanging them.
 
-References are independent of the code under test: the float64 NumPy ``AadlReference`` /
-``ClassicReference`` of ``reference.py`` (written from the spec), the spec's own statement
+References are independent of the code under test: the float64 NumPy ``Recurrence``
+(both modes) of ``references.py`` (written from the spec), the spec's own statement
 that a sharded run equals the unsharded one, and ``CommDebugMode``, torch's counter of c10d
 and functional collectives, for the communication.
 """
@@ -359,7 +359,7 @@ def _sharded_scenario(
     nan_step=None,
 ):
     from conftest import GradientDescent
-    from reference import AadlReference, ClassicReference
+    from references import Recurrence
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -471,12 +471,12 @@ def _sharded_scenario(
     if dtype == torch.float64 and nan_step is None:
         ref_loss = None if loss == "none" else np_loss
         if mode == "aadl":
-            reference = AadlReference(np_grad, lr, store_each_nth=store, **_ref(options))
+            reference = Recurrence(np_grad, lr, store_each_nth=store, **_ref(options))
         else:
-            reference = ClassicReference(np_grad, lr, **_ref(options))
-        trajectory, mixed = reference.run(x0, steps, loss=ref_loss)
+            reference = Recurrence(np_grad, lr, mode="classic", **_ref(options))
+        trajectory, kinds = reference.run(x0, steps, loss=ref_loss)
         result["reference"] = trajectory
-        result["reference_mixed_steps"] = [k + 1 for k, m in enumerate(mixed) if m]
+        result["reference_mixed_steps"] = [k + 1 for k, m in enumerate(kinds) if m == "mix"]
     return result
 
 

@@ -572,13 +572,38 @@ def test_invalid_hyperparameters(factory, kwargs, exc, arg):
         factory(**kwargs)
 
 
-def test_valid_edge_hyperparameters():
-    sgd(0, momentum=0, dampening=0, weight_decay=0)
-    sgd(torch.tensor(0), weight_decay=torch.tensor(0.0, dtype=torch.float64))
-    adamw(lambda count: 1e-3, weight_decay=lambda count: 0.0)
-    sgd(1, momentum=1.5, dampening=2.0)  # torch.optim accepts these too
-    adam(0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0)
-    adamw(1, betas=[0.5, 0.5])
+EDGE_HYPERPARAMETERS = [
+    # (ours, torch.optim's twin with the same hyperparameters)
+    (
+        lambda: sgd(0, momentum=0, dampening=0, weight_decay=0),
+        (torch.optim.SGD, dict(lr=0.0, momentum=0, dampening=0, weight_decay=0)),
+    ),
+    (
+        lambda: sgd(torch.tensor(0), weight_decay=torch.tensor(0.0, dtype=torch.float64)),
+        (torch.optim.SGD, dict(lr=0.0)),
+    ),
+    (
+        lambda: adamw(lambda count: 1e-3, weight_decay=lambda count: 0.0),
+        (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.0)),
+    ),
+    (  # torch.optim accepts these too
+        lambda: sgd(1, momentum=1.5, dampening=2.0),
+        (torch.optim.SGD, dict(lr=1.0, momentum=1.5, dampening=2.0)),
+    ),
+    (
+        lambda: adam(0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0),
+        (torch.optim.Adam, dict(lr=0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0)),
+    ),
+    (lambda: adamw(1, betas=[0.5, 0.5]), (torch.optim.AdamW, dict(lr=1.0, betas=(0.5, 0.5)))),
+]
+
+
+@pytest.mark.parametrize("case", range(len(EDGE_HYPERPARAMETERS)))
+def test_valid_edge_hyperparameters(case):
+    """Edge values that torch.optim accepts are accepted and mean what they mean there: a few
+    steps equal torch.optim's with the same hyperparameters."""
+    make, (torch_cls, torch_kwargs) = EDGE_HYPERPARAMETERS[case]
+    run_against_torch(make(), torch_cls, torch_kwargs, torch.float64, False, (), steps=5)
 
 
 def test_message_format():

@@ -15,7 +15,7 @@ import optree
 import pytest
 import torch
 from conftest import GradientDescent
-from reference import aadl_extrapolate
+from references import aadl_extrapolate, type2_anderson
 
 import aadl_func as aa
 from aadl_func._src.inner import AdamState, SgdState, adam, sgd
@@ -24,21 +24,17 @@ from aadl_func._src.inner import AdamState, SgdState, adam, sgd
 
 
 def aadl_reference(window, relaxation):
-    """AADL's extrapolation of the iterates ``window`` (oldest first): tests/reference.py."""
+    """AADL's extrapolation of the iterates ``window`` (oldest first): tests/references.py."""
     return aadl_extrapolate(
         np.stack([np.asarray(w, dtype=np.float64) for w in window], axis=1), relaxation
     )
 
 
 def classic_reference(pairs: list[tuple[np.ndarray, np.ndarray]], relaxation: float):
-    """Type-II Anderson: ``sum alpha_i ((1-b) x_i + b g_i)``, ``alpha`` minimising
-    ``||sum alpha_i (g_i - x_i)||`` with ``sum alpha = 1`` (eliminated through the newest)."""
+    """Type-II Anderson on the pairs ``(x_i, g(x_i))`` (oldest first): tests/references.py."""
     xs = np.stack([p[0] for p in pairs], axis=1)
     gs = np.stack([p[1] for p in pairs], axis=1)
-    F = gs - xs
-    a = np.linalg.lstsq(F[:, :-1] - F[:, -1:], -F[:, -1], rcond=None)[0]
-    alpha = np.concatenate([a, [1.0 - a.sum()]])
-    return ((1.0 - relaxation) * xs + relaxation * gs) @ alpha
+    return type2_anderson(xs, gs, relaxation)
 
 
 class Shift:

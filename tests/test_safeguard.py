@@ -1,7 +1,8 @@
 """The ``loss_fn`` safeguard of ``anderson(...).update`` against a float64 NumPy reference.
 
-The reference below is written from spec.md's numbered rules and background.md's formulas,
-with an explicit list window and ``numpy.linalg.lstsq``; it imports nothing from aadl_func.
+The reference is ``references.Recurrence``, written from spec.md's numbered rules and
+background.md's formulas, with an explicit list window and ``numpy.linalg.lstsq``; it imports
+nothing from aadl_func.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from references import Recurrence
 
 import aadl_func as aa
 from aadl_func._src.inner import sgd
@@ -18,58 +20,21 @@ from aadl_func._src.inner import sgd
 # -- reference -------------------------------------------------------------------------------
 
 
-def np_mix(window: list[np.ndarray], relaxation: float, reg: float) -> np.ndarray:
-    """background.md's AADL extrapolation of the columns ``window`` (oldest first)."""
-    X = np.stack(window, axis=1)
-    DX = np.diff(X, axis=1)
-    DR = np.diff(DX, axis=1)
-    rhs = DX[:, -1]
-    if reg > 0:
-        m = DR.shape[1]
-        gamma = np.linalg.lstsq(
-            np.vstack([DR, math.sqrt(reg) * np.eye(m)]),
-            np.concatenate([rhs, np.zeros(m)]),
-            rcond=None,
-        )[0]
-    else:
-        gamma = np.linalg.lstsq(DR, rhs, rcond=None)[0]
-    extr = X[:, -2] + DX[:, -1] - (DX[:, :-1] + DR) @ gamma
-    alpha = np.concatenate([gamma[:1], np.diff(gamma), 1.0 - gamma[-1:]])
-    return relaxation * extr + (1.0 - relaxation) * X[:, :-1] @ alpha
-
-
-def np_run(x0, inner, steps, loss, *, depth, relaxation=1.0, reg=0.0, wait=0, store=1, freq=1):
-    """spec.md steps 1-4; returns (params after each call, decision per call, final window).
-
-    A decision is "mixed", "rejected" (a finite mix the loss did not prefer) or "plain".
-    """
-    window: list[np.ndarray] = []
-    x = np.array(x0, dtype=np.float64)
-    trajectory, decisions = [], []
-    for k in range(1, steps + 1):
-        y = inner(x)
-        if k % store == 0:
-            window = (window + [y.copy()])[-depth:]
-        decision = "plain"
-        out = y
-        if k > wait and k % freq == 0 and len(window) >= 3:
-            xm = np_mix(window, relaxation, reg)
-            if np.all(np.isfinite(xm)):
-                decision = "rejected"
-                if loss is None:
-                    decision = "mixed"
-                else:
-                    lx, ly = loss(xm), loss(y)
-                    if np.isfinite(lx) and lx < ly:
-                        decision = "mixed"
-                if decision == "mixed":
-                    out = xm
-                    if loss is not None:
-                        window[-1] = xm.copy()
-        x = out
-        trajectory.append(x.copy())
-        decisions.append(decision)
-    return trajectory, decisions, window
+def np_run(x0, grad, lr, steps, loss, *, depth, relaxation=1.0, reg=0.0, wait=0, store=1, freq=1):
+    """The steps of the ``anderson`` docstring (``references.Recurrence``, gradient descent
+    inner step); returns (params after each call, decision per call, final window)."""
+    reference = Recurrence(
+        grad,
+        lr,
+        history_depth=depth,
+        relaxation=relaxation,
+        reg=reg,
+        wait_iterations=wait,
+        store_each_nth=store,
+        frequency=freq,
+    )
+    trajectory, decisions = reference.run(x0, steps, loss)
+    return trajectory, decisions, reference.window
 
 
 def window_entries(state: aa.AndersonState) -> list[np.ndarray]:
@@ -115,10 +80,10 @@ def test_safeguard_matches_reference(config):
         return sign * (0.5 * x @ A @ x - b @ x)
 
     expected, decisions, window = np_run(
-        np.zeros(n), lambda x: x - lr * (A @ x - b), steps, np_loss, **config
+        np.zeros(n), lambda x: A @ x - b, lr, steps, np_loss, **config
     )
     assert "rejected" in decisions or sign > 0
-    assert "mixed" in decisions or sign < 0
+    assert "mix" in decisions or sign < 0
 
     At, bt = torch.tensor(A), torch.tensor(b)
     opt = aa.anderson(
@@ -138,13 +103,13 @@ def test_safeguard_matches_reference(config):
             state, x, At @ x - bt, loss_fn=lambda p: sign * (0.5 * p @ At @ p - bt @ p)
         )
         got = {
-            (1, 0): "mixed",
+            (1, 0): "mix",
             (0, 1): "rejected",
             (0, 0): "plain",
         }[(int(state.num_mixed) - before[0], int(state.num_rejected) - before[1])]
         assert got == decisions[k], f"call {k + 1}"
         np.testing.assert_allclose(x.numpy(), expected[k], rtol=1e-9, atol=1e-11)
-    assert int(state.num_mixed) == decisions.count("mixed")
+    assert int(state.num_mixed) == decisions.count("mix")
     assert int(state.num_rejected) == decisions.count("rejected")
     assert int(state.num_nonfinite) == 0
     # "x replaces the newest window entry": the whole window, rebuilt from the state.
@@ -221,9 +186,6 @@ def test_nan_loss_at_mix_returns_plain_step_and_state_stays_usable():
     relaxation = 3.0  # over-relaxed mixes overshoot far beyond the plain steps
     opt = aa.anderson(sgd(lr), history_depth=5, relaxation=relaxation)
 
-    def inner(x):
-        return x - lr * (A @ x - b)
-
     box = 0.4
 
     def np_loss_box(x):
@@ -234,7 +196,7 @@ def test_nan_loss_at_mix_returns_plain_step_and_state_stays_usable():
         return torch.where(p.abs().max() > box, torch.full_like(value, math.nan), value)
 
     expected, decisions, _ = np_run(
-        np.zeros(n), inner, steps, np_loss_box, depth=5, relaxation=relaxation
+        np.zeros(n), lambda x: A @ x - b, lr, steps, np_loss_box, depth=5, relaxation=relaxation
     )
     assert "rejected" in decisions
     x = torch.zeros(n, dtype=torch.float64)
@@ -259,31 +221,18 @@ def test_nan_loss_everywhere_then_recovers():
     opt = aa.anderson(sgd(lr), history_depth=5)
     steps_nan, steps_ok = 8, 10
 
-    def inner(x):
-        return x - lr * (A @ x - b)
-
-    # Reference: NaN losses for the first calls, then the quadratic.
+    # Reference: NaN losses for the first calls, then the quadratic (the gradient is evaluated
+    # once per call, first: it counts the calls).
     calls = {"k": 0}
+
+    def np_grad(x):
+        calls["k"] += 1
+        return A @ x - b
 
     def np_loss(x):
         return np.nan if calls["k"] <= steps_nan else 0.5 * x @ A @ x - b @ x
 
-    window: list[np.ndarray] = []
-    x_ref = np.zeros(n)
-    expected = []
-    for k in range(1, steps_nan + steps_ok + 1):
-        calls["k"] = k
-        y = inner(x_ref)
-        window = (window + [y.copy()])[-5:]
-        out = y
-        if len(window) >= 3:
-            xm = np_mix(window, 1.0, 0.0)
-            lx = np_loss(xm)
-            if np.isfinite(lx) and lx < np_loss(y):
-                out = xm
-                window[-1] = xm.copy()
-        x_ref = out
-        expected.append(x_ref.copy())
+    expected, _, _ = np_run(np.zeros(n), np_grad, lr, steps_nan + steps_ok, np_loss, depth=5)
 
     x = torch.zeros(n, dtype=torch.float64)
     state = opt.init(x)

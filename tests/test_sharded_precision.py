@@ -20,13 +20,12 @@ solved from a QR factor and were right).
 from __future__ import annotations
 
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gloo import distribute, init_worker
+from gloo import distribute, run_scenarios
 from gloo import launch as launch_workers
 from window_invariant import WINDOWS, gram_errors, num_residuals
 
@@ -225,17 +224,12 @@ def _sharded_run(name: str, mesh) -> list[dict]:
     return out
 
 
-def _worker(rank: int, world: int, work: Path) -> None:
-    mesh = init_worker(rank, world, work, COLLECTIVE_TIMEOUT_S)
-    results = {}
-    for name in SCENARIOS:
-        try:
-            results[name] = _sharded_run(name, mesh)
-        except Exception:
-            results[name] = traceback.format_exc()
-    torch.save(results, work / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    run_scenarios(
+        _sharded_run,
+        SCENARIOS,
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        Path(sys.argv[4]),
+        COLLECTIVE_TIMEOUT_S,
+    )

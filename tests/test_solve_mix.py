@@ -1,6 +1,6 @@
 """``mix``, ``mixing_weights`` and ``solve_weights`` against independent NumPy references.
 
-The references (``reference.py``) follow background.md's formula literally and solve the
+The references (``references.py``) follow background.md's formula literally and solve the
 least-squares problem with ``numpy.linalg.lstsq`` (SVD); ``mix`` solves it from a float64
 Householder QR factor, ``solve_weights`` from a float64 Gram matrix by an eigen-decomposition.
 Tolerances are the spec's: 1e-8 relative for float64 windows, 1e-4 for float32 windows with
@@ -15,7 +15,7 @@ import numpy as np
 import optree
 import pytest
 import torch
-from reference import aadl_extrapolate, aadl_gamma
+from references import aadl_extrapolate, aadl_gamma
 
 import aadl_func as aa
 

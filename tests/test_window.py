@@ -5,7 +5,7 @@ adds one float64 Gram row and combines the slots in one pass. These tests replay
 (the ring wraps around several times) and check, step by step,
 
 * the state's Gram matrix against a NumPy float64 Gram of the slots it actually stores;
-* the returned params against ``reference.aadl_extrapolate`` (NumPy, dense, lstsq) applied
+* the returned params against ``references.aadl_extrapolate`` (NumPy, dense, lstsq) applied
   to the window of plain iterates that those slots represent (for a bf16 history: the
   window rebuilt from the bf16-rounded differences);
 
@@ -21,7 +21,7 @@ import numpy as np
 import optree
 import pytest
 import torch
-from reference import aadl_extrapolate
+from references import aadl_extrapolate
 from torch.func import vmap
 
 import aadl_func as aa

@@ -22,7 +22,7 @@ import numpy as np
 import optree
 import pytest
 import torch
-from reference import aadl_extrapolate, type2_anderson
+from references import aadl_extrapolate, type2_anderson
 from torch.func import vmap
 from window_invariant import WINDOWS, state_gram_errors
 

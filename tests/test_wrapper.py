@@ -12,7 +12,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from reference import aadl_extrapolate
+from references import aadl_extrapolate
 from torch import nn
 
 import aadl_func as aa
@@ -377,7 +377,7 @@ def test_hyperparameters_may_change_on_resume():
 
 
 def np_mix(window, relaxation):
-    """AADL's extrapolation of the iterates ``window`` (oldest first): tests/reference.py."""
+    """AADL's extrapolation of the iterates ``window`` (oldest first): tests/references.py."""
     return aadl_extrapolate(
         np.stack([np.asarray(w, dtype=np.float64) for w in window], axis=1), relaxation
     )

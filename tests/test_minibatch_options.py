@@ -1,17 +1,20 @@
 """The options of ``anderson`` for minibatch training: ``reg_relative`` and ``restart_on_reject``.
 
-Each is checked against a float64 NumPy simulation written here from the docstring's
-mathematics (explicit windows, ``numpy.linalg.solve`` on the regularised normal equations, no
+Each is checked against the float64 NumPy ``references.Recurrence``, written from the
+docstring's mathematics (explicit windows, ``lstsq`` on the regularised problem, no
 ``aadl_func`` import), on a linear fixed-point map where every step is known in closed form:
 gradient descent on the quadratic ``0.5 x^T A x - b^T x``, ``g(x) = x - lr (A x - b)``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 from conftest import GradientDescent
+from references import Recurrence
 
 import aadl_func as aa
 
@@ -27,71 +30,23 @@ def quadratic(seed: int = 0, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray
     return a, scale * rng.standard_normal(DIM), scale * rng.standard_normal(DIM)
 
 
-# -- NumPy references -------------------------------------------------------------------------
-def ridge_gamma(df: np.ndarray, f_last: np.ndarray, reg: float, reg_relative: float):
-    """``argmin ||f_last - DF g||^2 + lam ||g||^2``, ``lam = reg + reg_relative * mean_j
-    ||DF[:, j]||^2`` (the docstring of ``anderson``), from the normal equations."""
-    m = df.shape[1]
-    lam = reg + reg_relative * np.sum(df * df) / m
-    return np.linalg.solve(df.T @ df + lam * np.eye(m), df.T @ f_last)
-
-
-def weights_from_gamma(gamma: np.ndarray) -> np.ndarray:
-    return np.concatenate([gamma[:1], np.diff(gamma), 1.0 - gamma[-1:]])
-
-
-def classic_reference(a, b, x0, steps, depth, relaxation, reg, reg_relative, accept=None,
-                      restart=False):  # fmt: skip
-    """Type-II AA on the pairs ``(x_i, g(x_i))`` of the last ``depth`` calls. ``accept``: for
-    each mixing call, whether the safeguard keeps the mix (None: no safeguard). ``restart``:
-    a rejected mix leaves only the newest pair. Returns the params after each call."""
-    pairs, x, out, decision = [], x0.copy(), [], iter(accept or [])
-    for _ in range(steps):
-        g = x - LR * (a @ x - b)
-        pairs = (pairs + [(x, g)])[-depth:]
-        x_next = g
-        if len(pairs) >= 2:
-            points = np.stack([p for p, _ in pairs], axis=1)
-            images = np.stack([q for _, q in pairs], axis=1)
-            f = images - points
-            gamma = ridge_gamma(np.diff(f, axis=1), f[:, -1], reg, reg_relative)
-            alpha = weights_from_gamma(gamma)
-            mix = ((1 - relaxation) * points + relaxation * images) @ alpha
-            if accept is None or next(decision):
-                x_next = mix
-            elif restart:
-                pairs = pairs[-1:]
-        x = x_next
-        out.append(x.copy())
-    return out
-
-
-def aadl_reference(a, b, x0, steps, depth, relaxation, reg, reg_relative, accept=None,
-                   restart=False):  # fmt: skip
-    """AADL's scheme (background.md) on the plain steps ``y = g(x)``; an accepted mix replaces
-    the newest window entry; ``restart``: a rejected mix leaves only the newest entry."""
-    window, x, out, decision = [], x0.copy(), [], iter(accept or [])
-    for _ in range(steps):
-        y = x - LR * (a @ x - b)
-        window = (window + [y])[-depth:]
-        x = y
-        if len(window) >= 3:
-            big_x = np.stack(window, axis=1)
-            dx = np.diff(big_x, axis=1)
-            dr = np.diff(dx, axis=1)
-            gamma = ridge_gamma(dr, dx[:, -1], reg, reg_relative)
-            extrapolated = big_x[:, -2] + dx[:, -1] - (dx[:, :-1] + dr) @ gamma
-            mix = relaxation * extrapolated + (1 - relaxation) * big_x[:, :-1] @ (
-                weights_from_gamma(gamma)
-            )
-            if accept is None or next(decision):
-                x = mix
-                if accept is not None:
-                    window[-1] = mix
-            elif restart:
-                window = window[-1:]
-        out.append(x.copy())
-    return out
+# -- the NumPy reference ---------------------------------------------------------------------
+def reference_run(mode, a, b, x0, steps, depth, relaxation, reg, reg_relative, accept=None,
+                  restart=False):  # fmt: skip
+    """``references.Recurrence`` with gradient descent on the quadratic. ``accept``: for each
+    mixing call, whether the safeguard keeps the mix (None: no safeguard). ``restart``: a
+    rejected mix leaves only the newest entry (pair). Returns the params after each call."""
+    reference = Recurrence(
+        lambda x: a @ x - b,
+        LR,
+        mode=mode,
+        history_depth=depth,
+        relaxation=relaxation,
+        reg=reg,
+        reg_relative=reg_relative,
+        restart_on_reject=restart,
+    )
+    return reference.run(x0, steps, accept=accept)[0]
 
 
 # -- the library, on the same problem ---------------------------------------------------------
@@ -131,7 +86,7 @@ def max_relative_error(actual, expected) -> float:
 def test_reg_relative_matches_reference(mode, reg_relative, reg):
     a, b, x0 = quadratic()
     steps, depth, relaxation = 14, 5, 0.8
-    reference = classic_reference if mode == "classic" else aadl_reference
+    reference = functools.partial(reference_run, mode)
     expected = reference(a, b, x0, steps, depth, relaxation, reg, reg_relative)
     actual, state = run_library(
         a, b, x0, steps, mode=mode, history_depth=depth, relaxation=relaxation, reg=reg,
@@ -178,7 +133,7 @@ ACCEPT = [True, True, False, True, True, False, False, True, True, True, True, T
 def test_restart_on_reject_matches_reference(mode, restart):
     a, b, x0 = quadratic(seed=1)
     steps, depth = 12, 5
-    reference = classic_reference if mode == "classic" else aadl_reference
+    reference = functools.partial(reference_run, mode)
     # Mixing calls: classic from call 2 (2 pairs), aadl from call 3 (3 entries); a restart
     # postpones the next ones until the window has grown back.
     expected = reference(a, b, x0, steps, depth, 1.0, 1e-6, 0.0, accept=ACCEPT, restart=restart)
@@ -206,37 +161,6 @@ def test_restart_cuts_the_window_to_one_entry():
     with_option, _ = run_library(a, b, x0, 8, restart_on_reject=True, **opts)
     for u, v in zip(plain, with_option):
         assert np.array_equal(u, v)
-
-
-def test_options_under_vmap_match_a_loop():
-    """Both options blend with torch.where, so a vmapped ensemble equals its members run one by
-    one (each with its own rejection decisions)."""
-    a, b, _ = quadratic()
-    a_t, b_t = torch.tensor(a), torch.tensor(b)
-    starts = torch.tensor(np.random.default_rng(3).standard_normal((2, DIM)))
-    opt = aa.anderson(
-        GradientDescent(LR), mode="classic", history_depth=4, reg_relative=0.1,
-        restart_on_reject=True,
-    )  # fmt: skip
-    target = torch.linalg.solve(a_t, b_t)
-
-    def loss_fn(p):  # rejects the mixes that land farther from the minimiser than y
-        return ((p["x"] - target) ** 2).sum() + 1e-3 * torch.cos(40 * p["x"]).sum()
-
-    def step(state, params):
-        grads = {"x": params["x"] @ a_t - b_t}
-        return opt.update(state, params, grads, loss_fn=loss_fn)
-
-    params = {"x": starts}
-    state = torch.func.vmap(opt.init)(params)
-    singles = [({"x": starts[i]}, opt.init({"x": starts[i]})) for i in range(2)]
-    for _ in range(10):
-        params, state = torch.func.vmap(step)(state, params)
-        singles = [step(s, p) for p, s in singles]
-    for i, (p, s) in enumerate(singles):
-        torch.testing.assert_close(params["x"][i], p["x"], rtol=1e-10, atol=1e-12)
-        assert int(state.num_rejected[i]) == int(s.num_rejected)
-        assert int(state.window_size[i]) == int(s.window_size)
 
 
 # -- argument checks --------------------------------------------------------------------------

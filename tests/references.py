@@ -1,0 +1,437 @@
+"""The independent float64 NumPy references of the test suite, in one place.
+
+Nothing here imports ``aadl_func``: everything is written from the mathematics of the
+``aadl_func.anderson`` docstring, the README and docs/background.md, and from textbooks, with
+dense matrices, so that agreement with the library is evidence, not the same code run twice.
+
+* Least squares: :func:`householder_lstsq` (Golub & Van Loan, Algorithm 5.2.1, written out:
+  no LAPACK) and :func:`svd_lstsq` (LAPACK's SVD solver on the whole matrix, the
+  minimum-norm answer for a rank-deficient problem). The library uses neither (a streamed QR
+  factor or a float64 Gram matrix).
+* One AADL extrapolation (:func:`aadl_gamma`, :func:`aadl_point`, :func:`aadl_extrapolate`)
+  and one textbook type-II Anderson step (:func:`type2_anderson`), which on a linear map with
+  full history equals GMRES (:func:`gmres`, Saad's, with Givens rotations; Walker & Ni 2011).
+* The inner optimizers of torch.optim (:class:`Sgd`, :class:`Adam`), float64.
+* :class:`Recurrence`: the numbered semantics of ``update`` in both modes, with every option,
+  on an explicit window.
+
+Conventions: a window is an ``(n, k)`` array whose columns are the iterates, oldest first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "Adam",
+    "GradientDescent",
+    "Recurrence",
+    "Sgd",
+    "aadl_alpha",
+    "aadl_extrapolate",
+    "aadl_gamma",
+    "aadl_point",
+    "gmres",
+    "gmres_iterate",
+    "householder_lstsq",
+    "svd_lstsq",
+    "type2_anderson",
+]
+
+
+# -- least squares ----------------------------------------------------------------------------
+
+
+def _augment(A: np.ndarray, b: np.ndarray, reg: float) -> tuple[np.ndarray, np.ndarray]:
+    r"""``[A; sqrt(reg) I]`` and ``[b; 0]``: Tikhonov as an ordinary least-squares problem,
+    :math:`\|Ax - b\|^2 + \mathrm{reg}\|x\|^2 = \|[A; \sqrt{\mathrm{reg}} I] x - [b; 0]\|^2`."""
+    A = np.array(A, dtype=np.float64)
+    b = np.array(b, dtype=np.float64)
+    if reg > 0:
+        m = A.shape[1]
+        A = np.vstack([A, np.sqrt(reg) * np.eye(m)])
+        b = np.concatenate([b, np.zeros(m)])
+    return A, b
+
+
+def svd_lstsq(A: np.ndarray, b: np.ndarray, reg: float = 0.0) -> np.ndarray:
+    """``argmin ||A x - b||^2 + reg ||x||^2`` by LAPACK's SVD solver (``numpy.linalg.lstsq``);
+    for a rank-deficient ``A`` (``reg = 0``) the minimum-norm solution, the one well-defined
+    answer."""
+    A, b = _augment(A, b, reg)
+    return np.linalg.lstsq(A, b, rcond=None)[0]
+
+
+def householder_lstsq(A: np.ndarray, b: np.ndarray, reg: float = 0.0) -> np.ndarray:
+    r"""``argmin ||A x - b||^2 + reg ||x||^2`` by Householder QR of ``[A; sqrt(reg) I]``
+    and back substitution, written out (no LAPACK).
+
+    ``A`` must have full column rank (after the ridge): it is accurate to ``eps * cond(A)``
+    (normwise) and to near ``eps`` when the ill-conditioning comes from the columns' scales.
+    """
+    A, b = _augment(A, b, reg)
+    m = A.shape[1]
+    for j in range(m):
+        x = A[j:, j]
+        norm = np.linalg.norm(x)
+        if norm == 0.0:
+            continue
+        v = x.copy()
+        v[0] += np.copysign(norm, x[0])  # no cancellation in v[0]
+        v /= np.linalg.norm(v)
+        A[j:, j:] -= 2.0 * np.outer(v, v @ A[j:, j:])
+        b[j:] -= 2.0 * v * (v @ b[j:])
+    x = np.zeros(m)
+    for i in range(m - 1, -1, -1):  # back substitution with R = A[:m, :m]
+        x[i] = (b[i] - A[i, i + 1 : m] @ x[i + 1 :]) / A[i, i]
+    return x
+
+
+Solver = Callable[[np.ndarray, np.ndarray, float], np.ndarray]
+
+
+# -- one AADL extrapolation, one type-II Anderson step ----------------------------------------
+
+
+def aadl_gamma(
+    X: np.ndarray, reg: float = 0.0, reg_relative: float = 0.0, solve: Solver = svd_lstsq
+) -> np.ndarray:
+    r"""AADL's coefficients: with :math:`\Delta X` the consecutive differences of the window
+    and :math:`\Delta R` theirs,
+
+    .. math::
+
+        \gamma = \arg\min_\gamma \|\Delta X_{:,-1} - \Delta R\,\gamma\|^2
+            + \lambda\|\gamma\|^2, \quad
+        \lambda = \mathrm{reg} + \mathrm{reg\_relative}\,\|\Delta R\|_F^2 / m .
+    """
+    X = np.asarray(X, dtype=np.float64)
+    DX = np.diff(X, axis=1)
+    DR = np.diff(DX, axis=1)
+    lam = reg + reg_relative * float(np.sum(DR * DR)) / DR.shape[1]
+    return solve(DR, DX[:, -1], lam)
+
+
+def aadl_alpha(gamma: np.ndarray) -> np.ndarray:
+    """The affine weights of the entries, ``(gamma_0, gamma_1 - gamma_0, ..., 1 - gamma_last)``
+    (they sum to 1)."""
+    return np.concatenate([gamma[:1], np.diff(gamma), 1.0 - gamma[-1:]])
+
+
+def aadl_point(X: np.ndarray, gamma: np.ndarray, relaxation: float = 1.0) -> np.ndarray:
+    r"""AADL's relaxed extrapolation of window ``X`` for the coefficients ``gamma``:
+
+    .. math::
+
+        \mathrm{extr} &= X_{:, -2} + \Delta X_{:, -1} - (\Delta X_{:, :-1} + \Delta R)\gamma \\
+        x &= \beta\, \mathrm{extr} + (1 - \beta)\, X_{:, :-1}\,\alpha(\gamma)
+    """
+    X = np.asarray(X, dtype=np.float64)
+    DX = np.diff(X, axis=1)
+    DR = np.diff(DX, axis=1)
+    extr = X[:, -2] + DX[:, -1] - (DX[:, :-1] + DR) @ gamma
+    return relaxation * extr + (1.0 - relaxation) * X[:, :-1] @ aadl_alpha(gamma)
+
+
+def aadl_extrapolate(
+    X: np.ndarray,
+    relaxation: float = 1.0,
+    reg: float = 0.0,
+    reg_relative: float = 0.0,
+    solve: Solver = svd_lstsq,
+) -> np.ndarray:
+    """``aadl_point(X, aadl_gamma(X, ...))``: the mix of one window."""
+    return aadl_point(X, aadl_gamma(X, reg, reg_relative, solve), relaxation)
+
+
+def type2_anderson(
+    xs: np.ndarray,
+    gs: np.ndarray,
+    relaxation: float = 1.0,
+    reg: float = 0.0,
+    reg_relative: float = 0.0,
+    solve: Solver = svd_lstsq,
+) -> np.ndarray:
+    r"""Textbook type-II Anderson acceleration from the pairs ``(x_i, g(x_i))`` (columns):
+
+    .. math::
+
+        x_{+} = \sum_i \alpha_i\big((1-\beta) x_i + \beta g(x_i)\big), \quad
+        \alpha = \arg\min_{\sum_i \alpha_i = 1} \Big\|\sum_i \alpha_i f_i\Big\|,
+        \quad f_i = g(x_i) - x_i.
+
+    The constraint is eliminated with consecutive differences :math:`\Delta F`, so that a
+    Tikhonov weight means what it means in ``anderson``: :math:`\gamma = \arg\min \|f_{last}
+    - \Delta F \gamma\|^2 + \lambda \|\gamma\|^2`, :math:`\alpha = \alpha(\gamma)` as in AADL
+    (:math:`\sum_i \alpha_i f_i = f_{last} - \Delta F \gamma`).
+    """
+    xs = np.asarray(xs, dtype=np.float64)
+    gs = np.asarray(gs, dtype=np.float64)
+    F = gs - xs
+    if F.shape[1] == 1:
+        alpha = np.ones(1)
+    else:
+        DF = np.diff(F, axis=1)
+        lam = reg + reg_relative * float(np.sum(DF * DF)) / DF.shape[1]
+        alpha = aadl_alpha(solve(DF, F[:, -1], lam))
+    return ((1.0 - relaxation) * xs + relaxation * gs) @ alpha
+
+
+def gmres(A: np.ndarray, b: np.ndarray, x0: np.ndarray, steps: int) -> list:
+    r"""GMRES (Saad & Schultz 1986): for ``k = 0 .. steps``, ``(x_k, ||b - A x_k|| / ||r0||)``
+    with ``x_k`` the minimiser of ``||b - A x||`` over ``x0 + K_k(A, r0)``.
+
+    Arnoldi with modified Gram-Schmidt (run twice: reorthogonalised); the Hessenberg least
+    squares problem is solved by Givens rotations as they are generated, and ``x_k`` by back
+    substitution on its leading ``k x k`` triangle. Stops early at an exact solution.
+    """
+    x0 = np.asarray(x0, dtype=np.float64)
+    r0 = b - A @ x0
+    beta = np.linalg.norm(r0)
+    out = [(x0.copy(), 1.0)]
+    if beta == 0.0:
+        return out
+    n = len(b)
+    V = np.zeros((n, steps + 1))
+    H = np.zeros((steps + 1, steps))
+    cs, sn = np.zeros(steps), np.zeros(steps)
+    g = np.zeros(steps + 1)
+    g[0] = beta
+    V[:, 0] = r0 / beta
+    for j in range(steps):
+        w = A @ V[:, j]
+        for _ in range(2):
+            for i in range(j + 1):
+                h = V[:, i] @ w
+                H[i, j] += h
+                w = w - h * V[:, i]
+        H[j + 1, j] = np.linalg.norm(w)
+        for i in range(j):  # earlier rotations on the new column
+            top = cs[i] * H[i, j] + sn[i] * H[i + 1, j]
+            H[i + 1, j] = -sn[i] * H[i, j] + cs[i] * H[i + 1, j]
+            H[i, j] = top
+        radius = np.hypot(H[j, j], H[j + 1, j])
+        cs[j], sn[j] = H[j, j] / radius, H[j + 1, j] / radius
+        H[j, j] = radius
+        g[j + 1] = -sn[j] * g[j]
+        g[j] = cs[j] * g[j]
+        k = j + 1
+        y = np.zeros(k)
+        for i in range(k - 1, -1, -1):
+            y[i] = (g[i] - H[i, i + 1 : k] @ y[i + 1 :]) / H[i, i]
+        x = x0 + V[:, :k] @ y
+        out.append((x, float(np.linalg.norm(b - A @ x) / beta)))
+        if H[j + 1, j] == 0.0:
+            break
+        V[:, j + 1] = w / H[j + 1, j]
+    return out
+
+
+def gmres_iterate(A: np.ndarray, b: np.ndarray, x0: np.ndarray, k: int) -> np.ndarray:
+    """GMRES's ``x_k`` (the exact solution from an early stop on)."""
+    iterates = gmres(A, b, x0, k)
+    return iterates[min(k, len(iterates) - 1)][0]
+
+
+# -- torch.optim's inner steps in float64 -----------------------------------------------------
+
+
+class GradientDescent:
+    """``y = x - lr * grad``, stateless."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def init(self, x: np.ndarray):
+        return None
+
+    def step(self, x: np.ndarray, g: np.ndarray, state):
+        return x - self.lr * g, state
+
+
+@dataclass
+class Sgd:
+    """``torch.optim.SGD``: ``g += wd x``; ``b = g`` on the first step, then ``b = mu b + (1 -
+    dampening) g``; ``g = g + mu b`` (Nesterov) or ``b``; ``y = x - lr g``."""
+
+    lr: float
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    def init(self, x: np.ndarray):
+        return None  # no momentum buffer before the first step
+
+    def step(self, x: np.ndarray, g: np.ndarray, buf):
+        g = g + self.weight_decay * x
+        if self.momentum:
+            buf = g.copy() if buf is None else self.momentum * buf + (1 - self.dampening) * g
+            g = g + self.momentum * buf if self.nesterov else buf
+        return x - self.lr * g, buf
+
+
+@dataclass
+class Adam:
+    """``torch.optim.Adam`` (``decoupled=False``: ``g += wd x``) or ``AdamW`` (``x *= 1 - lr
+    wd`` first): ``m, v`` the moving averages of ``g`` and ``g^2``, ``y = x - lr/(1 - b1^t) m /
+    (sqrt(v) / sqrt(1 - b2^t) + eps)``."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = False
+
+    def init(self, x: np.ndarray):
+        return (0, np.zeros_like(x), np.zeros_like(x))
+
+    def step(self, x: np.ndarray, g: np.ndarray, state):
+        t, m, v = state
+        b1, b2 = self.betas
+        if self.decoupled:
+            x = x * (1 - self.lr * self.weight_decay)
+        else:
+            g = g + self.weight_decay * x
+        t, m, v = t + 1, b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        denom = np.sqrt(v) / np.sqrt(1 - b2**t) + self.eps
+        return x - self.lr / (1 - b1**t) * m / denom, (t, m, v)
+
+
+# -- the recurrence of ``update`` -------------------------------------------------------------
+
+
+def _finite(x) -> bool:
+    return bool(np.all(np.isfinite(x)))
+
+
+@dataclass
+class Recurrence:
+    """``update``'s numbered semantics (the ``anderson`` docstring) in mode ``"aadl"`` or
+    ``"classic"``, with an explicit window, for the inner step ``inner`` (a learning rate:
+    gradient descent). Call ``k`` (1-based, skipped calls not counted):
+
+    0. ``skip_nonfinite``: non-finite grads or inner step: nothing changes, not even ``k``;
+    1. ``y = inner(x)``;
+    2. mode "aadl": ``y`` joins the window if ``k % store_each_nth == 0``; mode "classic":
+       the pair ``(x, y)`` does;
+    3. ``average`` (mode "aadl"): if the window's spread exceeds ``average_tol`` times its
+       mean's norm, the result is the mean and no mix is formed;
+    4. if ``k > wait_iterations``, ``k % frequency == 0`` and the window holds >= 3 entries
+       (classic: >= 2 pairs), the mix is formed (:func:`aadl_extrapolate`,
+       :func:`type2_anderson`); a non-finite mix is dropped;
+    5. safeguard (``loss``, or the scripted decisions ``accept``): the mix is kept only if
+       ``loss(mix) < loss(y)``; a kept mix replaces the newest entry (mode "aadl"), a
+       rejected one restarts the window from its newest entry with ``restart_on_reject``.
+
+    After :meth:`run`, ``window`` holds the final window (mode "classic": the pairs).
+    """
+
+    grad: Callable[[np.ndarray], np.ndarray]
+    inner: object
+    mode: str = "aadl"
+    history_depth: int = 10
+    relaxation: float = 1.0
+    reg: float = 0.0
+    reg_relative: float = 0.0
+    wait_iterations: int = 0
+    store_each_nth: int = 1
+    frequency: int = 1
+    average: bool = False
+    average_tol: float = 0.1
+    restart_on_reject: bool = False
+    skip_nonfinite: bool = False
+    solve: Solver = svd_lstsq
+    window: list = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner, (int, float)):
+            self.inner = GradientDescent(float(self.inner))
+
+    def _mix(self) -> np.ndarray:
+        options = dict(reg=self.reg, reg_relative=self.reg_relative, solve=self.solve)
+        if self.mode == "aadl":
+            return aadl_extrapolate(np.stack(self.window, axis=1), self.relaxation, **options)
+        xs = np.stack([p[0] for p in self.window], axis=1)
+        gs = np.stack([p[1] for p in self.window], axis=1)
+        return type2_anderson(xs, gs, self.relaxation, **options)
+
+    def _averaged(self) -> np.ndarray | None:
+        """The window mean if AADL's moving-average rule applies (spread > tol |mean|)."""
+        if not self.average or len(self.window) < 2:
+            return None
+        W = np.stack(self.window, axis=1)
+        mean = W.mean(axis=1)
+        spread = np.sum((W - mean[:, None]) ** 2) / (W.shape[1] - 1)
+        return mean if spread > self.average_tol**2 * (mean @ mean) else None
+
+    def run(
+        self,
+        x0: np.ndarray,
+        steps: int,
+        loss: Callable[[np.ndarray], float] | None = None,
+        inputs: list[np.ndarray] | None = None,
+        accept: Iterable[bool] | None = None,
+    ) -> tuple[list[np.ndarray], list[str]]:
+        """The params after each of ``steps`` calls and, per call, what it returned: "plain",
+        "mix", "rejected" (the plain step after the safeguard refused a finite mix),
+        "average" or "skipped".
+
+        With ``inputs`` (another run's outputs), call ``j`` (0-based) receives ``inputs[j -
+        1]`` as its params instead of the reference's own previous output, and a kept mix puts
+        ``inputs[j]`` in the window: each call is then checked on that run's own data, so the
+        (chaotic) recurrence does not amplify earlier rounding differences.
+        """
+        decisions = iter(accept) if accept is not None else None
+        depth = self.history_depth
+        self.window = []
+        x = np.array(x0, dtype=np.float64)
+        inner_state = self.inner.init(x)
+        outputs, kinds, k = [], [], 0
+        for j in range(steps):
+            if inputs is not None and j > 0:
+                x = np.array(inputs[j - 1], dtype=np.float64)
+            g = self.grad(x)
+            y, new_inner = self.inner.step(x, g, inner_state)
+            if self.skip_nonfinite and not (_finite(g) and _finite(y)):
+                outputs.append(x.copy())
+                kinds.append("skipped")
+                continue
+            k, inner_state = k + 1, new_inner
+            if k % self.store_each_nth == 0:
+                entry = y.copy() if self.mode == "aadl" else (x.copy(), y.copy())
+                self.window = (self.window + [entry])[-depth:]
+            kind, out = "plain", y
+            mean = self._averaged() if self.mode == "aadl" else None
+            needed = 3 if self.mode == "aadl" else 2
+            gate = k > self.wait_iterations and k % self.frequency == 0
+            if mean is not None:
+                kind, out = "average", mean
+            elif gate and len(self.window) >= needed:
+                xm = self._mix()
+                if _finite(xm):
+                    kind, out = self._safeguard(xm, y, loss, decisions)
+                    if kind == "mix" and (loss is not None or decisions is not None):
+                        if self.mode == "aadl":
+                            forced = inputs is not None and j < len(inputs)
+                            self.window[-1] = np.array(inputs[j] if forced else xm)
+                    if kind == "rejected" and self.restart_on_reject:
+                        self.window = self.window[-1:]
+            x = out
+            outputs.append(x.copy())
+            kinds.append(kind)
+        return outputs, kinds
+
+    @staticmethod
+    def _safeguard(xm, y, loss, decisions) -> tuple[str, np.ndarray]:
+        if decisions is not None:
+            keep = next(decisions)
+        elif loss is not None:
+            lx = loss(xm)
+            keep = bool(np.isfinite(lx) and lx < loss(y))
+        else:
+            keep = True
+        return ("mix", xm) if keep else ("rejected", y)
