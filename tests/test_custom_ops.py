@@ -9,7 +9,7 @@ tensors; float32, float64 and bf16 windows; float32/float64 compute dtypes):
 
 * ``opcheck``: the schema (mutation and aliasing as declared), the fake (meta) kernel against
   the real one, the autograd registration, and AOT dispatch with dynamic shapes;
-* the values against float64 NumPy (the formulas of ``aadl_func/_src/ops.py``'s docstring);
+* the values against float64 NumPy (the formulas of ``aadl_func/_src/vmap_rules.py``'s docstring);
 * the ``vmap`` rule: a batched call equals the members' own calls bit for bit (the rule runs
   each member's eager pass), with batched and unbatched arguments mixed.
 """
