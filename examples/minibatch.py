@@ -109,7 +109,7 @@ CONTROLS = ("control-adam", "control-sgdm")
 #: when tuning, on the test split when reporting).
 TARGETS = {"digits": 0.96, "tabular": 0.85, "textures": 0.85}
 #: The learning-rate lattice, the same for every variant.
-LR_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
+LR_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 _LONG = (1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 20.0, 30.0)
 #: Extra hyperparameter of each variant that has one: its name and lattice.
 EXTRA: dict[str, tuple[str, tuple[float, ...]]] = {
@@ -699,6 +699,65 @@ def report(name: str, summary: dict[str, Any], labels: dict[str, str], seeds: in
         print(f"  {variant:>16}: {'; '.join(parts)} -> {'met' if row['met'] else 'not met'}")
 
 
+def markdown(summary: dict[str, Any]) -> str:
+    """The default run as Markdown (docs/minibatch.md's tables): per data set, the table over
+    seeds, the goal and the per-seed epochs to the target / final accuracy."""
+    lines = []
+    for name, data in summary["datasets"].items():
+        stats, labels = data["stats"], summary["config"]["variants"][name]
+        seeds = summary["config"]["seeds"]
+        lines += [
+            f"\n**{name}** (test split, target {100 * data['target']:.0f}%, {seeds} seeds)\n",
+            "| variant | setting | epochs to target | s to target | final acc. % "
+            "| final train loss | s/epoch |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for variant, s in stats.items():
+            cells = [
+                variant, labels[variant].split(" ", 1)[1], _pm(s["epochs_to_target"], digits=1),
+                _pm(s["seconds_to_target"]), _pm(s["final_accuracy"], 100),
+                _pm(s["final_train_loss"], digits=3), _pm(s["seconds_per_epoch"], digits=3),
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", "| variant | " + " | ".join(f"seed {i}" for i in range(seeds)) + " |"]
+        lines.append("|---|" + "---|" * seeds)
+        for variant, runs in data["runs"].items():
+            cells = []
+            for r in runs:
+                e = epochs_to(r["accuracy"], data["target"])
+                cells.append(f"{'-' if e is None else e} / {100 * r['accuracy'][-1]:.1f}")
+            lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+        lines.append("\n(per seed: epochs to the target / final test accuracy %)")
+    return "\n".join(lines) + "\n"
+
+
+def tuning_markdown(tuning: dict[str, Any]) -> str:
+    """The tuning as Markdown: per data set and variant, the choice and every setting tried
+    (mean epochs to the target on validation, a miss counting twice the epochs; mean final
+    validation accuracy)."""
+    lines = []
+    for name, entry in tuning["choices"].items():
+        lines += [
+            f"\n**{name}** (validation, target {100 * entry['target']:.0f}%, seeds "
+            f"{entry['seeds']}, {entry['epochs']} epochs)\n",
+            "| variant | chosen | settings tried: lr[, extra] -> score (epochs, final val. %) |",
+            "|---|---|---|",
+        ]
+        for variant, v in entry["variants"].items():
+            chosen = f"lr {v['lr']:g}" + (
+                f", {v['extra_name']} {v['extra']:g}" if v["extra"] is not None else ""
+            )
+            if v["at_lattice_end"]:
+                chosen += f" (lattice end: {', '.join(v['at_lattice_end'])})"
+            tried = "; ".join(
+                f"{e['lr']:g}" + ("" if e["extra"] is None else f", {e['extra']:g}")
+                + f" -> {e['score'][0]:.1f}, {-100 * e['score'][1]:.1f}"
+                for e in sorted(v["evaluated"], key=lambda e: (e["lr"], e["extra"] or 0))
+            )  # fmt: skip
+            lines.append(f"| {variant} | {chosen} | {tried} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(path: str, summaries: dict[str, Any], results: dict[str, Any]) -> None:
     import matplotlib
 
@@ -736,6 +795,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         tuning = tune(args, datasets)
         tuning["total_seconds"] = time.perf_counter() - started
         write_json(os.path.join(out, "tuning.json"), tuning)
+        with open(os.path.join(out, "tuning.md"), "w") as f:
+            f.write(tuning_markdown(tuning))
         print(f"\ntuning took {tuning['total_seconds']:.0f} s; wrote {out}/tuning.json")
         return tuning
     settings = load_settings(args.settings)
@@ -774,6 +835,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         },
     }
     write_json(os.path.join(out, "summary.json"), summary)
+    with open(os.path.join(out, "tables.md"), "w") as f:
+        f.write(markdown(summary))
     plot(os.path.join(out, "test_accuracy.png"), summaries, results)
     print(f"\n{len(jobs)} runs in {total:.0f} s; wrote {out}/summary.json and test_accuracy.png")
     return summary

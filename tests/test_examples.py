@@ -312,6 +312,8 @@ def test_minibatch(examples, tmp_path, capsys):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     output = capsys.readouterr().out
     assert "epochs to target" in output and "goal (" in output
+    tables = (run_dir / "tables.md").read_text()
+    assert tables.count("| adam | lr=") == len(minibatch.DATASETS)
 
     config = summary["config"]
     assert config["epochs"] == epochs and config["seeds"] == seeds
@@ -415,6 +417,33 @@ def test_minibatch_coordinate_search_ends_interior(examples):
         other[axis] += step
         if 0 <= other[axis] < table.shape[axis]:
             assert table[chosen] <= table[tuple(other)]
+
+
+def test_minibatch_tune(examples, tmp_path):
+    """--tune: every variant's choice scores no worse than its evaluated lattice neighbours,
+    on the validation split, and the Markdown lists every setting tried."""
+    minibatch = examples["minibatch"]
+    argv = ["--tune", "--quick", "--datasets", "digits", "--variants", "adam,control-adam"]
+    tuning = minibatch.main([*argv, "--no-progress", "--out-dir", str(tmp_path), "--run", "t"])
+    assert json.loads((tmp_path / "t" / "tuning.json").read_text()) == json.loads(
+        json.dumps(tuning)
+    )
+    entry = tuning["choices"]["digits"]
+    assert entry["seeds"] == [100] and entry["target"] == minibatch.TARGETS["digits"]
+    for name, choice in entry["variants"].items():
+        scores = {(e["lr"], e["extra"]): tuple(e["score"]) for e in choice["evaluated"]}
+        best = scores[(choice["lr"], choice["extra"])]
+        i = minibatch.LR_GRID.index(choice["lr"])
+        for lr in minibatch.LR_GRID[max(i - 1, 0) : i + 2]:
+            assert scores[(lr, choice["extra"])] >= best
+        if name == "control-adam":
+            grid = minibatch.EXTRA[name][1]
+            j = grid.index(choice["extra"])
+            for extra in grid[max(j - 1, 0) : j + 2]:
+                assert scores[(choice["lr"], extra)] >= best
+    markdown = (tmp_path / "t" / "tuning.md").read_text()
+    tried = sum(len(v["evaluated"]) for v in entry["variants"].values())
+    assert markdown.count(" -> ") == 1 + tried  # and once in the header
 
 
 def test_minibatch_textures_are_balanced_and_reproducible(examples):
