@@ -1,5 +1,6 @@
 """aadl_func: functional Anderson acceleration for deep learning on torch.func."""
 
+from aadl_func._src.adasam import AdaSAM, AdaSAMState, adasam
 from aadl_func._src.anderson import Anderson, anderson
 from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
 from aadl_func._src.mix import mix, mixing_weights
@@ -12,6 +13,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AcceleratedOptimizer",
+    "AdaSAM",
+    "AdaSAMState",
     "AdamState",
     "Anderson",
     "AndersonState",
@@ -20,6 +23,7 @@ __all__ = [
     "SgdState",
     "SolverInfo",
     "accelerate",
+    "adasam",
     "adam",
     "adamw",
     "anderson",

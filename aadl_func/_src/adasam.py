@@ -1,0 +1,294 @@
+r"""AdaSAM: stochastic Anderson mixing with damped projection and adaptive regularisation.
+
+Fuchao Wei, Chenglong Bao and Yang Liu, "Stochastic Anderson Mixing for Nonconvex Stochastic
+Optimization", NeurIPS 2021 (arXiv:2110.01543). The method, for a (stochastic) gradient
+:math:`g_k = \nabla f_{S_k}(x_k)` and the residual :math:`r_k = -(g_k + \lambda x_k)`
+(:math:`\lambda`: weight decay), step :math:`k = 0, 1, \dots`:
+
+1. **Moving averages of the differences** (for :math:`k \ge 1`):
+
+   .. math::
+
+       \overline{\Delta x}_k &= \gamma\, \overline{\Delta x}_{k-1}
+           + (1 - \gamma)(x_k - x_{k-1}), \\
+       \overline{\Delta r}_k &= \gamma\, \overline{\Delta r}_{k-1}
+           + (1 - \gamma)(r_k - r_{k-1}),
+
+   starting from zero. They become the newest columns of :math:`X_k` and :math:`R_k`, which
+   hold the last :math:`m` (``history_depth``) of them (unfilled columns are zero).
+
+2. **Adaptive regularisation**:
+   :math:`\delta_k = c\, \|r_k\|^2 / (\|\overline{\Delta x}_k\|^2 + \epsilon)`.
+
+3. **Coefficients** of the regularised least-squares problem
+   :math:`\min_\Gamma \|r_k - R_k \Gamma\|^2 + \delta_k \|X_k \Gamma\|^2`:
+
+   .. math::
+
+       \Gamma_k = (R_k^T R_k + \delta_k X_k^T X_k)^{+} R_k^T r_k
+
+   (pseudo-inverse in float64: the unfilled zero columns get zero coefficients).
+
+4. **Damped projection and mixing**:
+   :math:`\bar x_k = x_k - \alpha X_k \Gamma_k`, :math:`\bar r_k = r_k - \alpha R_k \Gamma_k`,
+   :math:`x_{k+1} = \bar x_k + \beta \bar r_k`, i.e. the step
+
+   .. math::
+
+       p_k = \beta r_k - \alpha (X_k + \beta R_k) \Gamma_k .
+
+5. **Positive-definiteness (descent) check**: :math:`x_{k+1} = x_k + p_k` only if
+   :math:`\langle p_k, r_k \rangle > \mu \beta \|r_k\|^2` (the step is a descent direction
+   for the sampled loss); otherwise, and on the first step, the plain step
+   :math:`x_{k+1} = x_k + \beta r_k` (SGD with learning rate :math:`\beta`). There is no
+   loss-based acceptance.
+
+The paper requires the matrix :math:`H_k` of :math:`p_k = H_k r_k` to be positive definite
+and checks it through :math:`\langle p_k, r_k \rangle`; the authors' reference code
+(``optim/adasam.py`` of github.com/wfc12/Stochastic_Anderson_Mixing) uses the simplified test
+:math:`\langle p_k, r_k \rangle > 0`, which is ``mu=0`` here (the default). The defaults
+(:math:`\alpha = \beta = 1`, :math:`m = 10`, :math:`c = 10^{-2}`, :math:`\gamma = 0.9`,
+:math:`\epsilon = 10^{-8}`) are that implementation's. The paper's preconditioned variant
+(pAdaSAM) and its variance-reduced variant (AdaSAM-VR) are not implemented.
+
+Functional like the rest of the package: ``state = init(params)``,
+``params, state = update(state, params, grads)``, pure (inputs are never mutated). The state
+is an :class:`AdaSAMState` of tensors only, with no Python branching on tensor values, so
+``init`` and ``update`` run under :func:`torch.func.vmap` (an ensemble) and the state saves
+with :func:`torch.save`. The window costs :math:`2m + 4` parameter-sized buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+
+from aadl_func._src.validation import check_float, check_int
+
+__all__ = ["AdaSAM", "AdaSAMState", "adasam"]
+
+_OWNER = "adasam"
+Params = Any
+
+
+class AdaSAMState(NamedTuple):
+    """State of :func:`adasam`: tensors only (``vmap`` and ``torch.save`` work on it).
+
+    Attributes:
+        count: 0-d int64, ``update`` calls so far (:math:`k`).
+        prev_params: pytree like the params, :math:`x_{k-1}` (zeros at ``init``).
+        prev_residual: pytree like the params, :math:`r_{k-1}` (zeros at ``init``).
+        dx_avg: pytree like the params, :math:`\\overline{\\Delta x}_{k-1}`.
+        dr_avg: pytree like the params, :math:`\\overline{\\Delta r}_{k-1}`.
+        dxs: pytree like the params, each leaf with a leading dimension ``history_depth``:
+            the ring of averaged iterate differences (columns of :math:`X`).
+        drs: the same for the averaged residual differences (columns of :math:`R`).
+        num_mixed: 0-d int64, steps that took the mixed step :math:`p_k`.
+        num_fallback: 0-d int64, steps after the first whose descent check failed (the plain
+            step :math:`\\beta r_k` was taken).
+    """
+
+    count: Tensor
+    prev_params: Any
+    prev_residual: Any
+    dx_avg: Any
+    dr_avg: Any
+    dxs: Any
+    drs: Any
+    num_mixed: Tensor
+    num_fallback: Tensor
+
+
+class AdaSAM(NamedTuple):
+    """``state = init(params)``; ``params, state = update(state, params, grads)``."""
+
+    init: Callable[[Params], AdaSAMState]
+    update: Callable[..., tuple[Params, AdaSAMState]]
+
+
+def adasam(
+    lr: float = 1.0,
+    *,
+    alpha: float = 1.0,
+    history_depth: int = 10,
+    damp: float = 1e-2,
+    gamma: float = 0.9,
+    mu: float = 0.0,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> AdaSAM:
+    r"""AdaSAM (Wei, Bao and Liu, NeurIPS 2021) as a functional optimizer; see the module
+    docstring for the equations.
+
+    Args:
+        lr: the mixing parameter :math:`\beta > 0`, the step length along the residual: the
+            plain (fallback) step is SGD with learning rate ``lr``.
+        alpha: the damping :math:`\alpha \ge 0` of the projection (0: plain SGD).
+        history_depth: :math:`m \ge 1`, the columns of :math:`X` and :math:`R`.
+        damp: :math:`c \ge 0` of the adaptive regularisation
+            :math:`\delta_k = c \|r_k\|^2 / (\|\overline{\Delta x}_k\|^2 + \epsilon)`.
+        gamma: :math:`\gamma \in [0, 1)`, the moving-average weight of the differences
+            (0: the raw differences, as in classic Anderson mixing).
+        mu: :math:`\mu \ge 0` of the descent check
+            :math:`\langle p_k, r_k \rangle > \mu \beta \|r_k\|^2`.
+        eps: :math:`\epsilon > 0` in :math:`\delta_k`'s denominator.
+        weight_decay: :math:`\lambda \ge 0`, added to the gradient (``r = -(g + lambda x)``).
+
+    Returns:
+        An :class:`AdaSAM` ``(init, update)``. ``update(state, params, grads)`` returns the new
+        params and an :class:`AdaSAMState`; it never mutates its inputs.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or out of range, naming it (at
+            construction); at ``update``, a ``state`` that is not an :class:`AdaSAMState` or
+            ``grads`` whose structure or shapes differ from ``params``'.
+    """
+    beta = check_float(_OWNER, "lr", lr, minimum=0.0, strict=True)
+    alpha = check_float(_OWNER, "alpha", alpha, minimum=0.0)
+    m = check_int(_OWNER, "history_depth", history_depth, 1)
+    damp = check_float(_OWNER, "damp", damp, minimum=0.0)
+    gamma = check_float(_OWNER, "gamma", gamma, minimum=0.0)
+    if gamma >= 1.0:
+        raise ValueError(f"{_OWNER}: `gamma` must be < 1, got {gamma}")
+    mu = check_float(_OWNER, "mu", mu, minimum=0.0)
+    eps = check_float(_OWNER, "eps", eps, minimum=0.0, strict=True)
+    weight_decay = check_float(_OWNER, "weight_decay", weight_decay, minimum=0.0)
+
+    def init(params: Params) -> AdaSAMState:
+        leaves, spec = _flatten(params, "params")
+        zeros = [torch.zeros_like(p) for p in leaves]
+
+        def like() -> Any:
+            return optree.tree_unflatten(spec, [z.clone() for z in zeros])
+
+        ring = optree.tree_unflatten(spec, [p.new_zeros((m, *p.shape)) for p in leaves])
+        counter = torch.zeros((), dtype=torch.int64, device=leaves[0].device)
+        return AdaSAMState(
+            counter,
+            like(),
+            like(),
+            like(),
+            like(),
+            ring,
+            optree.tree_map(torch.clone, ring),
+            counter.clone(),
+            counter.clone(),
+        )
+
+    def update(state: AdaSAMState, params: Params, grads: Params) -> tuple[Params, AdaSAMState]:
+        x, spec = _flatten(params, "params")
+        g, _ = _flatten(grads, "grads")
+        _check(state, x, g, spec, m)
+        s = [optree.tree_leaves(t) for t in state[1:7]]
+        x_prev, r_prev, dx_avg, dr_avg, dxs, drs = s
+        k = state.count
+        first = k == 0
+        r = [-(gi + weight_decay * xi) if weight_decay else -gi for gi, xi in zip(g, x)]
+        # 1. the moving averages; on the first call there is no difference yet.
+        dx_avg = [
+            torch.where(first, a, gamma * a + (1 - gamma) * (xi - xp))
+            for a, xi, xp in zip(dx_avg, x, x_prev)
+        ]
+        dr_avg = [
+            torch.where(first, a, gamma * a + (1 - gamma) * (ri - rp))
+            for a, ri, rp in zip(dr_avg, r, r_prev)
+        ]
+        # The newest column goes to slot (k - 1) mod m: a one-hot mask, not an index, so the
+        # write is the same operation for every member of a vmap.
+        slot = torch.remainder(k - 1, m)
+        write = (torch.arange(m, device=k.device) == slot) & ~first
+        dxs = [_write(ring, a, write) for ring, a in zip(dxs, dx_avg)]
+        drs = [_write(ring, a, write) for ring, a in zip(drs, dr_avg)]
+        # 2.-3. delta and Gamma, in float64.
+        rr = _dot(r, r)
+        delta = damp * rr / (_dot(dx_avg, dx_avg) + eps)
+        rtr = _gram(drs, drs)
+        xtx = _gram(dxs, dxs)
+        rtb = _gram(drs, [ri.unsqueeze(0) for ri in r])[:, 0]
+        coeffs = torch.linalg.pinv(rtr + delta * xtx, hermitian=True) @ rtb
+        # 4. p = beta r - alpha (X + beta R) Gamma.
+        p = [
+            beta * ri - alpha * _combine(xr + beta * rr_, coeffs)
+            for ri, xr, rr_ in zip(r, dxs, drs)
+        ]
+        # 5. the descent check; the plain step otherwise (and always on the first call).
+        descent = _dot(p, r)
+        ok = ~first & torch.isfinite(descent) & (descent > mu * beta * rr)
+        new = [xi + torch.where(ok, pi, beta * ri) for xi, pi, ri in zip(x, p, r)]
+        unflat = lambda leaves: optree.tree_unflatten(spec, leaves)  # noqa: E731
+        new_state = AdaSAMState(
+            k + 1,
+            unflat(list(x)),
+            unflat(r),
+            unflat(dx_avg),
+            unflat(dr_avg),
+            unflat(dxs),
+            unflat(drs),
+            state.num_mixed + ok.long(),
+            state.num_fallback + (~ok & ~first).long(),
+        )
+        return unflat(new), new_state
+
+    return AdaSAM(init, update)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _flatten(tree: Any, name: str) -> tuple[list[Tensor], Any]:
+    leaves, spec = optree.tree_flatten(tree)
+    if not leaves:
+        raise ValueError(f"{_OWNER}: `{name}` has no tensor leaves")
+    for leaf in leaves:
+        if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+            raise TypeError(f"{_OWNER}: `{name}` must be a pytree of floating-point tensors")
+    return leaves, spec
+
+
+def _check(state: Any, x: list[Tensor], g: list[Tensor], spec: Any, m: int) -> None:
+    """Metadata checks, before any arithmetic: ``state`` and ``grads`` fit the params."""
+    if not isinstance(state, AdaSAMState):
+        raise TypeError(
+            f"{_OWNER}: `state` must be an AdaSAMState (from this optimizer's init), got "
+            f"{type(state).__name__}"
+        )
+    if len(g) != len(x) or any(a.shape != b.shape for a, b in zip(g, x)):
+        raise ValueError(f"{_OWNER}: `grads` must have the structure and shapes of `params`")
+    for name, field in zip(AdaSAMState._fields[1:7], state[1:7]):
+        leaves, field_spec = optree.tree_flatten(field)
+        if field_spec.num_leaves != spec.num_leaves:
+            raise ValueError(f"{_OWNER}: `state.{name}` does not fit `params` (another model?)")
+        window = name in ("dxs", "drs")
+        for leaf, p in zip(leaves, x):
+            shape = (m, *p.shape) if window else p.shape
+            if leaf.shape != shape:
+                raise ValueError(
+                    f"{_OWNER}: `state.{name}` has a leaf of shape {tuple(leaf.shape)}, "
+                    f"expected {tuple(shape)} (made for other params or another history_depth)"
+                )
+
+
+def _write(ring: Tensor, column: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask.view(-1, *([1] * column.dim())), column.unsqueeze(0), ring)
+
+
+def _dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    """``<a, b>`` over all leaves, in float64."""
+    return sum((ai.double() * bi.double()).sum() for ai, bi in zip(a, b))
+
+
+def _gram(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    """``A^T B`` for rings ``A``, ``B`` (columns: the leading dimension), in float64."""
+    total = None
+    for ai, bi in zip(a, b):
+        flat_a, flat_b = ai.reshape(ai.shape[0], -1).double(), bi.reshape(bi.shape[0], -1).double()
+        term = flat_a @ flat_b.T
+        total = term if total is None else total + term
+    return total
+
+
+def _combine(ring: Tensor, coeffs: Tensor) -> Tensor:
+    """``sum_j coeffs[j] ring[j]`` in the ring's dtype."""
+    return torch.tensordot(coeffs.to(ring.dtype), ring, dims=1)
