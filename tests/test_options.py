@@ -1,4 +1,4 @@
-"""The options of ``anderson`` are one list: its signature, ``AndersonOptions`` and the README."""
+"""The options of ``anderson`` are one list: its signature, ``AndersonOptions``, docs/options.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import aadl_func as aa
 from aadl_func._src.options import AndersonOptions
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+OPTIONS_PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "options.md"
 
 
 def _signature_defaults() -> dict:
@@ -25,9 +25,9 @@ def test_signature_and_options_record_agree_in_order_and_defaults():
 
 
 def test_readme_signature_and_table_list_every_option_with_its_default():
-    text = README.read_text()
+    text = OPTIONS_PAGE.read_text()
     block = re.search(r"`aa\.anderson\(inner, \*, (.*?)\)`", text, re.S)
-    assert block is not None, "README: the `aa.anderson(inner, *, ...)` signature is missing"
+    assert block is not None, "docs/options.md: no `aa.anderson(inner, *, ...)` signature"
     written = dict(
         item.strip().split("=", 1) for item in block.group(1).replace("\n", " ").split(",")
     )
@@ -36,7 +36,7 @@ def test_readme_signature_and_table_list_every_option_with_its_default():
     assert written == expected
     for name, value in expected.items():
         row = re.search(rf"^\| `{name}` \| `?([^`|]*)`? \|", text, re.M)
-        assert row is not None, f"README: no table row for `{name}`"
+        assert row is not None, f"docs/options.md: no table row for `{name}`"
         assert row.group(1) == value.strip('"') or row.group(1) == value, (name, row.group(1))
 
 
