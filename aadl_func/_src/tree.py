@@ -7,7 +7,7 @@ containers users pass, so states built here also flatten under ``torch.func``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import optree
@@ -55,9 +55,18 @@ def flatten(tree: Any, name: str = "params", owner: str | None = None) -> tuple[
         if not isinstance(leaf, Tensor):
             raise TypeError(
                 f"{_prefix(owner)}`{name}` must be a pytree of tensors; "
-                f"`{leaf_path(spec, i, name)}` is {type(leaf).__name__}"
+                f"`{leaf_path(spec, i, name)}` is {type(leaf).__name__}{_hint(leaf)}"
             )
     return leaves, spec
+
+
+def _hint(leaf: Any) -> str:
+    """What the user probably meant, for the leaves people pass by mistake."""
+    if isinstance(leaf, torch.nn.Module):
+        return "; pass its parameters as a dict: dict(model.named_parameters())"
+    if isinstance(leaf, Iterator):  # model.parameters() is a generator: it would be used up
+        return "; pass dict(model.named_parameters()) (or a list) instead of an iterator"
+    return ""
 
 
 def unflatten(spec: Any, leaves: list[Tensor]) -> Any:
