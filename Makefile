@@ -7,14 +7,14 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo minibatch test compat lint bench clean
+.PHONY: venv demo minibatch test docs compat lint bench clean
 
 # The install also compiles the CPU kernel (setup.py), so editing _dots.c reinstalls.
 $(STAMP): pyproject.toml setup.py aadl_func/_src/_dots.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test,examples,dev]"
+	$(PY) -m pip install -q -e ".[test,examples,dev,docs]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -28,6 +28,11 @@ minibatch: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The documentation site (mkdocs + mkdocstrings, API pages from the docstrings) into site/,
+# strict: a broken link or a docstring that does not match its signature fails the build.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict -d site
 
 # The suite against the oldest torch pyproject.toml allows and the newest the index serves, each
 # in its own venv under COMPAT_DIR (kept for the next run; PyPI's CUDA builds, ~6 GB each), and a
@@ -44,4 +49,4 @@ bench: $(STAMP)
 	$(PY) examples/benchmark.py
 
 clean:
-	rm -rf $(VENV) runs bench_results
+	rm -rf $(VENV) runs bench_results site

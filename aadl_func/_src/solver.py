@@ -484,11 +484,14 @@ def fixed_point(
       g: the map, pytree -> pytree of the structure, shapes (and dtypes, after a cast) of
         ``x0``.
       x0: the starting point, a pytree of real floating tensors.
-      tol, rtol: absolute and relative tolerances (``>= 0``) on the residual norm.
+      tol: absolute tolerance (``>= 0``) on the residual norm.
+      rtol: relative tolerance (``>= 0``): the solve stops at
+        :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\, \|r_0\|)`.
       max_iter: the most steps (``>= 0``); the eager loop stops earlier.
       history_depth: pairs in the window (``>= 3``); SciPy's ``M`` is ``history_depth - 1``.
       relaxation: :math:`\beta > 0`, 1 undamped.
-      reg, reg_relative: Tikhonov weights (absolute; relative to the window), ``>= 0``.
+      reg: absolute Tikhonov weight, ``>= 0``.
+      reg_relative: Tikhonov weight relative to the window, ``>= 0``.
       mode: ``"classic"`` (default, see above) or ``"aadl"``.
       line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s backtracking
         search on :math:`\|g(x) - x\|^2` along the Anderson step (eager loop only).
@@ -557,7 +560,17 @@ def root(
       line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s default
         backtracking search on :math:`\|F\|^2` (``scipy.optimize.anderson`` uses it unless
         given ``line_search=None``).
-      The other arguments are :func:`fixed_point`'s.
+      tol: as :func:`fixed_point`'s, on :math:`\|F(x)\|`.
+      rtol: as :func:`fixed_point`'s.
+      max_iter: as :func:`fixed_point`'s.
+      history_depth: as :func:`fixed_point`'s.
+      relaxation: as :func:`fixed_point`'s.
+      reg: as :func:`fixed_point`'s.
+      reg_relative: as :func:`fixed_point`'s.
+      mode: as :func:`fixed_point`'s.
+      callback: as :func:`fixed_point`'s.
+      masked: as :func:`fixed_point`'s.
+      **anderson_options: as :func:`fixed_point`'s.
 
     Returns:
       ``(x, info)``, as :func:`fixed_point`.
