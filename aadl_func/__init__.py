@@ -2,6 +2,7 @@
 
 from aadl_func._src.adasam import AdaSAM, AdaSAMState, adasam
 from aadl_func._src.anderson import Anderson, anderson
+from aadl_func._src.compose import ChainState, add_decayed_weights, chain, clip_by_global_norm
 from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
 from aadl_func._src.mix import mix, mixing_weights
 from aadl_func._src.solve import MixingWeights, solve_weights
@@ -18,15 +19,19 @@ __all__ = [
     "AdamState",
     "Anderson",
     "AndersonState",
+    "ChainState",
     "InnerOptimizer",
     "MixingWeights",
     "SgdState",
     "SolverInfo",
     "accelerate",
+    "add_decayed_weights",
     "adasam",
     "adam",
     "adamw",
     "anderson",
+    "chain",
+    "clip_by_global_norm",
     "fixed_point",
     "implicit_fixed_point",
     "mix",

@@ -1,0 +1,173 @@
+r"""Gradient transformations to chain in front of an inner optimizer (optax/torchopt style).
+
+:func:`chain` composes :class:`~aadl_func.InnerOptimizer` s (or any torchopt-style
+``init``/``update`` pair): each one's output updates are the next one's input, so
+
+.. code-block:: python
+
+    inner = aa.chain(
+        aa.clip_by_global_norm(1.0),
+        aa.add_decayed_weights(5e-4, mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+        aa.sgd(0.1, momentum=0.9),
+    )
+    opt = aa.anderson(inner, history_depth=5)
+
+clips the gradients, adds an L2 term to the weight matrices only and takes SGD's step, which
+Anderson acceleration then treats as its map :math:`g`. :func:`aadl_func.anderson` is always
+the outermost layer (it needs the params and returns them; it is not a gradient
+transformation), so the other transformations go *inside* it, as its ``inner``.
+
+Every transformation here is pure, holds tensors only in its state (``torch.save`` with
+``weights_only=True`` loads it), has no data-dependent Python control flow (``vmap``,
+``torch.compile``), and with ``inplace=True`` may overwrite the updates it receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from aadl_func._src import tree
+from aadl_func._src.inner import InnerOptimizer
+from aadl_func._src.validation import check_float
+
+__all__ = ["ChainState", "add_decayed_weights", "chain", "clip_by_global_norm"]
+
+PyTree = Any
+
+
+class ChainState(NamedTuple):
+    """The states of a :func:`chain`'s transformations, in order."""
+
+    states: tuple
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none."""
+
+
+def chain(*transforms: Any) -> InnerOptimizer:
+    """Composes transformations: ``update`` runs each in turn on the previous one's output.
+
+    Args:
+      *transforms: ``init``/``update`` pairs in the torchopt protocol (``update(updates,
+        state, params=None, inplace=...) -> (updates, state)``), e.g. :func:`clip_by_global_norm`,
+        :func:`add_decayed_weights`, :func:`aadl_func.sgd`, or torchopt's.
+
+    Returns:
+      An :class:`~aadl_func.InnerOptimizer` whose state is a :class:`ChainState`.
+    """
+    if not transforms:
+        raise ValueError("chain: pass at least one transformation")
+    for i, t in enumerate(transforms):
+        if not (callable(getattr(t, "init", None)) and callable(getattr(t, "update", None))):
+            raise TypeError(
+                f"chain: transformation {i} must have callable `init` and `update`, got "
+                f"{type(t).__name__}"
+            )
+
+    def init(params: PyTree) -> ChainState:
+        return ChainState(tuple(t.init(params) for t in transforms))
+
+    def update(
+        updates: PyTree, state: ChainState, params: PyTree = None, inplace: bool = True
+    ) -> tuple[PyTree, ChainState]:
+        if not isinstance(state, ChainState) or len(state.states) != len(transforms):
+            raise TypeError(
+                f"chain.update: `state` must be the ChainState of {len(transforms)} "
+                f"transformations this chain's init made, got {type(state).__name__}"
+            )
+        new_states = []
+        for t, s in zip(transforms, state.states):
+            updates, s = t.update(updates, s, params=params, inplace=inplace)
+            new_states.append(s)
+        return updates, ChainState(tuple(new_states))
+
+    return InnerOptimizer(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> InnerOptimizer:
+    r"""Scales the updates so that their global 2-norm is at most ``max_norm``.
+
+    As :func:`torch.nn.utils.clip_grad_norm_`: with :math:`\nu` the 2-norm of the leaves'
+    2-norms, every leaf is multiplied by :math:`\min(1, \mathrm{max\_norm} / (\nu +
+    10^{-6}))`. Under ``vmap`` each member is clipped by its own norm.
+    """
+    max_norm = check_float("clip_by_global_norm", "max_norm", max_norm, minimum=0.0, strict=True)
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        updates: PyTree, state: EmptyState, params: PyTree = None, inplace: bool = True
+    ) -> tuple[PyTree, EmptyState]:
+        leaves, spec = tree.flatten(updates, "updates", owner="clip_by_global_norm")
+        if not leaves:
+            return updates, state
+        norms = torch.stack([torch.linalg.vector_norm(u) for u in leaves])
+        total = torch.linalg.vector_norm(norms)
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if inplace:
+            scaled = [u.mul_(factor.to(u.device, u.dtype)) for u in leaves]
+        else:
+            scaled = [u * factor.to(u.device, u.dtype) for u in leaves]
+        return tree.unflatten(spec, scaled), state
+
+    return InnerOptimizer(init, update)
+
+
+def add_decayed_weights(
+    weight_decay: float, mask: PyTree | Callable[[PyTree], PyTree] | None = None
+) -> InnerOptimizer:
+    r"""Adds ``weight_decay * params`` to the updates, on the leaves ``mask`` selects.
+
+    In front of an optimizer, where the updates are gradients, this is L2 regularisation as
+    ``torch.optim``'s (coupled) ``weight_decay`` applies it, restricted to some leaves: the
+    usual "no decay on biases and norm layers".
+
+    Args:
+      weight_decay: ``>= 0``.
+      mask: None (every leaf), a pytree of bools like ``params``, or a function
+        ``params -> pytree of bools`` (called at every update, on the params).
+    """
+    weight_decay = check_float("add_decayed_weights", "weight_decay", weight_decay, minimum=0.0)
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        updates: PyTree, state: EmptyState, params: PyTree = None, inplace: bool = True
+    ) -> tuple[PyTree, EmptyState]:
+        owner = "add_decayed_weights"
+        if params is None:
+            raise ValueError(f"{owner}: `params` is required (the decay is proportional to them)")
+        u_leaves, spec = tree.flatten(updates, "updates", owner=owner)
+        p_leaves, p_spec = tree.flatten(params, "params", owner=owner)
+        tree.check_like("params", p_leaves, p_spec, u_leaves, spec, owner=owner)
+        selected = mask(params) if callable(mask) else mask
+        if selected is None:
+            chosen = [True] * len(u_leaves)
+        else:
+            chosen = optree.tree_flatten(selected, none_is_leaf=False)[0]
+            if len(chosen) != len(u_leaves) or not all(isinstance(c, bool) for c in chosen):
+                raise TypeError(
+                    f"{owner}: `mask` must be (or return) a pytree of bools like `params`"
+                )
+        out = []
+        for u, p, use in zip(u_leaves, p_leaves, chosen):
+            if not use or weight_decay == 0.0:
+                out.append(u)
+            elif inplace:
+                out.append(u.add_(p, alpha=weight_decay))
+            else:
+                out.append(u.add(p, alpha=weight_decay))
+        return tree.unflatten(spec, out), state
+
+    return InnerOptimizer(init, update)
+
+
+# The states hold tensors only: ``torch.load(weights_only=True)`` may rebuild them.
+torch.serialization.add_safe_globals([ChainState, EmptyState])
