@@ -46,7 +46,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check aadl_func tests examples scripts
 
 bench: $(STAMP)
-	$(PY) examples/benchmark.py
+	$(PY) examples/benchmark.py --markdown docs/benchmark_results.md
 
 clean:
 	rm -rf $(VENV) runs bench_results site

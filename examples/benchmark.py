@@ -552,10 +552,58 @@ def machine(device: torch.device) -> dict:
     return info
 
 
+def write_markdown(
+    path: Path,
+    info: dict,
+    rows: list[dict],
+    point: dict | None,
+    relative_difference: float | None,
+    small: list[dict],
+) -> None:
+    """The run's tables as a Markdown page (``make bench`` writes docs/benchmark_results.md,
+    which docs/performance.md quotes instead of retyping figures)."""
+    parts = [
+        "# Benchmark results",
+        "",
+        "Written by `make bench` (`examples/benchmark.py --markdown`); do not edit by hand.",
+        "",
+        f"Machine: torch {info.get('torch')}, {info.get('cpu')}, {info.get('cores')} cores, "
+        f"{info.get('threads')} threads, device {info.get('device')}, "
+        f"Gram kernel: {'native' if 'native' in str(info.get('gram_kernel')) else 'torch'}; "
+        f"load average at the start {tuple(round(v, 1) for v in info.get('load_average', ()))}.",
+        "",
+    ]
+    if rows:
+        parts += ["## One step: time and memory", "", "```text", table(rows), "```", ""]
+    if point is not None:
+        parts += [
+            "## A vmap ensemble",
+            "",
+            f"{point['members']} members x n = 2^{point['log2_n']}, m = {point['m']} (classic): "
+            f"vmap {point['vmap_ms']:.1f} ms, a loop of the members' pure steps "
+            f"{point['loop_pure_ms']:.1f} ms (vmap / loop {point['vmap_over_loop_pure']:.2f}x), "
+            f"a loop of in-place steps {point['loop_inplace_ms']:.1f} ms.",
+            "",
+        ]
+    if relative_difference is not None:
+        parts += [
+            f"aadl_func and the AADL-style step agree after 8 steps to a relative difference "
+            f"of {relative_difference:.1e}.",
+            "",
+        ]
+    parts += ["## A small model's whole step", "", "```text", small_model_table(small), "```", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(parts))
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny configuration (seconds)")
     parser.add_argument("--out", default="bench_results/benchmark.json", help="JSON output")
+    parser.add_argument(
+        "--markdown", default=None, help="also write the tables as a Markdown page (docs/)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--sizes", default="16,18,20,22,24", help="log2 of n, comma-separated")
@@ -646,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(small_model_table(small))
+    if args.markdown is not None:
+        write_markdown(Path(args.markdown), info, rows, point, relative_difference, small)
     result = {
         "machine": info,
         "settings": {
