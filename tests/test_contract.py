@@ -521,8 +521,9 @@ def test_vmap_ensemble(name, init):
     float32 params the same params bit for bit. With float64 params the batched passes round
     differently (the float64 QR route streams its factor in other chunks under vmap; sums
     are grouped otherwise), by ~1e-16, which the recurrence amplifies from call to call
-    (chaotically: an accepted mix enters the window): params to 1e-12 over the first
-    ``MEMBER_CALLS`` calls (measured <= 4e-13; by call 30, up to 5e-10), after which the
+    (chaotically: an accepted mix enters the window): params to 1e-11 over the first
+    ``MEMBER_CALLS`` calls (measured <= 4e-13 with torch 2.13's CPU build, 1.1e-12 with
+    2.5's, whose BLAS groups the batched sums otherwise; by call 30, up to 5e-10), after which the
     reference's call-by-call check is the one that stays meaningful. The float64 Gram
     matrices (float32 params too: a stacked state's Gram rows take a chunked route) agree to
     1e-6 over those calls."""
@@ -538,7 +539,7 @@ def test_vmap_ensemble(name, init):
                 for x, y in zip(optree.tree_leaves(params), optree.tree_leaves(own_params)):
                     assert torch.equal(x, y), f"member {i} differs at call {k + 1}"
             elif k < MEMBER_CALLS:
-                assert relative_error(outputs[i][k], own[k]) <= 1e-12, (i, k)
+                assert relative_error(outputs[i][k], own[k]) <= 1e-11, (i, k)
             if k < MEMBER_CALLS:
                 # float64 sums of n products, grouped otherwise when batched; relative to the
                 # largest entry (the off-diagonal ones may nearly cancel).

@@ -12,9 +12,24 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+# A block using a feature that needs a newer torch than the oldest supported one skips there
+# (docs/compatibility.md: compile of `update` from 2.12, FSDP2 on CPU from 2.7).
+NEEDS = {"torch.compile": (2, 12), "fully_shard": (2, 7)}
+
+
+def _marks(code: str) -> list:
+    marks = []
+    for feature, version in NEEDS.items():
+        if feature in code and torch.__version__ < version:
+            reason = f"{feature} needs torch {'.'.join(map(str, version))}+"
+            marks.append(pytest.mark.skip(reason=reason))
+    return marks
 
 
 def _blocks() -> list:
@@ -23,7 +38,8 @@ def _blocks() -> list:
         text = page.read_text()
         for match in re.finditer(r"```python\n(.*?)```", text, re.S):
             line = text.count("\n", 0, match.start()) + 1
-            found.append(pytest.param(match.group(1), id=f"{page.name}:{line}"))
+            code = match.group(1)
+            found.append(pytest.param(code, id=f"{page.name}:{line}", marks=_marks(code)))
     return found
 
 
