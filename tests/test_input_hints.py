@@ -29,3 +29,17 @@ def test_a_list_of_parameters_is_fine():
     model = torch.nn.Linear(3, 2)
     state = aa.anderson(aa.sgd(0.1)).init([p.detach() for p in model.parameters()])
     assert int(state.count) == 0
+
+
+def test_update_names_itself_whatever_torch_has_loaded():
+    """The sharded-params detection flattens first once torch.distributed's DTensor is
+    loaded (which torch 2.5 does at import): its errors name ``anderson.update`` too."""
+    import torch.distributed.tensor  # noqa: F401  (loads DTensor, as some torch releases do)
+
+    opt = aa.anderson(aa.sgd(0.1))
+    params = {"w": torch.zeros(2)}
+    state = opt.init(params)
+    with pytest.raises(TypeError, match=r"^anderson.update: `grads` must be a pytree of tensors"):
+        opt.update(state, params, {"w": 1.0})
+    with pytest.raises(TypeError, match=r"^anderson.init: `params` must be a pytree of tensors"):
+        opt.init(torch.nn.Linear(2, 2))

@@ -232,7 +232,7 @@ def sharded_call(
     """
     if _dtensor_class() is None:
         return None, params, grads, loss_fn
-    leaves, spec = tree.flatten(params, "params")
+    leaves, spec = tree.flatten(params, "params", owner=owner)
     if not any(is_dtensor(p) for p in leaves):
         return None, params, grads, loss_fn
     call = ShardedCall(leaves, owner, average=average)
@@ -248,7 +248,7 @@ def sharded_call(
     local_params = tree.unflatten(spec, call.locals)
     local_grads = grads
     if grads is not None:
-        g_leaves, g_spec = tree.flatten(grads, "grads")
+        g_leaves, g_spec = tree.flatten(grads, "grads", owner=owner)
         if g_spec == spec:
             local_grads = tree.unflatten(g_spec, call.localize(g_leaves, "grads"))
     local_loss = None if loss_fn is None or not callable(loss_fn) else loss_fn
@@ -263,7 +263,7 @@ def local_params(params: Any, owner: str, *, average: bool = False) -> Any:
     """``params`` with DTensor leaves replaced by their local shards (for ``init``)."""
     if _dtensor_class() is None:
         return params
-    leaves, spec = tree.flatten(params, "params")
+    leaves, spec = tree.flatten(params, "params", owner=owner)
     if not any(is_dtensor(p) for p in leaves):
         return params
     return tree.unflatten(spec, ShardedCall(leaves, owner, average=average).locals)
