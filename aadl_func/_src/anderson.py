@@ -24,6 +24,7 @@ from aadl_func._src.checks import (
     check_floating,
     check_update_inputs,
     keep_requires_grad,
+    mark_verified,
 )
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.stages import Call, commit
@@ -346,6 +347,8 @@ def step(
             out, new_state = run(call)
     if shards is not None:
         out = tree.unflatten(spec, shards.globalize(tree.flatten(out, "params")[0]))
+    if new_state is not state and not transformed:
+        mark_verified(new_state)  # made here: its values need no check on the next call
     return out, new_state
 
 

@@ -11,8 +11,10 @@ The module also holds the autograd policy of ``init``/``update`` (:func:`autogra
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import TYPE_CHECKING, Any
 
+import optree
 import torch
 from torch import Tensor
 from torch._C import _functorch
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = [
     "autograd_policy",
     "check_state",
+    "check_state_values",
+    "mark_verified",
     "check_update_inputs",
     "differentiating",
     "keep_requires_grad",
@@ -229,9 +233,9 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
         "the dtype of the params the state was made for",
         spec=spec,
     )
-    check_window("state.residuals[0]", state.residuals[0])
+    check_ring("state.residuals", state.residuals, check_window)
     if config.rules.keeps_iterates:
-        check_window("state.iterates[0]", state.iterates[0])
+        check_ring("state.iterates", state.iterates, check_window)
     check_leaf_devices(OWNER, "state.anchor", a_leaves, history_devices, where, spec=a_spec)
     compute_device = config.compute_device_of(p_leaves)
     for name, shape in (("gram", (q, q)), ("dr_gram", (q, q)), ("dr_rhs", (q,))):
@@ -251,6 +255,189 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
     check_inner = getattr(config.inner, "check_state", None)
     if callable(check_inner):
         check_inner(state.inner_state, p_leaves, spec, name="state.inner_state", owner=OWNER)
+    if not verified(state):
+        check_state_values(config, state, p_leaves, spec)
+
+
+# -- the state's values -----------------------------------------------------------------------
+# A state is *verified* once its values have been checked (or ``update`` made it): the value
+# checks then cost one dictionary look-up per call. The key is the state's ``count`` tensor
+# (weakly held, so a dropped state leaves nothing behind) and the value the identities of the
+# state's fields, so a state rebuilt with ``_replace`` is checked again. Tensors written in
+# place by the caller behind ``update``'s back are not noticed.
+# (Keyed by ``id``: a WeakKeyDictionary would compare tensors with ``==``, a tensor op.)
+_VERIFIED: dict[int, tuple[weakref.ref, tuple]] = {}
+
+#: Counters above this are refused: a float64 (the inner schedules' ``count``) holds every
+#: integer up to it exactly, and ``count + 1`` cannot overflow int64.
+MAX_COUNT = 2**53
+
+
+def _fingerprint(state: AndersonState) -> tuple:
+    return tuple(map(id, state))
+
+
+def verified(state: AndersonState) -> bool:
+    """Whether ``state``'s values were checked already (or it was made by ``update``).
+
+    Always True where values cannot be read (vmap, torch.compile, counters on an
+    accelerator): there only the metadata checks run."""
+    if not _concrete(state.count):
+        return True
+    entry = _VERIFIED.get(id(state.count))
+    return entry is not None and entry[0]() is state.count and entry[1] == _fingerprint(state)
+
+
+def _concrete(counter: Any) -> bool:
+    # tree.static_value's test without reading the value (no tensor operation on the hot path).
+    return (
+        isinstance(counter, Tensor)
+        and not tree.is_transformed(counter)
+        and counter.ndim == 0
+        and counter.is_cpu
+    )
+
+
+def mark_verified(state: AndersonState) -> None:
+    """Records ``state`` (returned by ``update``, or checked) as verified."""
+    if _concrete(state.count):
+        key = id(state.count)
+        entry = _VERIFIED.get(key)
+        if entry is not None and entry[0]() is state.count:
+            _VERIFIED[key] = (entry[0], _fingerprint(state))
+        else:
+            _VERIFIED[key] = (weakref.ref(state.count, _forget(key)), _fingerprint(state))
+
+
+def _forget(key: int) -> Any:
+    """The callback that drops a dead counter's entry (unless the id was reused since)."""
+
+    def forget(ref: weakref.ref) -> None:
+        entry = _VERIFIED.get(key)
+        if entry is not None and entry[0] is ref:
+            del _VERIFIED[key]
+
+    return forget
+
+
+def check_state_values(
+    config: Config, state: AndersonState, p_leaves: list[Tensor], spec: Any, owner: str = OWNER
+) -> None:
+    """The state's values satisfy its invariants (a state from ``torch.load``, the wrapper's
+    ``load_state_dict`` or built by hand); run once per state, before anything is written.
+
+    Counters: ``0 <= count <= 2**53``, ``head`` in ``[0, Q)``,
+    ``0 <= window_size <= min(history_depth, count)``, the outcome counters (``num_mixed``,
+    ``num_rejected``, ``num_nonfinite``, ``num_averaged``) in ``[0, count]``,
+    ``0 <= skip_streak <= num_skipped``; no two tensors of the state (or the state and the
+    params) share memory; and the inner optimizer's own value checks (the built-in ones:
+    ``count`` equal to the state's, Adam's ``exp_avg_sq >= 0``).
+    """
+    counters = {name: getattr(state, name) for name in COUNTERS}
+    if any(tree.static_value(t) is None for t in counters.values()):
+        return  # counters on an accelerator or transformed: nothing to read cheaply
+    value = {name: int(t.item()) for name, t in counters.items()}
+    count = value["count"]
+    bounds = {
+        "count": (0, MAX_COUNT, f"0 and 2**53 ({MAX_COUNT})"),
+        "head": (0, config.num_slots - 1, f"0 and {config.num_slots - 1} (the ring's slots - 1)"),
+        "window_size": (
+            0,
+            min(config.history_depth, count),
+            f"0 and min(history_depth={config.history_depth}, count={count})",
+        ),
+        "num_skipped": (0, MAX_COUNT, f"0 and 2**53 ({MAX_COUNT})"),
+        "skip_streak": (0, value["num_skipped"], f"0 and num_skipped={value['num_skipped']}"),
+    }
+    for name in ("num_mixed", "num_rejected", "num_nonfinite", "num_averaged"):
+        bounds[name] = (0, count, f"0 and count={count}")
+    for name in COUNTERS:
+        low, high, text = bounds[name]
+        if not low <= value[name] <= high:
+            raise ValueError(
+                f"{owner}: `state.{name}` is {value[name]}, expected between {text}; "
+                "was the state saved by this optimizer and loaded unchanged?"
+            )
+    check_values = getattr(config.inner, "check_values", None)
+    if callable(check_values):
+        check_values(state.inner_state, count=count, name="state.inner_state", owner=owner)
+    check_no_aliasing(state, p_leaves, spec, owner)
+    mark_verified(state)
+
+
+def _span(t: Tensor) -> tuple | None:
+    """``(device, first byte, end byte)`` of the memory ``t`` may touch (None if none)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return (str(t.device), start, start + (extent + 1) * t.element_size())
+
+
+def check_no_aliasing(
+    state: AndersonState, p_leaves: list[Tensor], spec: Any, owner: str = OWNER
+) -> None:
+    """No two tensors of the state (window slots, anchor, Grams, counters, the inner state's
+    buffers) and no state tensor and params leaf overlap in memory: a write into one would
+    change the other behind the window's Grams (a checkpoint loaded with shared storages,
+    or a state built by hand). One sort of the tensors' byte spans."""
+    named: list[tuple[str, Any]] = [("params", tree.unflatten(spec, p_leaves))]
+    for field in AndersonState._fields:
+        named.append((f"state.{field}", getattr(state, field)))
+    spans, owners = [], []
+    for k, (_, value) in enumerate(named):
+        leaves, _ = optree.tree_flatten(value, none_is_leaf=False)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor):
+                span = _span(leaf)
+                if span is not None:
+                    spans.append((*span, len(owners)))
+                    owners.append((k, i))
+    ordered = sorted(spans)
+    widest = None
+    for device, start, end, who in ordered:
+        if widest is not None and widest[0] == device and start < widest[2]:
+            # Name the first overlapping pair in the state's own order (not the addresses'),
+            # so the message does not depend on where the allocator put things.
+            j, k = next(
+                (j, k)
+                for k in range(len(spans))
+                for j in range(k)
+                if spans[j][0] == spans[k][0]
+                and spans[j][1] < spans[k][2]
+                and spans[k][1] < spans[j][2]
+            )
+            first, second = (_leaf_name(named, *owners[i]) for i in (j, k))
+            raise ValueError(
+                f"{owner}: `{second}` shares memory with `{first}`; every tensor of the state "
+                "must own its memory (was the state built from shared tensors, or the "
+                "params from the state's?)"
+            )
+        if widest is None or widest[0] != device or end > widest[2]:
+            widest = (device, start, end, who)
+
+
+def _leaf_name(named: list, k: int, i: int) -> str:
+    name, value = named[k]
+    leaves, value_spec = optree.tree_flatten(value, none_is_leaf=False)
+    return tree.leaf_path(value_spec, i, name)
+
+
+def check_ring(name: str, ring: tuple, check_window: Any) -> None:
+    """Every slot of a ring is laid out like the params (structure, shapes, dtypes, devices).
+
+    Slot 0 gets the full check against the params; the other slots are compared with slot 0
+    leaf by leaf (attribute reads only), and a slot that differs gets the full check too, so
+    that the error names its own leaf (``state.residuals[2]['w']``)."""
+    check_window(f"{name}[0]", ring[0])
+    first, first_spec = tree.flatten(ring[0], f"{name}[0]", owner=OWNER)
+    for s in range(1, len(ring)):
+        leaves, spec = tree.flatten(ring[s], f"{name}[{s}]", owner=OWNER)
+        if spec != first_spec or any(
+            a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+            for a, b in zip(leaves, first)
+        ):
+            check_window(f"{name}[{s}]", ring[s])
 
 
 def _describe(value: object, *, device: bool = False) -> str:

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from aadl_func._src.anderson import Anderson, check_skip_allowed, count_skip, functions, step
+from aadl_func._src.checks import check_state_values
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 
@@ -434,6 +435,9 @@ class AcceleratedOptimizer(Optimizer):
                 )
         for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
             template_leaf.copy_(saved_leaf)
+        # The values (counters in range, the inner state's invariants), as ``update`` checks
+        # a state from outside; the copies above own their memory, so no aliasing is left.
+        check_state_values(self._config, template, params, optree.tree_structure(params), owner)
         return template
 
 
