@@ -233,9 +233,9 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
         "the dtype of the params the state was made for",
         spec=spec,
     )
-    check_ring("state.residuals", state.residuals, check_window)
+    check_window("state.residuals[0]", state.residuals[0])
     if config.rules.keeps_iterates:
-        check_ring("state.iterates", state.iterates, check_window)
+        check_window("state.iterates[0]", state.iterates[0])
     check_leaf_devices(OWNER, "state.anchor", a_leaves, history_devices, where, spec=a_spec)
     compute_device = config.compute_device_of(p_leaves)
     for name, shape in (("gram", (q, q)), ("dr_gram", (q, q)), ("dr_rhs", (q,))):
@@ -256,6 +256,11 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
     if callable(check_inner):
         check_inner(state.inner_state, p_leaves, spec, name="state.inner_state", owner=OWNER)
     if not verified(state):
+        # A state from outside: the other slots (every slot is made like slot 0, so the
+        # states update returns need no per-call look at them), then the values.
+        check_ring("state.residuals", state.residuals, check_window)
+        if config.rules.keeps_iterates:
+            check_ring("state.iterates", state.iterates, check_window)
         check_state_values(config, state, p_leaves, spec)
 
 
@@ -426,10 +431,9 @@ def _leaf_name(named: list, k: int, i: int) -> str:
 def check_ring(name: str, ring: tuple, check_window: Any) -> None:
     """Every slot of a ring is laid out like the params (structure, shapes, dtypes, devices).
 
-    Slot 0 gets the full check against the params; the other slots are compared with slot 0
+    Slot 0 had the full check against the params; the other slots are compared with slot 0
     leaf by leaf (attribute reads only), and a slot that differs gets the full check too, so
     that the error names its own leaf (``state.residuals[2]['w']``)."""
-    check_window(f"{name}[0]", ring[0])
     first, first_spec = tree.flatten(ring[0], f"{name}[0]", owner=OWNER)
     for s in range(1, len(ring)):
         leaves, spec = tree.flatten(ring[s], f"{name}[{s}]", owner=OWNER)
