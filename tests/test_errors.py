@@ -178,6 +178,13 @@ def _slot(ring: tuple, s: int, key: str, leaf_fn: Callable[[torch.Tensor], torch
     return tuple({**r, key: leaf_fn(r[key])} if i == s else r for i, r in enumerate(ring))
 
 
+def _update_in_place(params_of: Callable, grads: Callable = _grads_of) -> Any:
+    """An in-place ``update`` on params made by ``params_of`` from one 6-element tensor."""
+    opt = aa.anderson(sgd(0.1), history_depth=4)
+    params = params_of(torch.arange(6.0))
+    return opt.update(opt.init(params), params, grads(params), inplace=True)
+
+
 def _requires_grad(p: dict) -> dict:
     return {k: v.clone().requires_grad_(True) for k, v in p.items()}
 
@@ -301,6 +308,12 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "update-state-anchor-device": _update_case(state=_rebuild(lambda t: t.to("meta"), "anchor")),
     "update-state-iterates-dtype": _update_case(
         made_with={"mode": "classic"}, state=_rebuild(lambda t: t.double(), "iterates")
+    ),
+    # update in place: params stepped once each, grads read before the params are written
+    "update-params-aliased": lambda: _update_in_place(lambda w: {"a": w, "b": w}),
+    "update-params-overlap": lambda: _update_in_place(lambda w: {"a": w[:4], "b": w[2:]}),
+    "update-grads-aliased": lambda: _update_in_place(
+        lambda w: {"a": w[:3], "b": w[3:]}, grads=lambda p: p
     ),
     # update: the state's other slots and its values (a tampered or mismatched checkpoint)
     "update-state-residuals-slot-shape": _update_case(

@@ -132,3 +132,57 @@ def test_wrapper_load_state_dict_checks_the_values(tamper, match):
     assert fresh.anderson_states == (None,)
     assert len(fresh.state) == 0
     assert all(torch.equal(p, q) for p, q in zip(fresh_model.parameters(), before))
+
+
+# -- aliased params and grads in place -----------------------------------------------------
+
+
+def _aliasing_cases():
+    w = torch.arange(1.0, 7.0)
+    return {
+        "same tensor twice": ({"a": w, "b": w}, None),
+        "overlapping views": ({"a": w[:4], "b": w[2:]}, None),
+        "grads are the params": ({"a": w[:3], "b": w[3:]}, "params"),
+        "grads view the params": ({"a": w[:3], "b": w[3:]}, "view"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_aliasing_cases()))
+def test_aliased_params_or_grads_are_refused_in_place_before_any_write(case):
+    params, grads_kind = _aliasing_cases()[case]
+    if grads_kind == "params":
+        grads = params
+    elif grads_kind == "view":
+        grads = {"a": params["b"], "b": torch.ones(3)}
+    else:
+        grads = {k: torch.ones_like(v) for k, v in params.items()}
+    opt = aa.anderson(aa.sgd(0.1, momentum=0.9), history_depth=4)
+    state = opt.init(params)
+    watched = [t for t in optree.tree_leaves((state, params, grads))]
+    before = [(t.clone(), t._version) for t in watched]
+    with pytest.raises(ValueError, match="shares memory with `params"):
+        opt.update(state, params, grads, inplace=True)
+    for (copy, version), t in zip(before, watched):
+        assert t._version == version and torch.equal(t, copy)
+
+
+def test_aliased_params_are_stepped_once_each_out_of_place():
+    """Out of place nothing is written: the same tensor twice gives two leaves, each the
+    plain step of that tensor (x - lr * g), as for two separate copies."""
+    w = torch.arange(1.0, 7.0)
+    opt = aa.anderson(aa.sgd(0.1), history_depth=4)
+    params = {"a": w, "b": w}
+    out, _ = opt.update(opt.init(params), params, {"a": torch.ones(6), "b": torch.ones(6)})
+    for key in ("a", "b"):
+        assert torch.equal(out[key], torch.arange(1.0, 7.0) - 0.1)
+    assert torch.equal(w, torch.arange(1.0, 7.0))
+
+
+def test_views_that_share_no_element_are_accepted_in_place():
+    """Interleaved views (``w[0::2]``, ``w[1::2]``) overlap in extent only: each element is
+    stepped once, as torch.optim would."""
+    w = torch.arange(1.0, 7.0)
+    params = {"a": w[0::2], "b": w[1::2]}
+    opt = aa.anderson(aa.sgd(0.1), history_depth=4)
+    opt.update(opt.init(params), params, {"a": torch.ones(3), "b": torch.ones(3)}, inplace=True)
+    assert torch.equal(w, torch.arange(1.0, 7.0) - 0.1)

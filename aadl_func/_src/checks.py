@@ -151,10 +151,42 @@ def check_update_inputs(
             f"{OWNER}: `inplace=True` cannot be differentiated through (a torch.func "
             "grad/vjp/jvp transform is active); pass inplace=False"
         )
+    if inplace:
+        check_distinct(p_leaves, spec, g_leaves, g_spec)
     check_state(config, state, p_leaves, spec)
     if cast:
         grads = tree.unflatten(g_spec, [g.to(p.dtype) for g, p in zip(g_leaves, p_leaves)])
     return p_leaves, spec, grads
+
+
+def check_distinct(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_spec: Any) -> None:
+    """In place, no params leaf overlaps another (the same tensor twice, overlapping views)
+    and no grads leaf overlaps a params leaf: the step writes every params leaf once, so an
+    overlap would be stepped twice, and grads read after the params were written would have
+    changed. Out of place nothing is written, and each leaf is stepped on its own.
+
+    Metadata only (addresses and extents); skipped under vmap / torch.compile, whose
+    tensors have no addresses."""
+    leaves = [*p_leaves, *g_leaves]
+    if len(leaves) < 2 or tree.any_transformed(leaves):
+        return
+    num_params = len(p_leaves)
+    pair = _first_overlap(leaves, lambda j, k: j < num_params)
+    if pair is not None:
+        first, second = pair
+        raise ValueError(
+            f"{OWNER}: `{_input_path(second, num_params, spec, g_spec)}` shares memory with "
+            f"`{_input_path(first, num_params, spec, g_spec)}`; with inplace=True every "
+            "params leaf is written once, so params must not overlap one another (the "
+            "same tensor twice, overlapping views) and grads must not overlap params: "
+            "pass distinct tensors, or inplace=False"
+        )
+
+
+def _input_path(k: int, num_params: int, spec: Any, g_spec: Any) -> str:
+    if k < num_params:
+        return tree.leaf_path(spec, k, "params")
+    return tree.leaf_path(g_spec, k - num_params, "grads")
 
 
 def check_floating(owner: str, leaves: list[Tensor], spec: Any) -> None:
@@ -370,13 +402,72 @@ def check_state_values(
     mark_verified(state)
 
 
-def _span(t: Tensor) -> tuple | None:
-    """``(device, first byte, end byte)`` of the memory ``t`` may touch (None if none)."""
-    if t.numel() == 0 or t.device.type == "meta":
+def _first_overlap(leaves: list[Tensor], counts: Any) -> tuple[int, int] | None:
+    """The first pair ``(j, k)``, ``j < k`` in the order of ``leaves``, of tensors that share
+    memory and for which ``counts(j, k)`` holds; None if there is none.
+
+    One sort of the tensors' byte spans finds the candidates (normally none: distinct
+    allocations, or the disjoint rows of one); a candidate whose spans interleave without
+    sharing an element (``w[0::2]`` and ``w[1::2]``) is cleared by an exact element test."""
+    spans = [(*span, k) for k, span in enumerate(map(_span, leaves)) if span is not None]
+    spans.sort()
+    # The common case in one linear scan: no span starts before the previous ones end.
+    reach = 0
+    for start, end, _ in spans:
+        if start < reach:
+            break
+        reach = max(reach, end)
+    else:
         return None
-    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    found = []
+    active: list[tuple] = []
+    for span in spans:
+        active = [a for a in active if a[1] > span[0]]
+        for a in active:
+            j, k = sorted((a[2], span[2]))
+            if counts(j, k) and _share_elements(leaves[j], leaves[k]):
+                found.append((k, j))
+        active.append(span)
+    if not found:
+        return None
+    k, j = min(found)
+    return j, k
+
+
+def _share_elements(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors whose spans overlap touch a common byte (a marker over the span)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True  # spans overlap across storages: only the allocator's view, be safe
+    base = min(a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size())
+    size = a.untyped_storage().nbytes() - base
+    marker = torch.zeros(size, dtype=torch.uint8, device=a.device)
+
+    def view(t: Tensor) -> Tensor:
+        item = t.element_size()
+        return torch.as_strided(
+            marker,
+            (*t.shape, item),
+            (*(s * item for s in t.stride()), 1),
+            t.storage_offset() * item - base,
+        )
+
+    view(a).fill_(1)
+    return bool(view(b).any())
+
+
+def _span(t: Tensor) -> tuple | None:
+    """``(first byte, end byte)`` of the memory ``t`` may touch (None if none): a
+    conservative extent, exact for the dense tensors that states and params are. Device
+    memory and host memory have distinct addresses (one virtual address space per process);
+    meta tensors have none (address 0)."""
+    nbytes = t.nbytes
     start = t.data_ptr()
-    return (str(t.device), start, start + (extent + 1) * t.element_size())
+    if nbytes == 0 or start == 0:
+        return None
+    if t.is_contiguous():
+        return (start, start + nbytes)
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return (start, start + (extent + 1) * t.element_size())
 
 
 def check_no_aliasing(
@@ -389,37 +480,21 @@ def check_no_aliasing(
     named: list[tuple[str, Any]] = [("params", tree.unflatten(spec, p_leaves))]
     for field in AndersonState._fields:
         named.append((f"state.{field}", getattr(state, field)))
-    spans, owners = [], []
+    leaves, owners = [], []
     for k, (_, value) in enumerate(named):
-        leaves, _ = optree.tree_flatten(value, none_is_leaf=False)
-        for i, leaf in enumerate(leaves):
+        for i, leaf in enumerate(optree.tree_leaves(value, none_is_leaf=False)):
             if isinstance(leaf, Tensor):
-                span = _span(leaf)
-                if span is not None:
-                    spans.append((*span, len(owners)))
-                    owners.append((k, i))
-    ordered = sorted(spans)
-    widest = None
-    for device, start, end, who in ordered:
-        if widest is not None and widest[0] == device and start < widest[2]:
-            # Name the first overlapping pair in the state's own order (not the addresses'),
-            # so the message does not depend on where the allocator put things.
-            j, k = next(
-                (j, k)
-                for k in range(len(spans))
-                for j in range(k)
-                if spans[j][0] == spans[k][0]
-                and spans[j][1] < spans[k][2]
-                and spans[k][1] < spans[j][2]
-            )
-            first, second = (_leaf_name(named, *owners[i]) for i in (j, k))
-            raise ValueError(
-                f"{owner}: `{second}` shares memory with `{first}`; every tensor of the state "
-                "must own its memory (was the state built from shared tensors, or the "
-                "params from the state's?)"
-            )
-        if widest is None or widest[0] != device or end > widest[2]:
-            widest = (device, start, end, who)
+                leaves.append(leaf)
+                owners.append((k, i))
+    num_params = len(p_leaves)  # the params come first; two params leaves may share memory
+    pair = _first_overlap(leaves, lambda j, k: k >= num_params)
+    if pair is not None:
+        first, second = (_leaf_name(named, *owners[i]) for i in pair)
+        raise ValueError(
+            f"{owner}: `{second}` shares memory with `{first}`; every tensor of the state "
+            "must own its memory (was the state built from shared tensors, or the params "
+            "from the state's?)"
+        )
 
 
 def _leaf_name(named: list, k: int, i: int) -> str:
