@@ -27,7 +27,7 @@ from aadl_func._src.checks import (
     mark_verified,
 )
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.stages import Call, commit
+from aadl_func._src.stages import Call, commit, recover
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.window import new_ring
 
@@ -322,8 +322,13 @@ def step(
     with guard if guard is not None else contextlib.nullcontext():
         # With skip_nonfinite the inner update is computed out of place, so that a non-finite
         # one can be dropped without having touched the inner state.
+        # Eager in place (guarded) too: the inner state's new tensors are committed with the
+        # plain step, so an exception before it leaves the inner state as it was.
         updates, inner_state = options.inner.update(
-            grads, state.inner_state, params=params, inplace=inplace and not options.skip_nonfinite
+            grads,
+            state.inner_state,
+            params=params,
+            inplace=inplace and guard is None and not options.skip_nonfinite,
         )
         u_leaves, u_spec = tree.flatten(updates, "inner updates")
         tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
@@ -341,10 +346,15 @@ def step(
             plain=not mix,
         )
         run = options.rules.step
-        if options.skip_nonfinite:
-            out, new_state = _run_if_finite(call, run, tree.flatten(grads, "grads")[0])
-        else:
-            out, new_state = run(call)
+        try:
+            if options.skip_nonfinite:
+                out, new_state = _run_if_finite(call, run, tree.flatten(grads, "grads")[0])
+            else:
+                out, new_state = run(call)
+        except BaseException:
+            if call.progress is not None:
+                recover(call)  # one complete outcome, whatever was raised where
+            raise
     if shards is not None:
         out = tree.unflatten(spec, shards.globalize(tree.flatten(out, "params")[0]))
     if new_state is not state and not transformed:
