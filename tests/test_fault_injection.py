@@ -214,3 +214,78 @@ def test_an_exception_at_any_line_leaves_one_complete_outcome(name, error):
     # The sample reaches the writes (not only the checks before them); a skipped call's
     # only write is its short commit of two counters.
     assert len(seen) >= 2 or "nan_grads" in CONFIGS[name], seen
+
+
+# -- the torch.optim wrapper ---------------------------------------------------------------
+
+
+def _wrapped(seed=0):
+    """Two param groups under SGD with momentum, wrapped, warmed up with the safeguard."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model.double()
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.05}]
+    opt = aa.AcceleratedOptimizer(torch.optim.SGD(groups, lr=0.1, momentum=0.9), history_depth=4)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(30, 4, generator=gen, dtype=torch.float64)
+    y = torch.randn(30, 2, generator=gen, dtype=torch.float64)
+
+    def closure():
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(WARM):
+        opt.step(closure)
+    return model, opt, closure
+
+
+def _momenta(opt):
+    return [opt.state[p]["momentum_buffer"].clone() for g in opt.param_groups for p in g["params"]]
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: e.__name__)
+@pytest.mark.usefixtures("default_sigint")
+def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error):
+    """An exception at a line of the package's code during ``AcceleratedOptimizer.step``
+    (the wrapper, the core, the guard; not torch.optim's own loop): either nothing changed,
+    or the torch optimizer took its step and every group's window recorded it, with each
+    group's params at its window's newest entry and Grams consistent with the ring."""
+    from window_invariant import state_gram_errors
+
+    model, opt, closure = _wrapped()
+    before = ([p.clone() for p in model.parameters()], _momenta(opt), opt.anderson_states)
+    counts = [int(s.count) for s in before[2]]
+    reference_model, reference, _ = _wrapped()
+    reference._plain_step(closure)  # only the torch step (closure of the other model is fine:
+    stepped = _momenta(reference)  # it sets the other model's grads, the same values)
+    del reference_model
+    counter = LineFaults(_in_package)
+    counter.run(lambda: opt.step(closure))
+    lines = counter.count
+    stride = int(os.environ.get("AADL_FAULT_STRIDE", "0")) or max(1, lines // SAMPLES)
+    seen = {"before": 0, "stepped": 0}
+    for at in range(ERRORS.index(error) * stride // len(ERRORS), lines, stride):
+        model, opt, closure = _wrapped()
+        LineFaults(_in_package, error, at).run(lambda: opt.step(closure))  # noqa: B023
+        assert_ctrl_c_works()
+        momenta, windows = _momenta(opt), opt.anderson_states
+        params = [p.detach() for p in model.parameters()]
+        if _equal(momenta, before[1]):
+            seen["before"] += 1
+            assert _equal(params, before[0]), f"line event {at}: params moved, torch did not"
+            assert [int(w.count) for w in windows] == counts, f"line event {at}"
+            continue
+        seen["stepped"] += 1
+        assert _equal(momenta, stepped), f"line event {at}: torch's state torn"
+        for group, window, count in zip(opt.param_groups, windows, counts):
+            assert int(window.count) == count + 1, f"line event {at}: a step not recorded"
+            assert _equal([p.detach() for p in group["params"]], window.anchor), (
+                f"line event {at}: params are not the window's newest entry"
+            )
+            errors = state_gram_errors(window, "aadl")
+            assert max(errors.values()) < 1e-12, f"line event {at}: Gram off the ring {errors}"
+        for _ in range(2):  # and the run goes on
+            assert torch.isfinite(opt.step(closure))
+    assert seen["stepped"] > 0, seen
