@@ -50,7 +50,9 @@ class Progress:
 
     Attributes:
       param_versions: the params' version counters before the first write of the call (None
-        until the writes begin); a leaf whose counter moved has had its plain step added.
+        until the writes begin; None for an inference tensor, which keeps none); a leaf whose
+        counter moved has had its plain step added.
+      stepped: the params leaves that have had their plain step added, in order.
       plain: the commit point was passed (the caller holds the finished plain step).
       undo: after the commit point, ``(dst, src)`` copies that put the plain step back into
         tensors written since (the params mixed into, the window's newest entry moved).
@@ -58,10 +60,11 @@ class Progress:
       writes: the ``(dst, src)`` copies of the params that go with ``pending``.
     """
 
-    __slots__ = ("param_versions", "plain", "undo", "pending", "writes")
+    __slots__ = ("param_versions", "stepped", "plain", "undo", "pending", "writes")
 
     def __init__(self) -> None:
-        self.param_versions: list[int] | None = None
+        self.param_versions: list[int | None] | None = None
+        self.stepped: list[Tensor] = []
         self.plain = False
         self.undo: list[tuple[Tensor, Tensor]] = []
         self.pending: Any = None

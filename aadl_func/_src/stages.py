@@ -204,6 +204,11 @@ class Solution(NamedTuple):
 def plain_step(call: Call) -> list[Tensor]:
     """``y = x + u``: the plain step, written into the params' buffers if ``inplace``."""
     if call.inplace:
+        if call.progress is not None and not call.blend.active():
+            stepped = call.progress.stepped  # each leaf recorded in its add's statement
+            for p, u in zip(call.params, call.updates):
+                stepped.append(p.add_(u))
+            return list(stepped)
         if not call.blend.active():
             return [p.add_(u) for p, u in zip(call.params, call.updates)]
         for p, u in zip(call.params, call.updates):
@@ -648,9 +653,14 @@ def commit(call: Call, new_state: AndersonState, *, plain: bool = False) -> Ande
 
 def begin_writes(call: Call) -> None:
     """The first write into the caller's tensors is next: the params' version counters are
-    recorded, so that :func:`recover` knows which leaves hold their plain step."""
+    recorded, so that :func:`recover` knows which leaves hold their plain step (a version
+    counter moves with the write itself; ``Progress.stepped`` backs it up for inference
+    tensors, which keep none)."""
     if call.progress is not None:
-        call.progress.param_versions = [p._version for p in call.params]
+        # Inference tensors keep no version counter: their leaves go by ``stepped`` alone.
+        call.progress.param_versions = [
+            None if p.is_inference() else p._version for p in call.params
+        ]
 
 
 def undo_later(call: Call, pairs: list[tuple[Tensor, Tensor]]) -> None:
@@ -698,8 +708,10 @@ def restart_window(call: Call) -> None:
     Ring slots written halfway are outside the window and never read before being
     rewritten (their Gram entries are recomputed then)."""
     state = call.state
-    for p, u, version in zip(call.params, call.updates, call.progress.param_versions):
-        if p._version == version:
+    progress = call.progress
+    for i, (p, u, version) in enumerate(zip(call.params, call.updates, progress.param_versions)):
+        done = i < len(progress.stepped) if version is None else p._version != version
+        if not done:
             p.add_(u)
     write_back(state.inner_state, call.inner_state)
     for a, p in zip(call.anchor, call.params):
