@@ -170,11 +170,16 @@ def anderson(
       it is mostly noise). The restart itself costs nothing: no pass over the window, no
       extra loss evaluation (the safeguard's ``loss_fn`` may be a held-out minibatch's loss).
 
-    ``inplace=True`` is exception safe: if ``loss_fn`` (or Ctrl-C) interrupts a call, the params
-    and the state passed in are left exactly as after the plain step ``y`` of that call (its
-    mix is dropped uncounted), ready for the next call, and the exception propagates. The
-    state's tensors are updated in place and the returned state holds those same tensors.
-    See ``aadl_func._src.atomic`` and docs/reliability.md. That guarantee is the eager one:
+    ``inplace=True`` is exception safe: whatever is raised wherever in a call (``loss_fn``,
+    Ctrl-C, an out-of-memory error, another signal's handler), the params and the state
+    passed in are left at one complete outcome, ready for the next call, and the exception
+    propagates: as they were (raised before the first write), as after the plain step ``y``
+    of that call (its mix dropped uncounted; raised in ``loss_fn``, by a deferred Ctrl-C, or
+    anywhere after the commit point), as after the plain step with the window restarted from
+    ``y`` (raised while the plain step was being written), or the call's complete result
+    (raised during its final writes). The state's tensors are updated in place and the
+    returned state holds those same tensors. See ``aadl_func._src.stages.recover`` and
+    docs/reliability.md. That guarantee is the eager one:
     under ``torch.compile`` (and ``vmap``) the in-place writes are masked blends inside one
     graph, the returned state carries new counters, and an interrupted compiled call may be
     half written; ``inplace=False`` never writes its inputs (README, "Compiling").

@@ -4,16 +4,20 @@ r"""What makes an in-place step safe to interrupt.
 caller holds. For an exception thrown halfway (by ``loss_fn``, a closure, or Ctrl-C) to leave
 something usable, the step is split at a *commit point*:
 
-1. the plain step: the inner optimizer's update, ``y`` in the params, ``y`` in the window;
+1. the plain step: the inner optimizer's update (out of place: its new state is written at
+   the commit), ``y`` in the params, ``y`` in the window;
 2. commit: the state the caller passed is overwritten, tensor by tensor, with the state of a
    plain (unmixed) step (:func:`write_back`), so from here on the caller's objects describe
    a finished plain step;
 3. the mix, the moving average and the safeguard (``loss_fn``), which only read the window
    until every decision is made; then the final writes and a second :func:`write_back`.
 
-An exception during 3 restores ``y`` in the params and propagates: the caller holds exactly
-the plain step. :class:`InterruptGuard` turns a Ctrl-C that arrives outside the user's
-callbacks into one raised at the next safe point, so it cannot split the writes of 1 or 2.
+:class:`Progress` records how far the call has written, so that an exception of any type
+raised anywhere is turned into one complete outcome (``stages.recover``): before 1 nothing
+changed; during 1 the plain step is completed with the window restarted; during a commit
+(2, or the final one) the commit is finished; during the rest of 3 the caller gets exactly
+the plain step back. :class:`InterruptGuard` turns a
+Ctrl-C that arrives outside the user's callbacks into one raised at the next safe point.
 """
 
 from __future__ import annotations
