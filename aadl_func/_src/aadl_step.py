@@ -229,7 +229,7 @@ def extrapolate(call: Call, window: Window, store: Tensor) -> tuple[list[Tensor]
     anchor = window.anchor
     into = _mix_into_params(call, anchor, store)
     if into is not None:
-        undo_later(call, list(zip(call.params, anchor)))  # the anchor holds y
+        undo_later(call, call.params, anchor)  # the anchor holds y
     try:
         x_hist = combine(
             # Mixing into the params, which hold y = the anchor bit for bit: accumulating
@@ -291,7 +291,7 @@ def move_newest(call: Call, window: Window, x_hist: list[Tensor], x: list[Tensor
     if call.inplace and call.progress is not None:
         # The plain step's newest entry, put back if the call is interrupted before its end.
         kept = [*read_slot(ring, window.head), *anchor]
-        undo_later(call, [(t, t.clone()) for t in kept])
+        undo_later(call, kept, [t.clone() for t in kept])
     ring, grams = replace_newest(call, ring, window.grams, window.head, residual)
     if call.inplace:
         for a, xa in zip(anchor, x_anchor):

@@ -327,13 +327,16 @@ def step(
     with guard if guard is not None else contextlib.nullcontext():
         # With skip_nonfinite the inner update is computed out of place, so that a non-finite
         # one can be dropped without having touched the inner state.
-        # Eager in place (guarded) too: the inner state's new tensors are committed with the
-        # plain step, so an exception before it leaves the inner state as it was.
+        # Eager in place (guarded) also when the inner optimizer keeps buffers: their new
+        # values are committed with the plain step, so an exception before it leaves the
+        # inner state as it was. (The built-in ones say whether they do; others are assumed
+        # to.) In place it would only write the grads, which the guarantee does not cover.
+        keeps_buffers = getattr(options.inner.update, "writes_state", True)
         updates, inner_state = options.inner.update(
             grads,
             state.inner_state,
             params=params,
-            inplace=inplace and guard is None and not options.skip_nonfinite,
+            inplace=inplace and not options.skip_nonfinite and (guard is None or not keeps_buffers),
         )
         u_leaves, u_spec = tree.flatten(updates, "inner updates")
         tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")

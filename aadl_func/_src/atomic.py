@@ -58,8 +58,9 @@ class Progress:
         counter moved has had its plain step added.
       stepped: the params leaves that have had their plain step added, in order.
       plain: the commit point was passed (the caller holds the finished plain step).
-      undo: after the commit point, ``(dst, src)`` copies that put the plain step back into
-        tensors written since (the params mixed into, the window's newest entry moved).
+      undo: after the commit point, ``(targets, sources)`` lists of copies that put the plain
+        step back into tensors written since (the params mixed into, the window's newest
+        entry moved).
       pending: the state being committed (plain, final or skipped), None between commits.
       writes: the ``(dst, src)`` copies of the params that go with ``pending``.
     """
@@ -70,7 +71,7 @@ class Progress:
         self.param_versions: list[int | None] | None = None
         self.stepped: list[Tensor] = []
         self.plain = False
-        self.undo: list[tuple[Tensor, Tensor]] = []
+        self.undo: list[tuple[list[Tensor], list[Tensor]]] = []
         self.pending: Any = None
         self.writes: list[tuple[Tensor, Tensor]] = []
 

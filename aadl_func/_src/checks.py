@@ -11,7 +11,6 @@ The module also holds the autograd policy of ``init``/``update`` (:func:`autogra
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -170,6 +169,10 @@ def check_distinct(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_
     leaves = [*p_leaves, *g_leaves]
     if len(leaves) < 2 or tree.any_transformed(leaves):
         return
+    if len(leaves) == 2:  # one leaf: its grads against it, without the sort
+        p, g = _span(leaves[0]), _span(leaves[1])
+        if p is None or g is None or g[1] <= p[0] or p[1] <= g[0]:
+            return
     num_params = len(p_leaves)
     pair = _first_overlap(leaves, lambda j, k: j < num_params)
     if pair is not None:
@@ -298,12 +301,13 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
 
 # -- the state's values -----------------------------------------------------------------------
 # A state is *verified* once its values have been checked (or ``update`` made it): the value
-# checks then cost one dictionary look-up per call. The key is the state's ``count`` tensor
-# (weakly held, so a dropped state leaves nothing behind) and the value the identities of the
-# state's fields, so a state rebuilt with ``_replace`` is checked again. Tensors written in
-# place by the caller behind ``update``'s back are not noticed.
-# (Keyed by ``id``: a WeakKeyDictionary would compare tensors with ``==``, a tensor op.)
-_VERIFIED: dict[int, tuple[weakref.ref, tuple]] = {}
+# checks then cost one dictionary look-up per call. The key is the state's ``count`` tensor,
+# held (so its id cannot be reused while listed; the newest few are kept, each a 0-d tensor:
+# a weakref per counter cost more per call), and the value the identities of the state's
+# fields, so a state rebuilt with ``_replace`` is checked again. Tensors written in place by
+# the caller behind ``update``'s back are not noticed.
+_VERIFIED: dict[int, tuple[Tensor, tuple]] = {}
+_KEEP = 64  # states listed at most (optimizers stepping in turn, each with its newest state)
 
 #: Counters above this are refused: a float64 (the inner schedules' ``count``) holds every
 #: integer up to it exactly, and ``count + 1`` cannot overflow int64.
@@ -322,7 +326,7 @@ def verified(state: AndersonState) -> bool:
     if not _concrete(state.count):
         return True
     entry = _VERIFIED.get(id(state.count))
-    return entry is not None and entry[0]() is state.count and entry[1] == _fingerprint(state)
+    return entry is not None and entry[0] is state.count and entry[1] == _fingerprint(state)
 
 
 def _concrete(counter: Any) -> bool:
@@ -336,25 +340,13 @@ def _concrete(counter: Any) -> bool:
 
 
 def mark_verified(state: AndersonState) -> None:
-    """Records ``state`` (returned by ``update``, or checked) as verified."""
-    if _concrete(state.count):
-        key = id(state.count)
-        entry = _VERIFIED.get(key)
-        if entry is not None and entry[0]() is state.count:
-            _VERIFIED[key] = (entry[0], _fingerprint(state))
-        else:
-            _VERIFIED[key] = (weakref.ref(state.count, _forget(key)), _fingerprint(state))
-
-
-def _forget(key: int) -> Any:
-    """The callback that drops a dead counter's entry (unless the id was reused since)."""
-
-    def forget(ref: weakref.ref) -> None:
-        entry = _VERIFIED.get(key)
-        if entry is not None and entry[0] is ref:
-            del _VERIFIED[key]
-
-    return forget
+    """Records ``state`` (returned by an eager ``update``, or checked) as verified."""
+    count = state.count
+    if not (isinstance(count, Tensor) and count.ndim == 0 and count.is_cpu):
+        return
+    _VERIFIED[id(count)] = (count, _fingerprint(state))
+    if len(_VERIFIED) > _KEEP:  # a pure run adds one per call: drop the oldest
+        del _VERIFIED[next(iter(_VERIFIED))]
 
 
 def check_state_values(

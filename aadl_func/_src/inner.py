@@ -278,6 +278,9 @@ def _optimizer(
 
     update.check_state = check_state  # type: ignore[attr-defined]
     update.check_values = check_values  # type: ignore[attr-defined]
+    # Whether an in-place update writes state buffers (momentum, moments), not only the
+    # gradient buffers: anderson's in-place step then asks for it out of place (atomic.py).
+    update.writes_state = bool(names)  # type: ignore[attr-defined]
     return InnerOptimizer(init=init, update=update)
 
 

@@ -663,11 +663,12 @@ def begin_writes(call: Call) -> None:
         ]
 
 
-def undo_later(call: Call, pairs: list[tuple[Tensor, Tensor]]) -> None:
-    """After the commit point: ``(dst, src)`` copies that restore the plain step in tensors
-    about to be written (``src`` must stay as it is until the call ends)."""
+def undo_later(call: Call, targets: list[Tensor], sources: list[Tensor]) -> None:
+    """After the commit point: copies ``targets[i] <- sources[i]`` that restore the plain
+    step in tensors about to be written (``sources`` must stay as they are until the call
+    ends)."""
     if call.progress is not None:
-        call.progress.undo.extend(pairs)
+        call.progress.undo.append((targets, sources))
 
 
 def recover(call: Call) -> None:
@@ -693,8 +694,9 @@ def recover(call: Call) -> None:
         write_back(call.state, progress.pending)
         progress.pending, progress.writes = None, []
     elif progress.plain:
-        for dst, src in progress.undo:
-            dst.copy_(src)
+        for targets, sources in progress.undo:
+            for dst, src in zip(targets, sources):
+                dst.copy_(src)
     elif progress.param_versions is not None:
         restart_window(call)
 
