@@ -451,11 +451,11 @@ def _span(t: Tensor) -> tuple | None:
     """``(first byte, end byte)`` of the memory ``t`` may touch (None if none): a
     conservative extent, exact for the dense tensors that states and params are. Device
     memory and host memory have distinct addresses (one virtual address space per process);
-    meta tensors have none (address 0)."""
+    meta tensors have none."""
     nbytes = t.nbytes
-    start = t.data_ptr()
-    if nbytes == 0 or start == 0:
+    if nbytes == 0 or t.is_meta:
         return None
+    start = t.data_ptr()
     if t.is_contiguous():
         return (start, start + nbytes)
     extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
