@@ -323,10 +323,13 @@ def verified(state: AndersonState) -> bool:
 
     Always True where values cannot be read (vmap, torch.compile, counters on an
     accelerator): there only the metadata checks run."""
-    if not _concrete(state.count):
-        return True
-    entry = _VERIFIED.get(id(state.count))
-    return entry is not None and entry[0] is state.count and entry[1] == _fingerprint(state)
+    if tree.tracing():
+        return True  # compiled: no values (and no ids to guard on)
+    count = state.count
+    entry = _VERIFIED.get(id(count))
+    if entry is not None and entry[0] is count and entry[1] == _fingerprint(state):
+        return True  # the common case first: only concrete counters are ever listed
+    return not _concrete(count)
 
 
 def _concrete(counter: Any) -> bool:
