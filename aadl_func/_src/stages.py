@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor
 
@@ -642,13 +643,39 @@ def commit(call: Call, new_state: AndersonState, *, plain: bool = False) -> Ande
         return new_state
     progress = call.progress
     progress.pending = new_state
-    write_back(call.state, new_state)
+    if plain and call.inner_state is not call.state.inner_state and _adopts(call):
+        # The built-in inner optimizers' new buffers are fresh tensors: the caller's take
+        # over their memory (O(1) each) instead of a copy, and the rest is written back.
+        adopt(call.state.inner_state, call.inner_state)
+        write_back(call.state, new_state._replace(inner_state=call.state.inner_state))
+    else:
+        write_back(call.state, new_state)
     # Each outcome recorded in one statement, so that no line runs between the two.
     if plain:
         progress.pending, progress.plain = None, True
     else:
         progress.pending, progress.writes, progress.undo = None, [], []
     return call.state
+
+
+def _adopts(call: Call) -> bool:
+    """Whether the inner state's new buffers may be adopted by the caller's (built-in inner
+    optimizers, whose out-of-place buffers are fresh tensors of the same layout)."""
+    return getattr(call.options.inner.update, "writes_state", False)
+
+
+def adopt(target: Any, source: Any) -> None:
+    """``target``'s tensors take over the memory of ``source``'s (``Tensor.set_``, O(1)),
+    leaf by leaf; leaves of another shape, dtype or device are copied. Doing it again is a
+    no-op, so an interrupted adoption is finished by repeating it."""
+    targets = optree.tree_leaves(target, none_is_leaf=True)
+    sources = optree.tree_leaves(source, none_is_leaf=True)
+    for dst, src in zip(targets, sources):
+        if isinstance(dst, Tensor) and isinstance(src, Tensor) and dst is not src:
+            if dst.shape == src.shape and dst.dtype == src.dtype and dst.device == src.device:
+                dst.set_(src)
+            else:
+                dst.copy_(src)
 
 
 def begin_writes(call: Call) -> None:
