@@ -73,7 +73,7 @@ ROWS = _doc_rows()
 
 class Spy:
     """An inner optimizer (by default aadl_func.sgd with momentum) that counts its ``update``
-    calls and passes its state check through."""
+    calls and passes its state checks through."""
 
     def __init__(self, inner: aa.InnerOptimizer | None = None) -> None:
         self.inner = sgd(0.1, momentum=0.9) if inner is None else inner
@@ -88,6 +88,9 @@ class Spy:
 
     def check_state(self, state, leaves, spec, *, name, owner):
         self.inner.check_state(state, leaves, spec, name=name, owner=owner)
+
+    def check_values(self, state, *, count, name, owner):
+        self.inner.check_values(state, count=count, name=name, owner=owner)
 
 
 class Differentiated:
@@ -141,11 +144,13 @@ def _update_case(
     inner_made: Callable[[], aa.InnerOptimizer] | None = None,
     inner_called: Callable[[], aa.InnerOptimizer] | None = None,
     differentiate: bool = False,
+    params_from_state: bool = False,
     **kwargs: Any,
 ) -> Update:
     """``update`` of an optimizer built with ``called_with`` (and inner ``inner_called``) on a
     state warmed up by one built with ``made_with`` (and ``inner_made``), the params/grads/state
-    transformed by the given functions; with ``differentiate`` inside ``torch.func.grad``."""
+    transformed by the given functions; with ``differentiate`` inside ``torch.func.grad``;
+    with ``params_from_state`` the params are the state's own anchor tensors."""
 
     def build() -> tuple:
         made = {"history_depth": 4, **(made_with or {})}
@@ -155,9 +160,10 @@ def _update_case(
         warm_state, warm_params = _warm(warm_opt, _params())
         spy = Spy((inner_called or default)())
         opt = aa.anderson(spy, **called)
-        p = params(warm_params)
+        st = state(warm_state)
+        p = st.anchor if params_from_state else params(warm_params)
         caller = Differentiated(opt) if differentiate else opt
-        return caller, spy, state(warm_state), p, grads(p), kwargs
+        return caller, spy, st, p, grads(p), kwargs
 
     return Update(build)
 
@@ -165,6 +171,18 @@ def _update_case(
 def _rebuild(leaf_fn: Callable[[torch.Tensor], torch.Tensor], field: str):
     """Replaces every tensor of one state field, e.g. to corrupt a loaded checkpoint."""
     return lambda s: s._replace(**{field: optree.tree_map(leaf_fn, getattr(s, field))})
+
+
+def _slot(ring: tuple, s: int, key: str, leaf_fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``ring`` with leaf ``key`` of slot ``s`` replaced by ``leaf_fn`` of it."""
+    return tuple({**r, key: leaf_fn(r[key])} if i == s else r for i, r in enumerate(ring))
+
+
+def _update_in_place(params_of: Callable, grads: Callable = _grads_of) -> Any:
+    """An in-place ``update`` on params made by ``params_of`` from one 6-element tensor."""
+    opt = aa.anderson(sgd(0.1), history_depth=4)
+    params = params_of(torch.arange(6.0))
+    return opt.update(opt.init(params), params, grads(params), inplace=True)
 
 
 def _requires_grad(p: dict) -> dict:
@@ -290,6 +308,52 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "update-state-anchor-device": _update_case(state=_rebuild(lambda t: t.to("meta"), "anchor")),
     "update-state-iterates-dtype": _update_case(
         made_with={"mode": "classic"}, state=_rebuild(lambda t: t.double(), "iterates")
+    ),
+    # update in place: params stepped once each, grads read before the params are written
+    "update-params-aliased": lambda: _update_in_place(lambda w: {"a": w, "b": w}),
+    "update-params-overlap": lambda: _update_in_place(lambda w: {"a": w[:4], "b": w[2:]}),
+    "update-grads-aliased": lambda: _update_in_place(
+        lambda w: {"a": w[:3], "b": w[3:]}, grads=lambda p: p
+    ),
+    # update: the state's other slots and its values (a tampered or mismatched checkpoint)
+    "update-state-residuals-slot-shape": _update_case(
+        state=lambda s: s._replace(
+            residuals=_slot(s.residuals, 1, "w", lambda t: t.reshape(2, 3).clone())
+        )
+    ),
+    "update-state-residuals-slot-dtype": _update_case(
+        state=lambda s: s._replace(residuals=_slot(s.residuals, 2, "b", lambda t: t.double()))
+    ),
+    "update-state-iterates-slot-shape": _update_case(
+        made_with={"mode": "classic"},
+        state=lambda s: s._replace(
+            iterates=_slot(s.iterates, 2, "w", lambda t: t.reshape(2, 3).clone())
+        ),
+    ),
+    "update-state-head-range": _update_case(state=lambda s: s._replace(head=torch.tensor(99))),
+    "update-state-window_size-range": _update_case(
+        state=lambda s: s._replace(window_size=torch.tensor(-5))
+    ),
+    "update-state-count-range": _update_case(state=lambda s: s._replace(count=torch.tensor(-1))),
+    "update-state-outcome-range": _update_case(
+        state=lambda s: s._replace(num_mixed=torch.tensor(7))
+    ),
+    "update-state-skip_streak-range": _update_case(
+        state=lambda s: s._replace(skip_streak=torch.tensor(2))
+    ),
+    "update-state-aliased-slots": _update_case(
+        state=lambda s: s._replace(residuals=(s.residuals[0], *s.residuals[:-1]))
+    ),
+    "update-state-aliased-params": _update_case(
+        state=lambda s: s._replace(num_mixed=s.num_mixed.clone()), params_from_state=True
+    ),
+    "update-inner_state-count-value": _update_case(
+        state=lambda s: s._replace(inner_state=s.inner_state._replace(count=torch.tensor(0)))
+    ),
+    "update-inner_state-exp_avg_sq-negative": _update_case(
+        inner_made=lambda: adam(0.1),
+        inner_called=lambda: adam(0.1),
+        state=_inner_field("exp_avg_sq", lambda t: t - 1.0),
     ),
     # update: the inner optimizer's state (checked by the built-in inner optimizers)
     "update-inner_state-type": _update_case(inner_made=lambda: adam(0.1)),

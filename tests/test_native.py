@@ -360,3 +360,22 @@ def test_kernel_shares_torchs_openmp_runtime():
     new = set(after) - set(before)
     assert not [p for p in new if "libgomp" in os.path.basename(p) or "libomp" in p], new
     assert str(native.LIBRARY) in new, new
+
+
+@needs_kernel
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+@pytest.mark.parametrize("fraction", [0.05, 0.3, 0.99])
+def test_a_truncated_library_is_refused_before_it_is_mapped(tmp_path, fraction):
+    """A library cut short (a third of it made the loader die of SIGBUS) is refused from its
+    ELF headers before ``dlopen``: the torch path runs and nothing is mapped."""
+    data = native.LIBRARY.read_bytes()
+    (tmp_path / "truncated.so").write_bytes(data[: int(len(data) * fraction)])
+    code = (
+        "import pathlib\nfrom aadl_func._src import native\n"
+        f"native.LIBRARY = pathlib.Path({str(tmp_path / 'truncated.so')!r})\n"
+        f"{textwrap.dedent(FALLBACK_RUN)}"
+    )
+    first, second, mapped = run_fresh_python(code, {}).strip().splitlines()
+    assert first == "False 6 True"
+    assert "is truncated" in second, second
+    assert json.loads(mapped) == []

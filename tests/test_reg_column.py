@@ -102,7 +102,9 @@ def _run(mode, steps, dtype=torch.float64, inplace=False, **options):
     state = opt.init(params)
     out = []
     for _ in range(steps):
-        params, state = opt.update(state, params, params, inplace=inplace)
+        # The grads are ignored (the inner map is g); in place they must not be the params.
+        grads = {"x": torch.zeros_like(params["x"])}
+        params, state = opt.update(state, params, grads, inplace=inplace)
         out.append(params["x"].double().numpy().copy())
     return np.stack(out), state, x0
 

@@ -29,6 +29,7 @@ from aadl_func._src.stages import (
     Reduction,
     advance,
     append,
+    begin_writes,
     commit,
     commit_plain,
     count_outcome,
@@ -46,6 +47,7 @@ from aadl_func._src.stages import (
     to_history,
     to_params,
     to_ring_order,
+    undo_later,
     window_tree,
 )
 from aadl_func._src.state import AndersonState
@@ -70,6 +72,7 @@ class Window(NamedTuple):
 def aadl_step(call: Call) -> tuple[Any, AndersonState]:
     """One ``update`` call in mode "aadl" (the numbered steps of :func:`aadl_func.anderson`)."""
     options = call.options
+    begin_writes(call)
     y = plain_step(call)  # step 1
     store = stores(call)
     window = store_iterate(call, y, store)  # step 2
@@ -101,7 +104,6 @@ def aadl_step(call: Call) -> tuple[Any, AndersonState]:
         window = call.blend.select(use_mix, lambda: move_newest(call, window, x_hist, x), window)
     if options.average:
         x = call.blend.select(averaged, lambda: to_params(call, mean), x)
-    out = output(call, flags.either(use_mix, averaged), x, y)
     final = count_outcome(
         call,
         plain,
@@ -116,6 +118,7 @@ def aadl_step(call: Call) -> tuple[Any, AndersonState]:
         dr_rhs=window.grams[2],
         num_averaged=flags.add_if(plain.num_averaged, averaged),
     )
+    out = output(call, flags.either(use_mix, averaged), x, y, final)
     return tree.unflatten(call.spec, out), commit(call, final)
 
 
@@ -225,6 +228,8 @@ def extrapolate(call: Call, window: Window, store: Tensor) -> tuple[list[Tensor]
     minus_c = aadl_coefficients(solution.weights.alpha, call.options.relaxation, negated=True)
     anchor = window.anchor
     into = _mix_into_params(call, anchor, store)
+    if into is not None:
+        undo_later(call, call.params, anchor)  # the anchor holds y
     try:
         x_hist = combine(
             # Mixing into the params, which hold y = the anchor bit for bit: accumulating
@@ -283,6 +288,10 @@ def move_newest(call: Call, window: Window, x_hist: list[Tensor], x: list[Tensor
         (r.to(c) + (xa - a).to(c)).to(r.dtype)
         for r, xa, a, c in zip(newest, x_anchor, anchor, call.compute_dtypes)
     ]
+    if call.inplace and call.progress is not None:
+        # The plain step's newest entry, put back if the call is interrupted before its end.
+        kept = [*read_slot(ring, window.head), *anchor]
+        undo_later(call, kept, [t.clone() for t in kept])
     ring, grams = replace_newest(call, ring, window.grams, window.head, residual)
     if call.inplace:
         for a, xa in zip(anchor, x_anchor):

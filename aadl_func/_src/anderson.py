@@ -24,9 +24,10 @@ from aadl_func._src.checks import (
     check_floating,
     check_update_inputs,
     keep_requires_grad,
+    mark_verified,
 )
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.stages import Call, commit
+from aadl_func._src.stages import Call, commit, recover
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.window import new_ring
 
@@ -169,11 +170,16 @@ def anderson(
       it is mostly noise). The restart itself costs nothing: no pass over the window, no
       extra loss evaluation (the safeguard's ``loss_fn`` may be a held-out minibatch's loss).
 
-    ``inplace=True`` is exception safe: if ``loss_fn`` (or Ctrl-C) interrupts a call, the params
-    and the state passed in are left exactly as after the plain step ``y`` of that call (its
-    mix is dropped uncounted), ready for the next call, and the exception propagates. The
-    state's tensors are updated in place and the returned state holds those same tensors.
-    See ``aadl_func._src.atomic`` and docs/reliability.md. That guarantee is the eager one:
+    ``inplace=True`` is exception safe: whatever is raised wherever in a call (``loss_fn``,
+    Ctrl-C, an out-of-memory error, another signal's handler), the params and the state
+    passed in are left at one complete outcome, ready for the next call, and the exception
+    propagates: as they were (raised before the first write), as after the plain step ``y``
+    of that call (its mix dropped uncounted; raised in ``loss_fn``, by a deferred Ctrl-C, or
+    anywhere after the commit point), as after the plain step with the window restarted from
+    ``y`` (raised while the plain step was being written), or the call's complete result
+    (raised during its final writes). The state's tensors are updated in place and the
+    returned state holds those same tensors. See ``aadl_func._src.stages.recover`` and
+    docs/reliability.md. That guarantee is the eager one:
     under ``torch.compile`` (and ``vmap``) the in-place writes are masked blends inside one
     graph, the returned state carries new counters, and an interrupted compiled call may be
     half written; ``inplace=False`` never writes its inputs (README, "Compiling").
@@ -321,8 +327,16 @@ def step(
     with guard if guard is not None else contextlib.nullcontext():
         # With skip_nonfinite the inner update is computed out of place, so that a non-finite
         # one can be dropped without having touched the inner state.
+        # Eager in place (guarded) also when the inner optimizer keeps buffers: their new
+        # values are committed with the plain step, so an exception before it leaves the
+        # inner state as it was. (The built-in ones say whether they do; others are assumed
+        # to.) In place it would only write the grads, which the guarantee does not cover.
+        keeps_buffers = getattr(options.inner.update, "writes_state", True)
         updates, inner_state = options.inner.update(
-            grads, state.inner_state, params=params, inplace=inplace and not options.skip_nonfinite
+            grads,
+            state.inner_state,
+            params=params,
+            inplace=inplace and not options.skip_nonfinite and (guard is None or not keeps_buffers),
         )
         u_leaves, u_spec = tree.flatten(updates, "inner updates")
         tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
@@ -340,12 +354,19 @@ def step(
             plain=not mix,
         )
         run = options.rules.step
-        if options.skip_nonfinite:
-            out, new_state = _run_if_finite(call, run, tree.flatten(grads, "grads")[0])
-        else:
-            out, new_state = run(call)
+        try:
+            if options.skip_nonfinite:
+                out, new_state = _run_if_finite(call, run, tree.flatten(grads, "grads")[0])
+            else:
+                out, new_state = run(call)
+        except BaseException:
+            if call.progress is not None:
+                recover(call)  # one complete outcome, whatever was raised where
+            raise
     if shards is not None:
         out = tree.unflatten(spec, shards.globalize(tree.flatten(out, "params")[0]))
+    if new_state is not state and not transformed:
+        mark_verified(new_state)  # made here: its values need no check on the next call
     return out, new_state
 
 

@@ -4,21 +4,26 @@ r"""What makes an in-place step safe to interrupt.
 caller holds. For an exception thrown halfway (by ``loss_fn``, a closure, or Ctrl-C) to leave
 something usable, the step is split at a *commit point*:
 
-1. the plain step: the inner optimizer's update, ``y`` in the params, ``y`` in the window;
+1. the plain step: the inner optimizer's update (out of place: its new state is written at
+   the commit), ``y`` in the params, ``y`` in the window;
 2. commit: the state the caller passed is overwritten, tensor by tensor, with the state of a
    plain (unmixed) step (:func:`write_back`), so from here on the caller's objects describe
    a finished plain step;
 3. the mix, the moving average and the safeguard (``loss_fn``), which only read the window
    until every decision is made; then the final writes and a second :func:`write_back`.
 
-An exception during 3 restores ``y`` in the params and propagates: the caller holds exactly
-the plain step. :class:`InterruptGuard` turns a Ctrl-C that arrives outside the user's
-callbacks into one raised at the next safe point, so it cannot split the writes of 1 or 2.
+:class:`Progress` records how far the call has written, so that an exception of any type
+raised anywhere is turned into one complete outcome (``stages.recover``): before 1 nothing
+changed; during 1 the plain step is completed with the window restarted; during a commit
+(2, or the final one) the commit is finished; during the rest of 3 the caller gets exactly
+the plain step back. :class:`InterruptGuard` turns a
+Ctrl-C that arrives outside the user's callbacks into one raised at the next safe point.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +34,7 @@ from torch import Tensor
 
 from aadl_func._src import tree
 
-__all__ = ["InterruptGuard", "write_back"]
+__all__ = ["InterruptGuard", "Progress", "write_back"]
 
 # The C functions behind ``signal.signal`` / ``signal.getsignal``: their wrappers in signal.py
 # convert to and from enums, ~12 us of a small model's step for the three calls a guarded step
@@ -41,6 +46,34 @@ try:
 except ImportError:  # a Python without CPython's module layout
     _set_handler, _get_handler = signal.signal, signal.getsignal
 _SIGINT = int(signal.SIGINT)
+
+
+class Progress:
+    """How far an eager in-place call has written the caller's tensors, so that an exception
+    raised anywhere in it can be turned into one complete outcome (``stages.recover``).
+
+    Attributes:
+      param_versions: the params' version counters before the first write of the call (None
+        until the writes begin; None for an inference tensor, which keeps none); a leaf whose
+        counter moved has had its plain step added.
+      stepped: the params leaves that have had their plain step added, in order.
+      plain: the commit point was passed (the caller holds the finished plain step).
+      undo: after the commit point, ``(targets, sources)`` lists of copies that put the plain
+        step back into tensors written since (the params mixed into, the window's newest
+        entry moved).
+      pending: the state being committed (plain, final or skipped), None between commits.
+      writes: the ``(dst, src)`` copies of the params that go with ``pending``.
+    """
+
+    __slots__ = ("param_versions", "stepped", "plain", "undo", "pending", "writes")
+
+    def __init__(self) -> None:
+        self.param_versions: list[int | None] | None = None
+        self.stepped: list[Tensor] = []
+        self.plain = False
+        self.undo: list[tuple[list[Tensor], list[Tensor]]] = []
+        self.pending: Any = None
+        self.writes: list[tuple[Tensor, Tensor]] = []
 
 
 def write_back(target: Any, source: Any) -> None:
@@ -77,31 +110,66 @@ class InterruptGuard:
     """Defers SIGINT (Ctrl-C) while an in-place step writes its buffers.
 
     Active only in the main thread and while Python's default SIGINT handler is installed (a
-    program with its own handler keeps it). A Ctrl-C received while the guard holds is raised
-    as ``KeyboardInterrupt`` at the next :meth:`checkpoint` or :meth:`callbacks` block, or when
-    the guard exits; inside :meth:`callbacks` (the user's ``loss_fn``) Ctrl-C acts at once.
+    program with its own handler keeps it, untouched). A Ctrl-C received while the guard
+    holds is raised as ``KeyboardInterrupt`` at the next :meth:`checkpoint` or
+    :meth:`callbacks` block, or when the guard exits; inside :meth:`callbacks` (the user's
+    ``loss_fn``) Ctrl-C acts at once.
+
+    The guard never leaves Ctrl-C swallowed, whatever is raised where:
+
+    * ``__enter__`` installs its handler as its last step and takes it out again if anything
+      is raised after;
+    * ``__exit__`` puts the default handler back first, and only if its own handler is still
+      the installed one (a handler the user installed meanwhile, e.g. in ``loss_fn``, stays);
+    * if an exception still ends the guarded call before ``__exit__`` could run (raised
+      by another signal's handler at the very first line of ``__exit__``), the recording
+      handler notices on the next SIGINT that the call that installed it has returned (its
+      frame is no longer on the stack): it puts the default handler back and raises
+      ``KeyboardInterrupt`` at once, as the default handler would. The next guard also
+      takes such a stale handler for the default one (while a live one, an outer guard's,
+      is left in place: the outer guard then defers Ctrl-C for both).
     """
 
     def __init__(self) -> None:
         self.pending = False
         self._active = False
+        self._handler = self._record  # one bound method, so that it can be compared by identity
+        self._frame: Any = None
 
     def _record(self, signum: int, frame: Any) -> None:
-        self.pending = True
+        if self._holds(frame):
+            self.pending = True
+            return
+        # Stale: the guarded call ended without __exit__. Behave as the default handler.
+        if _get_handler(_SIGINT) is self._handler:
+            _set_handler(_SIGINT, signal.default_int_handler)
+        raise KeyboardInterrupt
+
+    def _holds(self, frame: Any) -> bool:
+        """Whether the guarded call is still running (its frame is on the stack)."""
+        while frame is not None:
+            if frame is self._frame:
+                return True
+            frame = frame.f_back
+        return False
 
     def __enter__(self) -> InterruptGuard:
-        if (
-            threading.current_thread() is threading.main_thread()
-            and _get_handler(_SIGINT) is signal.default_int_handler
+        if threading.current_thread() is threading.main_thread() and _is_default(
+            _get_handler(_SIGINT)
         ):
-            _set_handler(_SIGINT, self._record)
-            self._active = True
+            self._frame = sys._getframe(1)  # the guarded call's frame (see _record)
+            try:
+                _set_handler(_SIGINT, self._handler)
+                self._active = True
+            except BaseException:
+                _set_handler(_SIGINT, signal.default_int_handler)
+                raise
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._active:
+        if _get_handler(_SIGINT) is self._handler:
             _set_handler(_SIGINT, signal.default_int_handler)
-            self._active = False
+        self._active, self._frame = False, None
         if self.pending and exc_info[0] is None:
             self.pending = False
             raise KeyboardInterrupt
@@ -123,4 +191,17 @@ class InterruptGuard:
         try:
             yield
         finally:
-            _set_handler(_SIGINT, self._record)
+            # Back to recording, unless the user's code installed a handler of its own.
+            if _get_handler(_SIGINT) is signal.default_int_handler:
+                _set_handler(_SIGINT, self._handler)
+
+
+def _is_default(handler: Any) -> bool:
+    """Python's default SIGINT handler, or a guard's handler left behind (see
+    :class:`InterruptGuard`), which behaves as the default one once its call has ended."""
+    if handler is signal.default_int_handler:
+        return True
+    owner = getattr(handler, "__self__", None)
+    # A guard whose call is still running (an outer one: the wrapper's around the core's)
+    # keeps its handler; the inner guard then stands aside and the outer one defers for both.
+    return isinstance(owner, InterruptGuard) and not owner._holds(sys._getframe())

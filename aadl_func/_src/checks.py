@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+import optree
 import torch
 from torch import Tensor
 from torch._C import _functorch
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 __all__ = [
     "autograd_policy",
     "check_state",
+    "check_state_values",
+    "mark_verified",
     "check_update_inputs",
     "differentiating",
     "keep_requires_grad",
@@ -147,10 +150,46 @@ def check_update_inputs(
             f"{OWNER}: `inplace=True` cannot be differentiated through (a torch.func "
             "grad/vjp/jvp transform is active); pass inplace=False"
         )
+    if inplace:
+        check_distinct(p_leaves, spec, g_leaves, g_spec)
     check_state(config, state, p_leaves, spec)
     if cast:
         grads = tree.unflatten(g_spec, [g.to(p.dtype) for g, p in zip(g_leaves, p_leaves)])
     return p_leaves, spec, grads
+
+
+def check_distinct(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_spec: Any) -> None:
+    """In place, no params leaf overlaps another (the same tensor twice, overlapping views)
+    and no grads leaf overlaps a params leaf: the step writes every params leaf once, so an
+    overlap would be stepped twice, and grads read after the params were written would have
+    changed. Out of place nothing is written, and each leaf is stepped on its own.
+
+    Metadata only (addresses and extents); skipped under vmap / torch.compile, whose
+    tensors have no addresses."""
+    leaves = [*p_leaves, *g_leaves]
+    if len(leaves) < 2 or tree.any_transformed(leaves):
+        return
+    if len(leaves) == 2:  # one leaf: its grads against it, without the sort
+        p, g = _span(leaves[0]), _span(leaves[1])
+        if p is None or g is None or g[1] <= p[0] or p[1] <= g[0]:
+            return
+    num_params = len(p_leaves)
+    pair = _first_overlap(leaves, lambda j, k: j < num_params)
+    if pair is not None:
+        first, second = pair
+        raise ValueError(
+            f"{OWNER}: `{_input_path(second, num_params, spec, g_spec)}` shares memory with "
+            f"`{_input_path(first, num_params, spec, g_spec)}`; with inplace=True every "
+            "params leaf is written once, so params must not overlap one another (the "
+            "same tensor twice, overlapping views) and grads must not overlap params: "
+            "pass distinct tensors, or inplace=False"
+        )
+
+
+def _input_path(k: int, num_params: int, spec: Any, g_spec: Any) -> str:
+    if k < num_params:
+        return tree.leaf_path(spec, k, "params")
+    return tree.leaf_path(g_spec, k - num_params, "grads")
 
 
 def check_floating(owner: str, leaves: list[Tensor], spec: Any) -> None:
@@ -251,6 +290,228 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
     check_inner = getattr(config.inner, "check_state", None)
     if callable(check_inner):
         check_inner(state.inner_state, p_leaves, spec, name="state.inner_state", owner=OWNER)
+    if not verified(state):
+        # A state from outside: the other slots (every slot is made like slot 0, so the
+        # states update returns need no per-call look at them), then the values.
+        check_ring("state.residuals", state.residuals, check_window)
+        if config.rules.keeps_iterates:
+            check_ring("state.iterates", state.iterates, check_window)
+        check_state_values(config, state, p_leaves, spec)
+
+
+# -- the state's values -----------------------------------------------------------------------
+# A state is *verified* once its values have been checked (or ``update`` made it): the value
+# checks then cost one dictionary look-up per call. The key is the state's ``count`` tensor,
+# held (so its id cannot be reused while listed; the newest few are kept, each a 0-d tensor:
+# a weakref per counter cost more per call), and the value the identities of the state's
+# fields, so a state rebuilt with ``_replace`` is checked again. Tensors written in place by
+# the caller behind ``update``'s back are not noticed.
+_VERIFIED: dict[int, tuple[Tensor, tuple]] = {}
+_KEEP = 64  # states listed at most (optimizers stepping in turn, each with its newest state)
+
+#: Counters above this are refused: a float64 (the inner schedules' ``count``) holds every
+#: integer up to it exactly, and ``count + 1`` cannot overflow int64.
+MAX_COUNT = 2**53
+
+
+def _fingerprint(state: AndersonState) -> tuple:
+    return tuple(map(id, state))
+
+
+def verified(state: AndersonState) -> bool:
+    """Whether ``state``'s values were checked already (or it was made by ``update``).
+
+    Always True where values cannot be read (vmap, torch.compile, counters on an
+    accelerator): there only the metadata checks run."""
+    if tree.tracing():
+        return True  # compiled: no values (and no ids to guard on)
+    count = state.count
+    entry = _VERIFIED.get(id(count))
+    if entry is not None and entry[0] is count and entry[1] == _fingerprint(state):
+        return True  # the common case first: only concrete counters are ever listed
+    return not _concrete(count)
+
+
+def _concrete(counter: Any) -> bool:
+    # tree.static_value's test without reading the value (no tensor operation on the hot path).
+    return (
+        isinstance(counter, Tensor)
+        and not tree.is_transformed(counter)
+        and counter.ndim == 0
+        and counter.is_cpu
+    )
+
+
+def mark_verified(state: AndersonState) -> None:
+    """Records ``state`` (returned by an eager ``update``, or checked) as verified."""
+    count = state.count
+    if not (isinstance(count, Tensor) and count.ndim == 0 and count.is_cpu):
+        return
+    _VERIFIED[id(count)] = (count, _fingerprint(state))
+    if len(_VERIFIED) > _KEEP:  # a pure run adds one per call: drop the oldest
+        del _VERIFIED[next(iter(_VERIFIED))]
+
+
+def check_state_values(
+    config: Config, state: AndersonState, p_leaves: list[Tensor], spec: Any, owner: str = OWNER
+) -> None:
+    """The state's values satisfy its invariants (a state from ``torch.load``, the wrapper's
+    ``load_state_dict`` or built by hand); run once per state, before anything is written.
+
+    Counters: ``0 <= count <= 2**53``, ``head`` in ``[0, Q)``,
+    ``0 <= window_size <= min(history_depth, count)``, the outcome counters (``num_mixed``,
+    ``num_rejected``, ``num_nonfinite``, ``num_averaged``) in ``[0, count]``,
+    ``0 <= skip_streak <= num_skipped``; no two tensors of the state (or the state and the
+    params) share memory; and the inner optimizer's own value checks (the built-in ones:
+    ``count`` equal to the state's, Adam's ``exp_avg_sq >= 0``).
+    """
+    counters = {name: getattr(state, name) for name in COUNTERS}
+    if any(tree.static_value(t) is None for t in counters.values()):
+        return  # counters on an accelerator or transformed: nothing to read cheaply
+    value = {name: int(t.item()) for name, t in counters.items()}
+    count = value["count"]
+    bounds = {
+        "count": (0, MAX_COUNT, f"0 and 2**53 ({MAX_COUNT})"),
+        "head": (0, config.num_slots - 1, f"0 and {config.num_slots - 1} (the ring's slots - 1)"),
+        "window_size": (
+            0,
+            min(config.history_depth, count),
+            f"0 and min(history_depth={config.history_depth}, count={count})",
+        ),
+        "num_skipped": (0, MAX_COUNT, f"0 and 2**53 ({MAX_COUNT})"),
+        "skip_streak": (0, value["num_skipped"], f"0 and num_skipped={value['num_skipped']}"),
+    }
+    for name in ("num_mixed", "num_rejected", "num_nonfinite", "num_averaged"):
+        bounds[name] = (0, count, f"0 and count={count}")
+    for name in COUNTERS:
+        low, high, text = bounds[name]
+        if not low <= value[name] <= high:
+            raise ValueError(
+                f"{owner}: `state.{name}` is {value[name]}, expected between {text}; "
+                "was the state saved by this optimizer and loaded unchanged?"
+            )
+    check_values = getattr(config.inner, "check_values", None)
+    if callable(check_values):
+        check_values(state.inner_state, count=count, name="state.inner_state", owner=owner)
+    check_no_aliasing(state, p_leaves, spec, owner)
+    mark_verified(state)
+
+
+def _first_overlap(leaves: list[Tensor], counts: Any) -> tuple[int, int] | None:
+    """The first pair ``(j, k)``, ``j < k`` in the order of ``leaves``, of tensors that share
+    memory and for which ``counts(j, k)`` holds; None if there is none.
+
+    One sort of the tensors' byte spans finds the candidates (normally none: distinct
+    allocations, or the disjoint rows of one); a candidate whose spans interleave without
+    sharing an element (``w[0::2]`` and ``w[1::2]``) is cleared by an exact element test."""
+    spans = [(*span, k) for k, span in enumerate(map(_span, leaves)) if span is not None]
+    spans.sort()
+    # The common case in one linear scan: no span starts before the previous ones end.
+    reach = 0
+    for start, end, _ in spans:
+        if start < reach:
+            break
+        reach = max(reach, end)
+    else:
+        return None
+    found = []
+    active: list[tuple] = []
+    for span in spans:
+        active = [a for a in active if a[1] > span[0]]
+        for a in active:
+            j, k = sorted((a[2], span[2]))
+            if counts(j, k) and _share_elements(leaves[j], leaves[k]):
+                found.append((k, j))
+        active.append(span)
+    if not found:
+        return None
+    k, j = min(found)
+    return j, k
+
+
+def _share_elements(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors whose spans overlap touch a common byte (a marker over the span)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True  # spans overlap across storages: only the allocator's view, be safe
+    base = min(a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size())
+    size = a.untyped_storage().nbytes() - base
+    marker = torch.zeros(size, dtype=torch.uint8, device=a.device)
+
+    def view(t: Tensor) -> Tensor:
+        item = t.element_size()
+        return torch.as_strided(
+            marker,
+            (*t.shape, item),
+            (*(s * item for s in t.stride()), 1),
+            t.storage_offset() * item - base,
+        )
+
+    view(a).fill_(1)
+    return bool(view(b).any())
+
+
+def _span(t: Tensor) -> tuple | None:
+    """``(first byte, end byte)`` of the memory ``t`` may touch (None if none): a
+    conservative extent, exact for the dense tensors that states and params are. Device
+    memory and host memory have distinct addresses (one virtual address space per process);
+    meta tensors have none."""
+    nbytes = t.nbytes
+    if nbytes == 0 or t.is_meta:
+        return None
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return (start, start + nbytes)
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return (start, start + (extent + 1) * t.element_size())
+
+
+def check_no_aliasing(
+    state: AndersonState, p_leaves: list[Tensor], spec: Any, owner: str = OWNER
+) -> None:
+    """No two tensors of the state (window slots, anchor, Grams, counters, the inner state's
+    buffers) and no state tensor and params leaf overlap in memory: a write into one would
+    change the other behind the window's Grams (a checkpoint loaded with shared storages,
+    or a state built by hand). One sort of the tensors' byte spans."""
+    named: list[tuple[str, Any]] = [("params", tree.unflatten(spec, p_leaves))]
+    for field in AndersonState._fields:
+        named.append((f"state.{field}", getattr(state, field)))
+    leaves, owners = [], []
+    for k, (_, value) in enumerate(named):
+        for i, leaf in enumerate(optree.tree_leaves(value, none_is_leaf=False)):
+            if isinstance(leaf, Tensor):
+                leaves.append(leaf)
+                owners.append((k, i))
+    num_params = len(p_leaves)  # the params come first; two params leaves may share memory
+    pair = _first_overlap(leaves, lambda j, k: k >= num_params)
+    if pair is not None:
+        first, second = (_leaf_name(named, *owners[i]) for i in pair)
+        raise ValueError(
+            f"{owner}: `{second}` shares memory with `{first}`; every tensor of the state "
+            "must own its memory (was the state built from shared tensors, or the params "
+            "from the state's?)"
+        )
+
+
+def _leaf_name(named: list, k: int, i: int) -> str:
+    name, value = named[k]
+    leaves, value_spec = optree.tree_flatten(value, none_is_leaf=False)
+    return tree.leaf_path(value_spec, i, name)
+
+
+def check_ring(name: str, ring: tuple, check_window: Any) -> None:
+    """Every slot of a ring is laid out like the params (structure, shapes, dtypes, devices).
+
+    Slot 0 had the full check against the params; the other slots are compared with slot 0
+    leaf by leaf (attribute reads only), and a slot that differs gets the full check too, so
+    that the error names its own leaf (``state.residuals[2]['w']``)."""
+    first, first_spec = tree.flatten(ring[0], f"{name}[0]", owner=OWNER)
+    for s in range(1, len(ring)):
+        leaves, spec = tree.flatten(ring[s], f"{name}[{s}]", owner=OWNER)
+        if spec != first_spec or any(
+            a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+            for a, b in zip(leaves, first)
+        ):
+            check_window(f"{name}[{s}]", ring[s])
 
 
 def _describe(value: object, *, device: bool = False) -> str:

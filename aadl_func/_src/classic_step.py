@@ -31,6 +31,7 @@ from aadl_func._src.stages import (
     Reduction,
     advance,
     append,
+    begin_writes,
     commit,
     commit_plain,
     count_outcome,
@@ -70,6 +71,7 @@ class Window(NamedTuple):
 def classic_step(call: Call) -> tuple[Any, AndersonState]:
     """One ``update`` call in mode "classic"."""
     state = call.state
+    begin_writes(call)
     unchanged = Window(
         call.iterates,
         call.anchor,
@@ -103,8 +105,8 @@ def classic_step(call: Call) -> tuple[Any, AndersonState]:
     mixable = flags.both(mixes, ok)
     x = call.blend.select(mixable, lambda: to_params(call, x_hist), y, blend=False)
     use_mix = safeguard(call, mixable, x, y)
-    out = output(call, use_mix, x, y)
     final = count_outcome(call, plain, gate=mixes, ok=ok, use_mix=use_mix, poisoned=window.poisoned)
+    out = output(call, use_mix, x, y, final)
     return tree.unflatten(call.spec, out), commit(call, final)
 
 

@@ -120,6 +120,19 @@ class InnerOptimizer(NamedTuple):
         if check is not None:
             check(state, leaves, spec, name=name, owner=owner)
 
+    def check_values(self, state: Any, *, count: int | None, name: str, owner: str) -> None:
+        """Validates the values of a ``state`` that passed :meth:`check_state` and comes from
+        outside (a checkpoint): ``0 <= count <= 2**53`` and, when the state is kept by
+        :func:`aadl_func.anderson`, equal to its ``count`` (both advance together);
+        :func:`adam` / :func:`adamw`: ``exp_avg_sq >= 0`` (NaN passes: it is a possible
+        result of a run, a negative value is not). Reads values (one pass over the second
+        moments), so :func:`aadl_func.anderson` calls it once per state from outside, never
+        on its own states. An :class:`InnerOptimizer` built from other functions checks
+        nothing."""
+        check = getattr(self.update, "check_values", None)
+        if check is not None:
+            check(state, count=count, name=name, owner=owner)
+
 
 class SgdState(NamedTuple):
     """State of :func:`sgd`.
@@ -240,7 +253,34 @@ def _optimizer(
         new_state = _pack(state_type, spec, count + 1, stage_states)
         return optree.tree_unflatten(spec, new_updates), new_state
 
+    def check_values(state: Any, *, count: int | None, name: str, owner: str) -> None:
+        done = tree.static_value(state.count)
+        if done is None:
+            return  # on an accelerator or transformed: nothing read
+        if not 0 <= done <= 2**53 or (count is not None and done != count):
+            expected = f"equal to `state.count` ({count})" if count is not None else "in [0, 2**53]"
+            raise ValueError(
+                f"{owner}: `{name}.count` is {done}, expected {expected}; was the state saved "
+                "by this optimizer and loaded unchanged?"
+            )
+        for path, buffers in zip(paths, state[1:]):
+            if path.endswith("exp_avg_sq"):
+                leaves, b_spec = tree.flatten(buffers, path)
+                for i, v in enumerate(leaves):
+                    real = torch.view_as_real(v) if v.is_complex() else v
+                    if v.numel() and bool((real < 0).any()):
+                        where = tree.leaf_path(b_spec, i, f"{name}.exp_avg_sq")
+                        raise ValueError(
+                            f"{owner}: `{where}` has negative entries; Adam's second moment "
+                            "is >= 0 (was the state saved by this optimizer and loaded "
+                            "unchanged?)"
+                        )
+
     update.check_state = check_state  # type: ignore[attr-defined]
+    update.check_values = check_values  # type: ignore[attr-defined]
+    # Whether an in-place update writes state buffers (momentum, moments), not only the
+    # gradient buffers: anderson's in-place step then asks for it out of place (atomic.py).
+    update.writes_state = bool(names)  # type: ignore[attr-defined]
     return InnerOptimizer(init=init, update=update)
 
 

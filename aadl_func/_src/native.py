@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
 import sysconfig
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -90,9 +91,54 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if not LIBRARY.is_file():
         return None, f"unavailable (not built when installed: no {LIBRARY}): torch path"
     try:
+        _check_complete(LIBRARY)
         return _bind(ctypes.CDLL(str(LIBRARY))), f"native kernel: {LIBRARY}"
     except (OSError, AttributeError) as error:  # a broken or stale build: use torch
         return None, f"unavailable ({type(error).__name__}: {error}): torch path"
+
+
+def _check_complete(path: Path) -> None:
+    """Raises ``OSError`` if ``path`` is an ELF file shorter than its own headers say.
+
+    The dynamic loader maps a library's segments as its program headers describe them; a
+    truncated file maps pages past its end, and the process dies of SIGBUS as soon as the
+    loader touches them (a third of the file is enough). Comparing the headers' extents with
+    the file's size first turns that into an error, and the torch path runs. (A file
+    truncated after this check, or while mapped, is outside this: whoever can do that can
+    replace this module too.) Other formats are left to the loader, which refuses them."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        size = os.fstat(f.fileno()).st_size
+        if (
+            len(head) < 52
+            or head[:4] != b"\x7fELF"
+            or head[4] not in (1, 2)
+            or head[5] not in (1, 2)
+        ):
+            return
+        wide, order = head[4] == 2, "<" if head[5] == 1 else ">"
+        if wide:
+            phoff, shoff = struct.unpack_from(order + "QQ", head, 0x20)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 0x36)
+        else:
+            phoff, shoff = struct.unpack_from(order + "II", head, 0x1C)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 0x2A)
+        ends = [phoff + phentsize * phnum, shoff + shentsize * shnum]
+        if ends[0] <= size:
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+            for i in range(phnum):
+                if wide:
+                    offset, _, _, filesz = struct.unpack_from(
+                        order + "QQQQ", table, i * phentsize + 8
+                    )
+                else:
+                    offset, _, _, filesz = struct.unpack_from(
+                        order + "IIII", table, i * phentsize + 4
+                    )
+                ends.append(offset + filesz)
+    if max(ends) > size:
+        raise OSError(f"{path} is truncated ({size} bytes, its headers need {max(ends)})")
 
 
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:

@@ -24,11 +24,12 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor
 
 from aadl_func._src import distributed, flags, tree
-from aadl_func._src.atomic import InterruptGuard, write_back
+from aadl_func._src.atomic import InterruptGuard, Progress, write_back
 from aadl_func._src.blend import Blend
 from aadl_func._src.solve import (
     MixingWeights,
@@ -49,6 +50,7 @@ __all__ = [
     "Solution",
     "advance",
     "append",
+    "begin_writes",
     "commit",
     "commit_plain",
     "count_outcome",
@@ -56,13 +58,16 @@ __all__ = [
     "gate",
     "output",
     "plain_step",
+    "recover",
     "replace_newest",
+    "restart_window",
     "safeguard",
     "solve",
     "stores",
     "to_history",
     "to_params",
     "to_ring_order",
+    "undo_later",
     "window_tree",
 ]
 
@@ -91,6 +96,8 @@ class Call:
       overflow_limit: half the largest value of the params' and compute dtypes.
       exact: a float64 window, solved through a QR factor instead of its Grams.
       blend: the call's :class:`~aadl_func._src.blend.Blend` (``select`` and masked writes).
+      progress: eager in-place calls only, the :class:`~aadl_func._src.atomic.Progress` of
+        the call's writes, for :func:`recover`.
     """
 
     __slots__ = (
@@ -116,6 +123,7 @@ class Call:
         "overflow_limit",
         "exact",
         "blend",
+        "progress",
     )
 
     def __init__(
@@ -160,6 +168,7 @@ class Call:
         self.exact = all(leaf.dtype == torch.float64 for leaf in self.ring[0])
         # The call's decisions without values (vmap, torch.compile): see blend.py.
         self.blend = Blend()
+        self.progress = Progress() if guard is not None else None
 
 
 class Reduction(NamedTuple):
@@ -196,6 +205,11 @@ class Solution(NamedTuple):
 def plain_step(call: Call) -> list[Tensor]:
     """``y = x + u``: the plain step, written into the params' buffers if ``inplace``."""
     if call.inplace:
+        if call.progress is not None and not call.blend.active():
+            stepped = call.progress.stepped  # each leaf recorded in its add's statement
+            for p, u in zip(call.params, call.updates):
+                stepped.append(p.add_(u))
+            return list(stepped)
         if not call.blend.active():
             return [p.add_(u) for p, u in zip(call.params, call.updates)]
         for p, u in zip(call.params, call.updates):
@@ -516,14 +530,25 @@ def restarted(call: Call, window_size: Tensor, rejected: Tensor) -> Tensor:
     return torch.where(rejected, window_size.clamp(max=1), window_size)
 
 
-def output(call: Call, use_mix: Tensor, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
+def output(
+    call: Call, use_mix: Tensor, x: list[Tensor], y: list[Tensor], final: AndersonState
+) -> list[Tensor]:
     """The returned params: ``x`` where ``use_mix`` else ``y``, in the params' buffers if
-    ``inplace`` (``y`` already lives there)."""
+    ``inplace`` (``y`` already lives there). ``final``: the call's final state, which
+    :func:`commit` then makes the caller's.
+
+    In an eager in-place call the final writes start here: from now on an exception
+    finishes the call (these copies, then the final commit, see :func:`recover`) instead
+    of going back to the plain step. It is called after the last ``loss_fn`` call and every
+    computation of the step."""
     chosen = call.blend.select(use_mix, lambda: x, y)
     if call.inplace:
-        for p, v in zip(call.params, chosen):
-            if v is not p:
-                call.blend.assign(p, v)
+        writes = [(p, v) for p, v in zip(call.params, chosen) if v is not p]
+        if call.progress is not None:
+            call.progress.writes = writes  # first the writes, then the state they go with
+            call.progress.pending = final
+        for p, v in writes:
+            call.blend.assign(p, v)
         return call.params
     return list(chosen)
 
@@ -577,7 +602,7 @@ def commit_plain(
     # In place, the caller's state now holds these values: building the final state
     # from it leaves the fields the mix does not change as the caller's own tensors,
     # which the final commit then need not copy again.
-    plain = commit(call, plain)
+    plain = commit(call, plain, plain=True)
     if call.guard is not None:
         call.guard.checkpoint()
     return plain
@@ -608,13 +633,124 @@ def count_outcome(
     )
 
 
-def commit(call: Call, new_state: AndersonState) -> AndersonState:
+def commit(call: Call, new_state: AndersonState, *, plain: bool = False) -> AndersonState:
     """Makes ``new_state`` the caller's: in an eager in-place call its values are written
-    into the tensors of the state passed in (which is returned), see atomic.py."""
+    into the tensors of the state passed in (which is returned), see atomic.py. The
+    copies are from tensors the caller does not hold, so an interrupted commit is finished
+    by doing them again (:func:`recover`). ``plain``: the commit point's commit, after which
+    an exception goes back to the plain step; after any other commit the call is done."""
     if call.guard is None:
         return new_state
-    write_back(call.state, new_state)
+    progress = call.progress
+    progress.pending = new_state
+    if plain and call.inner_state is not call.state.inner_state and _adopts(call):
+        # The built-in inner optimizers' new buffers are fresh tensors: the caller's take
+        # over their memory (O(1) each) instead of a copy, and the rest is written back.
+        adopt(call.state.inner_state, call.inner_state)
+        write_back(call.state, new_state._replace(inner_state=call.state.inner_state))
+    else:
+        write_back(call.state, new_state)
+    # Each outcome recorded in one statement, so that no line runs between the two.
+    if plain:
+        progress.pending, progress.plain = None, True
+    else:
+        progress.pending, progress.writes, progress.undo = None, [], []
     return call.state
+
+
+def _adopts(call: Call) -> bool:
+    """Whether the inner state's new buffers may be adopted by the caller's (built-in inner
+    optimizers, whose out-of-place buffers are fresh tensors of the same layout)."""
+    return getattr(call.options.inner.update, "writes_state", False)
+
+
+def adopt(target: Any, source: Any) -> None:
+    """``target``'s tensors take over the memory of ``source``'s (``Tensor.set_``, O(1)),
+    leaf by leaf; leaves of another shape, dtype or device are copied. Doing it again is a
+    no-op, so an interrupted adoption is finished by repeating it."""
+    targets = optree.tree_leaves(target, none_is_leaf=True)
+    sources = optree.tree_leaves(source, none_is_leaf=True)
+    for dst, src in zip(targets, sources):
+        if isinstance(dst, Tensor) and isinstance(src, Tensor) and dst is not src:
+            if dst.shape == src.shape and dst.dtype == src.dtype and dst.device == src.device:
+                dst.set_(src)
+            else:
+                dst.copy_(src)
+
+
+def begin_writes(call: Call) -> None:
+    """The first write into the caller's tensors is next: the params' version counters are
+    recorded, so that :func:`recover` knows which leaves hold their plain step (a version
+    counter moves with the write itself; ``Progress.stepped`` backs it up for inference
+    tensors, which keep none)."""
+    if call.progress is not None:
+        # Inference tensors keep no version counter: their leaves go by ``stepped`` alone.
+        call.progress.param_versions = [
+            None if p.is_inference() else p._version for p in call.params
+        ]
+
+
+def undo_later(call: Call, targets: list[Tensor], sources: list[Tensor]) -> None:
+    """After the commit point: copies ``targets[i] <- sources[i]`` that restore the plain
+    step in tensors about to be written (``sources`` must stay as they are until the call
+    ends)."""
+    if call.progress is not None:
+        call.progress.undo.append((targets, sources))
+
+
+def recover(call: Call) -> None:
+    """Turns an exception raised anywhere in an eager in-place call into one complete
+    outcome (docs/reliability.md, "The exception guarantee"), by copies only:
+
+    * during a commit (plain, final or skipped): the commit is finished (the final one with
+      the output's copies into the params), so the caller holds that state;
+    * after the commit point: the params and the window entries written since are put back,
+      so the caller holds the plain step (its mix dropped, uncounted);
+    * before the commit point, once the writes began: the plain step is completed (params,
+      inner state, counters) with the window restarted from it, as after a non-finite
+      append (:func:`restart_window`);
+    * before any write (the checks, the inner optimizer's out-of-place update): nothing to
+      do, the caller holds the state as it was.
+
+    A second exception while this runs is not handled (one fault at a time).
+    """
+    progress = call.progress
+    if progress.pending is not None:
+        for dst, src in progress.writes:
+            dst.copy_(src)
+        write_back(call.state, progress.pending)
+        progress.pending, progress.writes = None, []
+    elif progress.plain:
+        for targets, sources in progress.undo:
+            for dst, src in zip(targets, sources):
+                dst.copy_(src)
+    elif progress.param_versions is not None:
+        restart_window(call)
+
+
+def restart_window(call: Call) -> None:
+    """The plain step of the call, completed in the caller's tensors, with the window
+    restarted from it: params ``y = x + u`` (leaves not yet stepped get their update),
+    the inner optimizer's new state, ``count`` advanced, the anchor ``y`` the window's only
+    entry (mode "aadl": ``window_size = 1``; "classic": no pair, ``window_size = 0``), the
+    Grams zero, ``head`` one slot on, ``skip_streak = 0``; the other counters as they were.
+    Ring slots written halfway are outside the window and never read before being
+    rewritten (their Gram entries are recomputed then)."""
+    state = call.state
+    progress = call.progress
+    for i, (p, u, version) in enumerate(zip(call.params, call.updates, progress.param_versions)):
+        done = i < len(progress.stepped) if version is None else p._version != version
+        if not done:
+            p.add_(u)
+    write_back(state.inner_state, call.inner_state)
+    for a, p in zip(call.anchor, call.params):
+        a.copy_(p)
+    for field in (state.gram, state.dr_gram, state.dr_rhs):
+        field.zero_()
+    state.head.fill_((int(state.head) + 1) % call.q)
+    state.window_size.fill_(0 if call.options.rules.keeps_iterates else 1)
+    state.count.fill_(call.count_value)
+    state.skip_streak.fill_(0)
 
 
 def callbacks(call: Call) -> contextlib.AbstractContextManager:

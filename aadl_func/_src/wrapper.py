@@ -22,6 +22,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from aadl_func._src.anderson import Anderson, check_skip_allowed, count_skip, functions, step
+from aadl_func._src.atomic import InterruptGuard
+from aadl_func._src.checks import check_state_values
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 
@@ -218,17 +220,40 @@ class AcceleratedOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One accelerated step; see the class docstring.
 
-        Exception safety: if ``closure`` raises (or Ctrl-C interrupts) during the wrapped
-        optimizer's step, nothing has changed; if it raises while the safeguard evaluates a
-        group's mix, that group and every later one are finished as plain steps (params at the
-        wrapped optimizer's step, windows recording it), the groups before keep their
-        decisions, and the exception propagates.
+        Exception safety (docs/reliability.md, "The exception guarantee"). Ctrl-C (Python's
+        default handler, main thread) is deferred over the whole step except inside
+        ``closure``, where it acts at once, and is raised once the step is complete. An
+        exception raised
+
+        * by ``closure`` before the wrapped optimizer writes anything (``torch.optim``
+          evaluates it first), or by the argument checks: nothing has changed;
+        * after the wrapped optimizer's step (in a safeguard's ``closure``, in the core, or
+          in the copies back into the params): the groups decided before keep their
+          decisions; the group in progress ends at one outcome of the core (its plain step,
+          its finished step, or its plain step with the window restarted), written into its
+          params; every later group ends at the wrapped optimizer's plain step, recorded in
+          its window (no mix, no moving average). Params, the torch optimizer's state and
+          the windows then agree, and the next step continues from there;
+        * inside the wrapped optimizer's own step (its loop over the params, e.g. an
+          out-of-memory error or an exception from another signal's handler): not
+          protected. Some params and some of the torch optimizer's buffers may have been
+          stepped and others not; the windows are unchanged (they have not seen the step),
+          so a next step treats the params it finds as a new starting point.
+        * by the loss re-evaluation at the end (after a later group averaged): every group
+          has been decided, the step is complete.
 
         Returns:
           Without ``closure``: None. With it: the closure's loss at the params this step
           returns when the safeguard evaluated them, else the wrapped optimizer's return value
           (the closure's loss before the step, as ``torch.optim`` returns it).
         """
+        guard = InterruptGuard()
+        with guard:
+            if closure is not None:
+                closure = _interruptible(closure, guard)
+            return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         groups = self.param_groups
         windows = self._sync_windows()
         if self._config.skip_nonfinite:
@@ -240,48 +265,81 @@ class AcceleratedOptimizer(Optimizer):
             [p.detach().clone(memory_format=torch.preserve_format) for p in group["params"]]
             for group in groups
         ]
-        loss = self._plain_step() if closure is None else self._plain_step(closure)
-
+        # Once the torch optimizer has stepped, every group must end recorded. ``position``:
+        # the first group not finished; ``count_before``: its window's count before its
+        # update (-1 until read).
+        position, count_before, torch_stepped = 0, -1, False
         kept_loss: Any = None
         # Whether the params changed after the last closure evaluation (a later group averaged).
         stale = False
-        for index, (group, start) in enumerate(zip(groups, starts)):
-            params = group["params"]
-            if not params:
-                continue
-            if windows[index] is None:
-                windows[index] = self._anderson.init(start)
-            state = windows[index]
-            losses: list[Any] = []
-            loss_fn = None if closure is None else _closure_loss(params, closure, losses)
-            mixed_before = int(state.num_mixed)
-            averaged_before = int(state.num_averaged)
-            stepped = [p.detach() for p in params]
-            try:
+        try:
+            # One statement: no line runs between the torch step and its record.
+            loss, torch_stepped = self._torch_step(closure), True
+            for index, (group, start) in enumerate(zip(groups, starts)):
+                position, count_before = index, -1
+                params = group["params"]
+                if not params:
+                    continue
+                if windows[index] is None:
+                    windows[index] = self._anderson.init(start)
+                state = windows[index]
+                losses: list[Any] = []
+                loss_fn = None if closure is None else _closure_loss(params, closure, losses)
+                mixed_before = int(state.num_mixed)
+                averaged_before = int(state.num_averaged)
+                count_before = int(state.count)
+                stepped = [p.detach() for p in params]
                 out, state = self._anderson.update(
                     state, start, stepped, inplace=True, loss_fn=loss_fn
                 )
-            except BaseException:
-                # The core left this group's params (``start``) and window at the plain step.
-                for p, value in zip(params, start):
+                for p, value in zip(params, out):
                     p.copy_(value)
-                self._finish_plain(groups, starts, windows, index + 1)
-                raise
-            for p, value in zip(params, out):
-                p.copy_(value)
-            windows[index] = state
-            if losses:
-                # The safeguard evaluates loss_fn at the mix first, then at the plain step.
-                kept_loss = losses[0] if int(state.num_mixed) > mixed_before else losses[-1]
-                stale = False
-            elif kept_loss is not None and int(state.num_averaged) > averaged_before:
-                stale = True
+                position, count_before = index + 1, -1
+                if losses:
+                    # The safeguard evaluates loss_fn at the mix first, then at the plain step.
+                    kept_loss = losses[0] if int(state.num_mixed) > mixed_before else losses[-1]
+                    stale = False
+                elif kept_loss is not None and int(state.num_averaged) > averaged_before:
+                    stale = True
+        except BaseException:
+            if torch_stepped:
+                self._recover(groups, starts, windows, position, count_before)
+            raise
         if kept_loss is None:
             return loss
         if stale:
             with torch.enable_grad():
                 kept_loss = closure()  # type: ignore[misc]
         return kept_loss
+
+    def _torch_step(self, closure: Callable[[], Any] | None) -> Any:
+        """The wrapped optimizer's own step, in one line: its caller records that it
+        returned in the same statement."""
+        return self._plain_step() if closure is None else self._plain_step(closure)
+
+    def _recover(
+        self,
+        groups: list[dict[str, Any]],
+        starts: list[list[Tensor]],
+        windows: list[AndersonState | None],
+        position: int,
+        count_before: int,
+    ) -> None:
+        """After an exception past the torch optimizer's step: group ``position`` (the first
+        one not finished) ends at the core's outcome, the later groups at the plain step.
+
+        The core wrote its outcome in place into ``starts[position]`` and the window
+        (:func:`aadl_func._src.stages.recover`), and counted the call; a window whose count
+        did not move (or was not reached) never saw the step, so that group is finished as a
+        plain step too, from its params, which still hold the torch step."""
+        first = position
+        if position < len(groups) and count_before >= 0:
+            window = windows[position]
+            if window is not None and int(window.count) != count_before:
+                for p, value in zip(groups[position]["params"], starts[position]):
+                    p.copy_(value)
+                first = position + 1
+        self._finish_plain(groups, starts, windows, first)
 
     def _finish_plain(
         self,
@@ -434,6 +492,9 @@ class AcceleratedOptimizer(Optimizer):
                 )
         for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
             template_leaf.copy_(saved_leaf)
+        # The values (counters in range, the inner state's invariants), as ``update`` checks
+        # a state from outside; the copies above own their memory, so no aliasing is left.
+        check_state_values(self._config, template, params, optree.tree_structure(params), owner)
         return template
 
 
@@ -447,6 +508,17 @@ def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
         return loss if calls == 1 else closure()
 
     return once_evaluated
+
+
+def _interruptible(closure: Callable[[], Any], guard: InterruptGuard) -> Callable[[], Any]:
+    """``closure`` run as the user's code: Ctrl-C acts at once inside it (see
+    :meth:`aadl_func._src.atomic.InterruptGuard.callbacks`)."""
+
+    def run() -> Any:
+        with guard.callbacks():
+            return closure()
+
+    return run
 
 
 def _closure_loss(
