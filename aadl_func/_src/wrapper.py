@@ -11,6 +11,7 @@ AADL, and the result is written back into the params in place.
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections import OrderedDict
 from collections.abc import Callable
 from types import MethodType
@@ -239,18 +240,20 @@ class AcceleratedOptimizer(Optimizer):
           protected. Some params and some of the torch optimizer's buffers may have been
           stepped and others not; the windows are unchanged (they have not seen the step),
           so a next step treats the params it finds as a new starting point.
-        * by the loss re-evaluation at the end (after a later group averaged): every group
-          has been decided, the step is complete.
 
         Returns:
-          Without ``closure``: None. With it: the closure's loss at the params this step
-          returns when the safeguard evaluated them, else the wrapped optimizer's return value
-          (the closure's loss before the step, as ``torch.optim`` returns it).
+          What ``torch.optim`` returns: the wrapped optimizer's return value, i.e. the
+          closure's loss at the params the step started from (None without ``closure``).
+
+        Raises:
+          TypeError: ``closure`` returned something other than a loss (a tensor of one
+            element or a real number), raised at its first evaluation, before the wrapped
+            optimizer writes anything.
         """
         guard = InterruptGuard()
         with guard:
             if closure is not None:
-                closure = _interruptible(closure, guard)
+                closure = _interruptible(_returns_a_loss(closure), guard)
             return self._step(closure)
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
@@ -269,9 +272,6 @@ class AcceleratedOptimizer(Optimizer):
         # the first group not finished; ``count_before``: its window's count before its
         # update (-1 until read).
         position, count_before, torch_stepped = 0, -1, False
-        kept_loss: Any = None
-        # Whether the params changed after the last closure evaluation (a later group averaged).
-        stale = False
         try:
             # One statement: no line runs between the torch step and its record.
             loss, torch_stepped = self._torch_step(closure), True
@@ -283,10 +283,7 @@ class AcceleratedOptimizer(Optimizer):
                 if windows[index] is None:
                     windows[index] = self._anderson.init(start)
                 state = windows[index]
-                losses: list[Any] = []
-                loss_fn = None if closure is None else _closure_loss(params, closure, losses)
-                mixed_before = int(state.num_mixed)
-                averaged_before = int(state.num_averaged)
+                loss_fn = None if closure is None else _closure_loss(params, closure)
                 count_before = int(state.count)
                 stepped = [p.detach() for p in params]
                 out, state = self._anderson.update(
@@ -295,22 +292,11 @@ class AcceleratedOptimizer(Optimizer):
                 for p, value in zip(params, out):
                     p.copy_(value)
                 position, count_before = index + 1, -1
-                if losses:
-                    # The safeguard evaluates loss_fn at the mix first, then at the plain step.
-                    kept_loss = losses[0] if int(state.num_mixed) > mixed_before else losses[-1]
-                    stale = False
-                elif kept_loss is not None and int(state.num_averaged) > averaged_before:
-                    stale = True
         except BaseException:
             if torch_stepped:
                 self._recover(groups, starts, windows, position, count_before)
             raise
-        if kept_loss is None:
-            return loss
-        if stale:
-            with torch.enable_grad():
-                kept_loss = closure()  # type: ignore[misc]
-        return kept_loss
+        return loss
 
     def _torch_step(self, closure: Callable[[], Any] | None) -> Any:
         """The wrapped optimizer's own step, in one line: its caller records that it
@@ -521,8 +507,26 @@ def _interruptible(closure: Callable[[], Any], guard: InterruptGuard) -> Callabl
     return run
 
 
+def _returns_a_loss(closure: Callable[[], Any]) -> Callable[[], Any]:
+    """``closure``, checked to return a loss: the safeguard compares two of them."""
+
+    def checked() -> Any:
+        loss = closure()
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            return loss
+        if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+            return loss
+        raise TypeError(
+            "AcceleratedOptimizer.step: `closure` must return the loss (a tensor of one "
+            f"element or a real number), got {type(loss).__name__}"
+            + (" of shape " + str(tuple(loss.shape)) if isinstance(loss, Tensor) else "")
+        )
+
+    return checked
+
+
 def _closure_loss(
-    params: list[Tensor], closure: Callable[[], Any], record: list[Any]
+    params: list[Tensor], closure: Callable[[], Any]
 ) -> Callable[[list[Tensor]], Tensor]:
     """``loss_fn`` for the safeguard: the closure's loss with ``params`` set to a candidate."""
 
@@ -532,7 +536,6 @@ def _closure_loss(
                 p.copy_(value)
         with torch.enable_grad():
             loss = closure()
-        record.append(loss)
         if isinstance(loss, Tensor):
             return loss.detach().reshape(())
         return torch.tensor(float(loss), dtype=torch.float64)
