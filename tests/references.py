@@ -45,20 +45,24 @@ __all__ = [
 # -- least squares ----------------------------------------------------------------------------
 
 
-def _augment(A: np.ndarray, b: np.ndarray, reg: float) -> tuple[np.ndarray, np.ndarray]:
-    r"""``[A; sqrt(reg) I]`` and ``[b; 0]``: Tikhonov as an ordinary least-squares problem,
-    :math:`\|Ax - b\|^2 + \mathrm{reg}\|x\|^2 = \|[A; \sqrt{\mathrm{reg}} I] x - [b; 0]\|^2`."""
+def _augment(A: np.ndarray, b: np.ndarray, reg) -> tuple[np.ndarray, np.ndarray]:
+    r"""``[A; diag(sqrt(reg))]`` and ``[b; 0]``: Tikhonov as an ordinary least-squares
+    problem, :math:`\|Ax - b\|^2 + \sum_j \mathrm{reg}_j x_j^2 = \|[A;
+    \mathrm{diag}(\sqrt{\mathrm{reg}})] x - [b; 0]\|^2`; ``reg`` one number for every
+    column or one per column (``reg_column``)."""
     A = np.array(A, dtype=np.float64)
     b = np.array(b, dtype=np.float64)
-    if reg > 0:
-        m = A.shape[1]
-        A = np.vstack([A, np.sqrt(reg) * np.eye(m)])
+    m = A.shape[1]
+    weights = np.broadcast_to(np.asarray(reg, dtype=np.float64), (m,))
+    if np.any(weights > 0):
+        A = np.vstack([A, np.diag(np.sqrt(weights))])
         b = np.concatenate([b, np.zeros(m)])
     return A, b
 
 
-def svd_lstsq(A: np.ndarray, b: np.ndarray, reg: float = 0.0) -> np.ndarray:
-    """``argmin ||A x - b||^2 + reg ||x||^2`` by LAPACK's SVD solver (``numpy.linalg.lstsq``);
+def svd_lstsq(A: np.ndarray, b: np.ndarray, reg: float | np.ndarray = 0.0) -> np.ndarray:
+    """``argmin ||A x - b||^2 + reg ||x||^2`` by LAPACK's SVD solver (``numpy.linalg.lstsq``),
+    ``reg`` a number or one weight per column;
     for a rank-deficient ``A`` (``reg = 0``) the minimum-norm solution, the one well-defined
     answer."""
     A, b = _augment(A, b, reg)

@@ -1,8 +1,10 @@
 """``reg_column``: a Tikhonov weight per least-squares column (SciPy's ``w0``).
 
-Held to a NumPy float64 reference written here from the definition (column j of the small
-problem gets ``reg + reg_column * ||Delta f_j||^2`` on its diagonal, solved as an augmented
-least-squares problem with ``numpy.linalg.lstsq``), in both modes, and to
+Held to NumPy float64 recurrences written here from the definition (column j of the small
+problem gets ``reg + reg_column * ||Delta f_j||^2`` on its diagonal), solved with the tests'
+reference least squares (``references.svd_lstsq``: the augmented problem by
+``numpy.linalg.lstsq``) and AADL's reference point (``references.aadl_point``), in both
+modes, and to
 ``scipy.optimize.anderson``'s own iterates where the two recurrences are the same (mode
 classic, no line search: ``history_depth = M + 1``, ``reg_column = w0**2``, the inner step
 ``x + alpha F(x)``).
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from references import aadl_point, svd_lstsq
 from torch.func import vmap
 
 import aadl_func as aa
@@ -34,13 +37,6 @@ def _g(x: np.ndarray) -> np.ndarray:
     return a @ x + b + 0.05 * np.sin(x)
 
 
-def _ridge_lstsq(columns: np.ndarray, rhs: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """``argmin ||rhs - C g||^2 + sum_j weights_j g_j^2`` by lstsq on the augmented system."""
-    m = columns.shape[1]
-    stacked = np.vstack([columns, np.diag(np.sqrt(weights))])
-    return np.linalg.lstsq(stacked, np.concatenate([rhs, np.zeros(m)]), rcond=None)[0]
-
-
 def classic_reference(x0, steps, depth, reg, reg_column, relaxation=1.0):
     """Type-II Anderson acceleration on ``g`` with the per-column ridge (float64 NumPy)."""
     xs, fs, out = [], [], []
@@ -55,7 +51,7 @@ def classic_reference(x0, steps, depth, reg, reg_column, relaxation=1.0):
             dx = np.diff(np.stack(xs, 1), axis=1)
             df = np.diff(np.stack(fs, 1), axis=1)
             weights = reg + reg_column * (df * df).sum(0)
-            gamma = _ridge_lstsq(df, fs[-1], weights)
+            gamma = svd_lstsq(df, fs[-1], weights)
             x = xs[-1] + relaxation * fs[-1] - (dx + relaxation * df) @ gamma
         out.append(x)
     return np.stack(out)
@@ -74,12 +70,7 @@ def aadl_reference(x0, steps, depth, reg, reg_column, relaxation=1.0):
             dx = np.diff(big_x, axis=1)
             dr = np.diff(dx, axis=1)
             weights = reg + reg_column * (dr * dr).sum(0)
-            gamma = _ridge_lstsq(dr, dx[:, -1], weights)
-            alpha = np.concatenate([gamma[:1], np.diff(gamma), 1.0 - gamma[-1:]])
-            x = sum(
-                a * ((1 - relaxation) * big_x[:, i] + relaxation * big_x[:, i + 1])
-                for i, a in enumerate(alpha)
-            )
+            x = aadl_point(big_x, svd_lstsq(dr, dx[:, -1], weights), relaxation)
         out.append(x)
     return np.stack(out)
 

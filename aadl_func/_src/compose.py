@@ -32,6 +32,7 @@ import torch
 
 from aadl_func._src import tree
 from aadl_func._src.inner import InnerOptimizer
+from aadl_func._src.transforms import EmptyState
 from aadl_func._src.validation import check_float
 
 __all__ = ["ChainState", "add_decayed_weights", "chain", "clip_by_global_norm"]
@@ -43,10 +44,6 @@ class ChainState(NamedTuple):
     """The states of a :func:`chain`'s transformations, in order."""
 
     states: tuple
-
-
-class EmptyState(NamedTuple):
-    """The state of a transformation that keeps none."""
 
 
 def chain(*transforms: Any) -> InnerOptimizer:

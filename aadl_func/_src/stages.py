@@ -838,11 +838,6 @@ def certified_finite(call: Call, solution: Solution) -> Tensor:
     return tree.decision(bound <= call.overflow_limit, call.compute_device)
 
 
-def max_abs_leaves(call: Call, leaves: list[Tensor]) -> Tensor:
-    """The largest magnitude over ``leaves`` on this rank (float64, compute device)."""
-    return distributed.max_abs(leaves, call.compute_device)
-
-
 # -- small helpers ----------------------------------------------------------------------------
 def advance(
     counter: Tensor,
