@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _common import finite_or_none, format_table
+from _common import PlainOptimizer, finite_or_none, format_table
 from torch import Tensor
 from tqdm import tqdm
 
@@ -114,6 +114,29 @@ class Method:
     safeguard: bool = False
     options: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+
+
+# The baselines both full-batch comparisons run (digits_demo.py, pinn.py).
+def adam_method(lr: float, betas: tuple[float, float]) -> Method:
+    return Method(
+        "Adam",
+        "functional",
+        make=lambda: PlainOptimizer(aa.adam(lr, betas=betas)),
+        options={"lr": lr, "betas": list(betas)},
+        description=f"aa.adam({lr:g}, betas={betas})",
+    )
+
+
+def lbfgs_method(lr: float, history_size: int) -> Method:
+    return Method(
+        "L-BFGS",
+        "lbfgs",
+        options={"lr": lr, "history_size": history_size, "max_iter": 20},
+        description=(
+            f"torch.optim.LBFGS(lr={lr:g}, history_size={history_size}, max_iter=20, "
+            'line_search_fn="strong_wolfe")'
+        ),
+    )
 
 
 def _track(problem: Problem, params) -> float | None:

@@ -72,6 +72,8 @@ from _compare import (  # noqa: E402
     Comparison,
     Method,
     Problem,
+    adam_method,
+    lbfgs_method,
     markdown,
     measure_forward_ratio,
     plot,
@@ -141,28 +143,6 @@ def anderson_adam(lr: float, history_depth: int, reg_relative: float):
         history_depth=history_depth,
         mode="classic",
         reg_relative=reg_relative,
-    )
-
-
-def adam_method(lr: float, betas: tuple[float, float]) -> Method:
-    return Method(
-        "Adam",
-        "functional",
-        make=lambda: PlainOptimizer(aa.adam(lr, betas=betas)),
-        options={"lr": lr, "betas": list(betas)},
-        description=f"aa.adam({lr:g}, betas={betas})",
-    )
-
-
-def lbfgs_method(lr: float, history_size: int) -> Method:
-    return Method(
-        "L-BFGS",
-        "lbfgs",
-        options={"lr": lr, "history_size": history_size, "max_iter": 20},
-        description=(
-            f"torch.optim.LBFGS(lr={lr:g}, history_size={history_size}, max_iter=20, "
-            'line_search_fn="strong_wolfe")'
-        ),
     )
 
 
