@@ -104,7 +104,8 @@ class Trace:
 class Method:
     """A row of the comparison. ``kind``: ``"functional"`` (``make()`` returns an object with
     ``init``/``update(state, params, grads, inplace=..., loss_fn=...)``; ``safeguard`` passes
-    the forward-only loss as ``loss_fn``), ``"lbfgs"`` (``options`` for ``torch.optim.LBFGS``:
+    the forward-only loss as ``loss_fn``, ``deferred`` the loss computed with the gradient as
+    ``loss=``, the deferred safeguard), ``"lbfgs"`` (``options`` for ``torch.optim.LBFGS``:
     ``lr``, ``history_size``, ``max_iter`` per ``step`` call), or ``"then-lbfgs"`` (``make()``
     for ``options["first_steps"]`` updates, then L-BFGS with ``options["lbfgs"]``)."""
 
@@ -112,6 +113,7 @@ class Method:
     kind: str
     make: Callable[[], Any] | None = None
     safeguard: bool = False
+    deferred: bool = False
     options: dict[str, Any] = field(default_factory=dict)
     description: str = ""
 
@@ -139,6 +141,21 @@ def lbfgs_method(lr: float, history_size: int) -> Method:
     )
 
 
+# The safeguards of the AA rows: none, the deferred one (``update(..., loss=value)``, the
+# loss computed with the gradient) and the ``loss_fn`` one (two forward passes per mix).
+SAFEGUARDS = {
+    "none": ("AA", ", no safeguard"),
+    "deferred": ("AA + deferred safeguard", ", update(..., loss=train_loss)"),
+    "loss_fn": ("AA + loss_fn safeguard", ", update(..., loss_fn=train_loss)"),
+}
+
+
+def aa_row(safeguard: str) -> tuple[str, str, dict[str, bool]]:
+    """An AA row's label, the words its description ends with and its :class:`Method` flags."""
+    label, usage = SAFEGUARDS[safeguard]
+    return label, usage, {"safeguard": safeguard == "loss_fn", "deferred": safeguard == "deferred"}
+
+
 def _track(problem: Problem, params) -> float | None:
     return None if problem.track is None else problem.track(params)
 
@@ -149,6 +166,7 @@ def run_functional(
     budget: float,
     *,
     safeguard: bool = False,
+    deferred: bool = False,
     max_steps: int | None = None,
 ) -> tuple[Trace, dict[str, Tensor], dict[str, int]]:
     """Full-batch updates from the problem's initial weights until ``budget``
@@ -173,9 +191,8 @@ def run_functional(
         if trace.equivalents(-1) >= budget or not math.isfinite(value):
             break
         start = clock()
-        params, state = optimizer.update(
-            state, params, grads, inplace=True, loss_fn=loss_fn if safeguard else None
-        )
+        judge = {"loss_fn": loss_fn} if safeguard else {"loss": loss} if deferred else {}
+        params, state = optimizer.update(state, params, grads, inplace=True, **judge)
         trace.elapsed += clock() - start
         k += 1
         if k == max_steps:  # params: x_k, not evaluated yet
@@ -249,7 +266,9 @@ def run_lbfgs(
 def run_method(method: Method, problem: Problem, budget: float):
     """Runs ``method`` on ``problem``; returns ``(trace, final params, counters)``."""
     if method.kind == "functional":
-        return run_functional(problem, method.make(), budget, safeguard=method.safeguard)
+        return run_functional(
+            problem, method.make(), budget, safeguard=method.safeguard, deferred=method.deferred
+        )
     if method.kind == "lbfgs":
         return run_lbfgs(problem, budget, **method.options)
     if method.kind == "then-lbfgs":

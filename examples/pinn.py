@@ -26,8 +26,9 @@ passes; the script prints the measured time ratio):
 
 * ``GD``, ``Adam`` and ``L-BFGS`` (``torch.optim.LBFGS``, strong Wolfe), each tuned;
 * ``Adam -> L-BFGS``: the usual PINN recipe, Adam for a number of steps then L-BFGS (tuned);
-* ``AA`` and ``AA + safeguard``: the best configurations of ``aa.anderson`` without and with
-  the ``loss_fn`` safeguard (tuned).
+* ``AA``, ``AA + deferred safeguard`` and ``AA + loss_fn safeguard``: the best configurations
+  of ``aa.anderson`` without a safeguard, with the deferred one (``update(..., loss=value)``)
+  and with the ``loss_fn`` one (tuned).
 
 How the settings were chosen (``--tune``): a grid per method (16 settings; GD: 8 learning
 rates), three tuning seeds (100, 101, 102; the reported seeds are 0, 1, 2), the full budget;
@@ -37,7 +38,7 @@ below; the grids are :func:`tuning_grids`.
 
 Usage::
 
-    python examples/pinn.py            # 6 methods x 3 seeds (about a minute)
+    python examples/pinn.py            # 7 methods x 3 seeds (about two minutes)
     python examples/pinn.py --quick    # 1 seed, 300 gradient-equivalents: smoke test
     python examples/pinn.py --tune     # the tuning sweeps
 
@@ -67,6 +68,7 @@ from _compare import (  # noqa: E402
     Comparison,
     Method,
     Problem,
+    aa_row,
     adam_method,
     lbfgs_method,
     markdown,
@@ -90,7 +92,7 @@ COMPARISON = Comparison(
     tune_target=1e-4,
     verdict_key="metric<0.001",
     baselines=("adam", "lbfgs", "adam_lbfgs"),
-    accelerated=("aa", "aa_safeguard"),
+    accelerated=("aa", "aa_deferred", "aa_safeguard"),
     final_metrics={"l2_error": ("rel. L2 error", 1.0, ".1e")},
     metric_targets=(1e-2, 1e-3),
     metric_name="rel. L2 error",
@@ -103,13 +105,15 @@ COMPARISON = Comparison(
 # L-BFGS 286 (history 50, the largest of the grid; lr 1, history 20: 418); Adam -> L-BFGS 225
 # (200 steps of Adam 0.01: 297); AA without the safeguard never (the setting below had the
 # lowest final loss; around Adam with beta1 = 0.9 it diverged; an earlier grid at lr 0.003
-# did worse); AA + safeguard 1164.
+# did worse); AA + loss_fn safeguard 1164; AA + deferred safeguard 939 (depth 5: 1209; around
+# Adam without momentum it never got there).
 GD = {"lr": 0.1}
 ADAM = {"lr": 0.03, "betas": (0.9, 0.999)}
 LBFGS = {"lr": 0.3, "history_size": 50}
 ADAM_LBFGS = {"lr": 0.03, "first_steps": 100}
 AA = {"lr": 0.01, "beta1": 0.0, "history_depth": 5, "wait_iterations": 200}
 AA_SAFEGUARD = {"lr": 0.01, "beta1": 0.9, "history_depth": 5, "wait_iterations": 200}
+AA_DEFERRED = {"lr": 0.01, "beta1": 0.9, "history_depth": 10, "wait_iterations": 200}
 
 
 def exact(x: Tensor) -> Tensor:
@@ -196,7 +200,7 @@ def adam_lbfgs_method(lr: float, first_steps: int) -> Method:
 
 
 def aa_method(
-    lr: float, beta1: float, history_depth: int, wait_iterations: int, safeguard: bool
+    lr: float, beta1: float, history_depth: int, wait_iterations: int, safeguard: str
 ) -> Method:
     def make():
         return aa.anderson(
@@ -206,22 +210,22 @@ def aa_method(
             wait_iterations=wait_iterations,
         )
 
+    label, usage, flags = aa_row(safeguard)
     return Method(
-        "AA + safeguard" if safeguard else "AA",
+        label,
         "functional",
         make=make,
-        safeguard=safeguard,
+        **flags,
         options={
             "inner": f"aa.adam({lr:g}, betas=({beta1:g}, 0.999))",
             "mode": "classic",
             "history_depth": history_depth,
             "wait_iterations": wait_iterations,
-            "loss_fn": "train loss" if safeguard else None,
+            "safeguard": safeguard,
         },
         description=(
             f'aa.anderson(aa.adam({lr:g}, betas=({beta1:g}, 0.999)), mode="classic", '
-            f"history_depth={history_depth}, wait_iterations={wait_iterations})"
-            + (", loss_fn=train_loss" if safeguard else ", no loss_fn")
+            f"history_depth={history_depth}, wait_iterations={wait_iterations}){usage}"
         ),
     )
 
@@ -232,8 +236,9 @@ def methods() -> dict[str, Method]:
         "adam": adam_method(**ADAM),
         "lbfgs": lbfgs_method(**LBFGS),
         "adam_lbfgs": adam_lbfgs_method(**ADAM_LBFGS),
-        "aa": aa_method(**AA, safeguard=False),
-        "aa_safeguard": aa_method(**AA_SAFEGUARD, safeguard=True),
+        "aa": aa_method(**AA, safeguard="none"),
+        "aa_deferred": aa_method(**AA_DEFERRED, safeguard="deferred"),
+        "aa_safeguard": aa_method(**AA_SAFEGUARD, safeguard="loss_fn"),
     }
 
 
@@ -256,7 +261,11 @@ def tuning_grids() -> dict[str, list[Method]]:
             for first_steps in (50, 100, 200, 400)
         ],
     }
-    for key, safeguard in (("aa", False), ("aa_safeguard", True)):
+    for key, safeguard in (
+        ("aa", "none"),
+        ("aa_deferred", "deferred"),
+        ("aa_safeguard", "loss_fn"),
+    ):
         grids[key] = [
             aa_method(lr, beta1, history_depth, wait, safeguard)
             for beta1 in (0.9, 0.0)

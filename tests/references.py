@@ -330,6 +330,12 @@ class Recurrence:
     5. safeguard (``loss``, or the scripted decisions ``accept``): the mix is kept only if
        ``loss(mix) < loss(y)``; a kept mix replaces the newest entry (mode "aadl"), a
        rejected one restarts the window from its newest entry with ``restart_on_reject``.
+    6. ``deferred`` (``update(..., loss=loss(x))``, judged before step 1): if the previous
+       call returned a mix made from a point of loss ``l`` (finite) and ``loss(x) < l``
+       fails, the call returns the previous call's plain step ``y`` and is not counted
+       (``k`` stays, as for a skipped call), with nothing else changed (no inner step;
+       ``restart_on_reject`` cuts the window to its newest entry). A mix returned by a call
+       records that call's ``loss(x)``.
 
     After :meth:`run`, ``window`` holds the final window (mode "classic": the pairs).
     """
@@ -348,6 +354,7 @@ class Recurrence:
     average_tol: float = 0.1
     restart_on_reject: bool = False
     skip_nonfinite: bool = False
+    deferred: bool = False
     solve: Solver = svd_lstsq
     window: list = field(default_factory=list, init=False, repr=False)
 
@@ -382,7 +389,8 @@ class Recurrence:
     ) -> tuple[list[np.ndarray], list[str]]:
         """The params after each of ``steps`` calls and, per call, what it returned: "plain",
         "mix", "rejected" (the plain step after the safeguard refused a finite mix),
-        "average" or "skipped".
+        "reverted" (``deferred``: the previous plain step after ``loss`` refused the previous
+        call's mix), "average" or "skipped".
 
         With ``inputs`` (another run's outputs), call ``j`` (0-based) receives ``inputs[j -
         1]`` as its params instead of the reference's own previous output, and a kept mix puts
@@ -395,9 +403,19 @@ class Recurrence:
         x = np.array(x0, dtype=np.float64)
         inner_state = self.inner.init(x)
         outputs, kinds, k = [], [], 0
+        pending, y = None, None  # deferred: the pending mix's reference loss, the last y
         for j in range(steps):
             if inputs is not None and j > 0:
                 x = np.array(inputs[j - 1], dtype=np.float64)
+            if self.deferred:
+                value = loss(x)
+                if pending is not None and not value < pending:
+                    pending, x = None, y.copy()
+                    if self.restart_on_reject:
+                        self.window = self.window[-1:]
+                    outputs.append(x.copy())
+                    kinds.append("reverted")
+                    continue
             g = self.grad(x)
             y, new_inner = self.inner.step(x, g, inner_state)
             if self.skip_nonfinite and not (_finite(g) and _finite(y)):
@@ -417,13 +435,16 @@ class Recurrence:
             elif gate and len(self.window) >= needed:
                 xm = self._mix()
                 if _finite(xm):
-                    kind, out = self._safeguard(xm, y, loss, decisions)
-                    if kind == "mix" and (loss is not None or decisions is not None):
+                    judge = None if self.deferred else loss
+                    kind, out = self._safeguard(xm, y, judge, decisions)
+                    if kind == "mix" and (judge is not None or decisions is not None):
                         if self.mode == "aadl":
                             forced = inputs is not None and j < len(inputs)
                             self.window[-1] = np.array(inputs[j] if forced else xm)
                     if kind == "rejected" and self.restart_on_reject:
                         self.window = self.window[-1:]
+            if self.deferred:
+                pending = value if kind == "mix" and np.isfinite(value) else None
             x = out
             outputs.append(x.copy())
             kinds.append(kind)

@@ -266,6 +266,11 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "update-state-type": _update_case(state=lambda s: tuple(s)),
     "update-inplace-type": _update_case(inplace=1),
     "update-loss_fn-type": _update_case(loss_fn="mse"),
+    "update-loss-type": _update_case(loss=torch.tensor([1.0, 2.0])),
+    "update-loss-and-loss_fn": _update_case(loss=torch.tensor(1.0), loss_fn=lambda p: p["b"].sum()),
+    "update-loss-store_each_nth": _update_case(
+        made_with={"store_each_nth": 2}, loss=torch.tensor(1.0)
+    ),
     "update-params-leaf": _update_case(params=lambda p: {**p, "b": 1.0}, grads=lambda p: p),
     "update-params-int": _update_case(params=lambda p: {k: v.long() for k, v in p.items()}),
     "update-params-none": _update_case(params=lambda p: None, grads=lambda p: _grads_of(_params())),
@@ -335,6 +340,12 @@ CASES: dict[str, Callable[[], Any] | Update] = {
         state=lambda s: s._replace(window_size=torch.tensor(-5))
     ),
     "update-state-count-range": _update_case(state=lambda s: s._replace(count=torch.tensor(-1))),
+    "update-state-pending_loss-value": _update_case(
+        state=lambda s: s._replace(pending_loss=torch.tensor(-math.inf, dtype=torch.float64))
+    ),
+    "update-state-pending_loss-type": _update_case(
+        state=lambda s: s._replace(pending_loss=torch.tensor(1.0))
+    ),
     "update-state-outcome-range": _update_case(
         state=lambda s: s._replace(num_mixed=torch.tensor(7))
     ),

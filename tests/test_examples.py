@@ -127,9 +127,12 @@ def _check_runs(summary, budget, forward_cost):
             if "num_mixed" in run:
                 calls = run["num_mixed"] + run["num_rejected"] + run["num_nonfinite"]
                 assert calls <= run["steps"] and run["num_nonfinite"] == 0
-                if summary["methods"][key]["options"]["loss_fn"] is None:
+                safeguard = summary["methods"][key]["options"]["safeguard"]
+                if safeguard == "none":
                     assert run["forwards"] == 0 and run["num_rejected"] == 0
-                else:  # the safeguard: two forward-only losses per mixing call
+                elif safeguard == "deferred":  # judged by the loss computed with the grads
+                    assert run["forwards"] == 0
+                else:  # the loss_fn safeguard: two forward-only losses per mixing call
                     assert run["forwards"] == 2 * calls
             else:
                 assert run["forwards"] == 0
@@ -155,7 +158,7 @@ def test_digits_demo(examples, tmp_path, capsys):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     output = capsys.readouterr().out
     assert "loss<0.01: grad-eq" in output and "best baseline" in output
-    assert set(summary["runs"]) == {"gd", "adam", "lbfgs", "aa", "aa_safeguard"}
+    assert set(summary["runs"]) == {"gd", "adam", "lbfgs", "aa", "aa_deferred", "aa_safeguard"}
     assert summary["config"]["seeds"] == [0] and summary["config"]["budget"] == budget
     _check_runs(summary, budget, demo.FORWARD_COST)
     runs = {key: rs[0] for key, rs in summary["runs"].items()}
@@ -184,6 +187,10 @@ def test_digits_demo(examples, tmp_path, capsys):
     # 5.5e-2, L-BFGS 4.9e-2, GD 0.38): accelerated Adam trains fastest in evaluations.
     others = ("gd", "adam", "lbfgs", "aa_safeguard")
     assert all(runs["aa"]["final_loss"] < 0.5 * runs[key]["final_loss"] for key in others)
+    # The deferred safeguard adds no forward pass: its costs are gradients alone.
+    deferred = runs["aa_deferred"]
+    assert deferred["forwards"] == 0 and deferred["equivalents"] == deferred["grads"]
+    assert deferred["num_mixed"] > 0
 
 
 def test_digits_demo_tune(examples, tmp_path, capsys):

@@ -57,6 +57,14 @@ CONFIGS = {
     "aadl-skipped-call": dict(
         inner=lambda: aa.adam(0.05), skip_nonfinite=True, nan_grads=True, guard=True
     ),
+    # The deferred safeguard (``loss=``) on every call; the faulted call's loss rejects the
+    # mix the warm-up's last call returned: a reverted call (its writes: params and counters).
+    "classic-deferred-reverted": dict(
+        inner=lambda: aa.adam(0.05), mode="classic", guard=False, deferred=True
+    ),
+    "aadl-deferred-kept": dict(
+        inner=lambda: aa.sgd(0.3, momentum=0.5), guard=False, deferred=True, keep=True
+    ),
 }
 ERRORS = [RuntimeError, SystemExit, KeyboardInterrupt]
 
@@ -83,6 +91,8 @@ class Setup:
         config = dict(CONFIGS[name])
         self.guard = config.pop("guard")
         nan_grads = config.pop("nan_grads", False)
+        self.deferred = config.pop("deferred", False)
+        keep = config.pop("keep", False)
         make_inner = config.pop("inner")
         self.options = dict(history_depth=4, **config)
         self.opt = aa.anderson(make_inner(), **self.options)
@@ -91,25 +101,32 @@ class Setup:
         state = self.opt.init(params)
         for _ in range(WARM):
             params, state = self.opt.update(
-                state, params, self._grads(params), inplace=True, loss_fn=self._loss_fn()
+                state, params, self._grads(params), inplace=True, **self._kw(params)
             )
         self.start = _clone((params, state))
         self.grads = self._grads(params)
+        self.faulted_kw = self._kw(params)
+        if self.deferred:
+            assert float(state.pending_loss) < float("inf")  # a mix is pending: judged now
+            # A loss above the pending one rejects it; below it keeps it.
+            self.faulted_kw = {"loss": state.pending_loss * (0.5 if keep else 2.0) + 1.0}
         if nan_grads:
             self.grads["v"][0, 0] = float("nan")  # the faulted call is a skipped one
         self.before = _clone(self.start)
         self.final = self._call(
-            lambda s, p, g: self.opt.update(s, p, g, inplace=True, **self._kw())
+            lambda s, p, g: self.opt.update(s, p, g, inplace=True, **self.faulted_kw)
         )
         self.plain = self._call(
-            lambda s, p, g: step(self.core, s, p, g, inplace=True, mix=False, **self._kw())
+            lambda s, p, g: step(self.core, s, p, g, inplace=True, mix=False, **self.faulted_kw)
         )
         self.restart = self._restarted(self.plain)
 
     def _loss_fn(self):
         return self.loss if self.guard else None
 
-    def _kw(self):
+    def _kw(self, params):
+        if self.deferred:
+            return {"loss": self.loss(params)}
         return {"loss_fn": self._loss_fn()}
 
     def _grads(self, params):
@@ -154,7 +171,7 @@ class Setup:
         trajectory = []
         for _ in range(len(state.residuals) + 1):
             params, state = self.opt.update(
-                state, params, self._grads(params), inplace=True, loss_fn=self._loss_fn()
+                state, params, self._grads(params), inplace=True, **self._kw(params)
             )
             trajectory.append(_clone(params))
         return trajectory, state
@@ -167,7 +184,7 @@ def _in_package(code) -> bool:
 def _run_traced(setup, faults):
     params, state = _clone(setup.start)
     grads = _clone(setup.grads)
-    faults.run(lambda: setup.opt.update(state, params, grads, inplace=True, **setup._kw()))
+    faults.run(lambda: setup.opt.update(state, params, grads, inplace=True, **setup.faulted_kw))
     return params, state
 
 
@@ -214,6 +231,8 @@ def test_an_exception_at_any_line_leaves_one_complete_outcome(name, error):
     # The sample reaches the writes (not only the checks before them); a skipped call's
     # only write is its short commit of two counters.
     assert len(seen) >= 2 or "nan_grads" in CONFIGS[name], seen
+    if name == "classic-deferred-reverted":
+        assert int(setup.final[1].num_rejected) == int(setup.before[1].num_rejected) + 1
 
 
 # -- the torch.optim wrapper ---------------------------------------------------------------

@@ -53,7 +53,7 @@ from aadl_func._src.stages import (
 from aadl_func._src.state import AndersonState
 from aadl_func._src.window import append_difference, combine
 
-__all__ = ["aadl_step", "base_bound", "mix_bound"]
+__all__ = ["aadl_step", "base_bound", "last_plain_step", "mix_bound"]
 
 
 class Window(NamedTuple):
@@ -316,3 +316,9 @@ def mix_bound(options: Any, alpha: Tensor, norms: Tensor, base: Tensor) -> Tenso
     :math:`A + \sum_s |c_s| \|r_s\|`, :math:`A` the base's bound."""
     c = aadl_coefficients(alpha, options.relaxation).abs()
     return base + torch.where(c > 0, c * norms, 0.0).sum()
+
+
+def last_plain_step(call: Call) -> list[Tensor]:
+    """The previous call's plain step :math:`y_{k-1}`: the anchor (the newest plain iterate,
+    stored on every call with ``store_each_nth = 1``), as a fresh tensor."""
+    return [a.clone() for a in call.anchor]

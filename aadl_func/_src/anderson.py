@@ -11,13 +11,14 @@ entry point for other front ends (:class:`aadl_func.AcceleratedOptimizer`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from aadl_func._src import distributed, flags, tree
+from aadl_func._src import deferred, distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard
 from aadl_func._src.checks import (
     autograd_policy,
@@ -27,7 +28,7 @@ from aadl_func._src.checks import (
     mark_verified,
 )
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.stages import Call, commit, recover
+from aadl_func._src.stages import Call, commit, recover, revert
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.window import new_ring
 
@@ -39,7 +40,8 @@ LossFn = Callable[[Params], Tensor]
 
 class Anderson(NamedTuple):
     """A functional optimizer: ``state = init(params)``;
-    ``params, state = update(state, params, grads, *, inplace=False, loss_fn=None)``."""
+    ``params, state = update(state, params, grads, *, inplace=False, loss_fn=None,
+    loss=None)``."""
 
     init: Callable[[Params], AndersonState]
     update: Callable[..., tuple[Params, AndersonState]]
@@ -205,9 +207,12 @@ def functions(options: AndersonOptions) -> tuple[Callable[..., Any], Callable[..
         *,
         inplace: bool = False,
         loss_fn: LossFn | None = None,
+        loss: Tensor | float | None = None,
     ) -> tuple[Params, AndersonState]:
         with autograd_policy():  # no graph through the window (see checks.autograd_policy)
-            out, new_state = step(options, state, params, grads, inplace=inplace, loss_fn=loss_fn)
+            out, new_state = step(
+                options, state, params, grads, inplace=inplace, loss_fn=loss_fn, loss=loss
+            )
         return keep_requires_grad(out, params, inplace), new_state
 
     return init, update
@@ -285,6 +290,7 @@ def _init(options: AndersonOptions, params: Params) -> AndersonState:
         num_averaged=_counter(),
         num_skipped=_counter(),
         skip_streak=_counter(),
+        pending_loss=deferred.empty(),
     )
 
 
@@ -296,6 +302,7 @@ def step(
     *,
     inplace: bool = False,
     loss_fn: LossFn | None = None,
+    loss: Tensor | float | None = None,
     mix: bool = True,
 ) -> tuple[Params, AndersonState]:
     """One call of ``update`` for ``options``: the functional core's entry point for front
@@ -303,7 +310,15 @@ def step(
 
     ``mix=False`` (the wrapper's recovery after an interrupted safeguard) records the plain
     step in the window and returns it, with no mix and no moving average.
+
+    ``loss`` (the deferred safeguard, :mod:`aadl_func._src.deferred`): when it rejects the
+    mix the previous call returned, the call goes back to that call's plain step
+    (:func:`aadl_func._src.stages.revert`) and runs no inner step.
     """
+    if loss is not None:
+        loss = deferred.check_loss(options, loss, loss_fn)
+    if isinstance(state, AndersonState) and state.pending_loss is None:
+        state = state._replace(pending_loss=deferred.empty())  # saved before the field
     # Sharded (DTensor) params: the step runs on local shards (the inner optimizer included,
     # so it must act coordinate-wise) and reduces over the mesh; see distributed.py.
     shards, params, grads, loss_fn = distributed.sharded_call(
@@ -319,24 +334,51 @@ def step(
     elif transformed:
         # vmap: counters that every member shares become plain values (tree.shared), so an
         # ensemble stepping together writes its windows at one slot, O(n) per member.
-        state = state._replace(**{name: tree.shared(getattr(state, name)) for name in COUNTERS})
+        state = state._replace(**{name: tree.shared(getattr(state, name)) for name in MOVED})
     # An eager in-place call writes the caller's buffers, so it commits in two stages and
     # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
     # written back: the transformed call returns its state.
     guard = InterruptGuard() if inplace and not transformed else None
     with guard if guard is not None else contextlib.nullcontext():
+        # The deferred safeguard's verdict on the mix the previous call returned, before
+        # any inner step: a known rejection (eager) goes back without one.
+        if loss is not None and shards is not None:
+            loss = shards.mean_loss(loss)  # every rank judges the same loss
+        rejected = deferred.rejects(state, loss)
+        reject_known = flags.value(rejected)
+        if reject_known:
+            call = Call(
+                options,
+                state,
+                p_leaves,
+                spec,
+                [],  # no inner step
+                state.inner_state,
+                inplace=inplace,
+                loss_fn=None,
+                loss=loss,
+                shards=shards,
+                guard=guard,
+            )
+            out, new_state = _finish(call, lambda: revert(call, blended=False))
+            return _returned(call, out, new_state, transformed)
         # With skip_nonfinite the inner update is computed out of place, so that a non-finite
         # one can be dropped without having touched the inner state.
         # Eager in place (guarded) also when the inner optimizer keeps buffers: their new
         # values are committed with the plain step, so an exception before it leaves the
         # inner state as it was. (The built-in ones say whether they do; others are assumed
         # to.) In place it would only write the grads, which the guarantee does not cover.
+        # A rejection without a value (vmap, compile) blends it with the kept call: out of
+        # place too.
         keeps_buffers = getattr(options.inner.update, "writes_state", True)
         updates, inner_state = options.inner.update(
             grads,
             state.inner_state,
             params=params,
-            inplace=inplace and not options.skip_nonfinite and (guard is None or not keeps_buffers),
+            inplace=inplace
+            and not options.skip_nonfinite
+            and (guard is None or not keeps_buffers)
+            and reject_known is not None,
         )
         u_leaves, u_spec = tree.flatten(updates, "inner updates")
         tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
@@ -349,30 +391,65 @@ def step(
             inner_state,
             inplace=inplace,
             loss_fn=loss_fn,
+            loss=loss,
             shards=shards,
             guard=guard,
             plain=not mix,
         )
         run = options.rules.step
-        try:
-            if options.skip_nonfinite:
-                out, new_state = _run_if_finite(call, run, tree.flatten(grads, "grads")[0])
-            else:
-                out, new_state = run(call)
-        except BaseException:
-            if call.progress is not None:
-                recover(call)  # one complete outcome, whatever was raised where
-            raise
-    if shards is not None:
-        out = tree.unflatten(spec, shards.globalize(tree.flatten(out, "params")[0]))
-    if new_state is not state and not transformed:
+        if options.skip_nonfinite:
+            g_leaves = tree.flatten(grads, "grads")[0]
+            run = functools.partial(_run_if_finite, run=options.rules.step, g_leaves=g_leaves)
+        if reject_known is None:
+            out, new_state = _blend_verdict(call, rejected, run)
+        else:
+            out, new_state = _finish(call, lambda: run(call))
+    return _returned(call, out, new_state, transformed)
+
+
+def _finish(call: Call, run: Callable[[], tuple[Any, AndersonState]]) -> tuple[Any, Any]:
+    """``run()``, with an eager in-place call's exception turned into one complete outcome."""
+    try:
+        return run()
+    except BaseException:
+        if call.progress is not None:
+            recover(call)  # one complete outcome, whatever was raised where
+        raise
+
+
+def _returned(call: Call, out: Any, new_state: AndersonState, transformed: bool) -> tuple:
+    """What ``update`` returns: the params (DTensors again if sharded) and the state, marked
+    as verified when this eager call made it."""
+    if call.shards is not None:
+        out = tree.unflatten(call.spec, call.shards.globalize(tree.flatten(out, "params")[0]))
+    if new_state is not call.state and not transformed:
         mark_verified(new_state)  # made here: its values need no check on the next call
     return out, new_state
 
 
+def _blend_verdict(call: Call, rejected: Tensor, run: Callable) -> tuple[Any, AndersonState]:
+    """The call when the deferred safeguard's verdict has no value (vmap, compile): the kept
+    call where the mix is kept, the reverted one elsewhere, blended; in place, the params
+    are then written with the blend (the kept call's own writes were masked)."""
+    out, new_state = call.blend.select(
+        flags.negate(rejected), lambda: run(call), lambda: revert(call, blended=True)
+    )
+    if call.inplace:
+        leaves = tree.flatten(out, "params")[0]
+        for p, v in zip(call.params, leaves):
+            if v is not p:
+                p.copy_(v)
+        out = tree.unflatten(call.spec, list(call.params))
+    return out, new_state
+
+
+# The 0-d fields that live beside the counters (on the CPU, eagerly).
+MOVED = (*COUNTERS, "pending_loss")
+
+
 def _counters_on(state: AndersonState, device: torch.device) -> AndersonState:
     """``state`` with its 0-d counters on ``device`` (a no-op for those already there)."""
-    return state._replace(**{name: getattr(state, name).to(device) for name in COUNTERS})
+    return state._replace(**{name: getattr(state, name).to(device) for name in MOVED})
 
 
 def _all_finite(leaves: list[Tensor], device: torch.device) -> Tensor:
@@ -383,7 +460,7 @@ def _all_finite(leaves: list[Tensor], device: torch.device) -> Tensor:
 
 
 def _run_if_finite(
-    call: Call, run: Callable[[Call], tuple[Any, AndersonState]], g_leaves: list[Tensor]
+    call: Call, *, run: Callable[[Call], tuple[Any, AndersonState]], g_leaves: list[Tensor]
 ) -> tuple[Any, AndersonState]:
     """``run(call)`` if the grads and the inner update are finite, else the skipped call.
 

@@ -11,6 +11,7 @@ The module also holds the autograd policy of ``init``/``update`` (:func:`autogra
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -222,6 +223,11 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
             raise TypeError(
                 f"{OWNER}: `state.{name}` must be a 0-d int64 tensor, got {_describe(value)}"
             )
+    pending = state.pending_loss
+    if not (isinstance(pending, Tensor) and pending.dim() == 0 and pending.dtype == torch.float64):
+        raise TypeError(
+            f"{OWNER}: `state.pending_loss` must be a 0-d float64 tensor, got {_describe(pending)}"
+        )
     q = config.num_slots
     if not isinstance(state.residuals, tuple) or len(state.residuals) != q:
         held = len(state.residuals) if isinstance(state.residuals, (tuple, list)) else "no"
@@ -390,6 +396,12 @@ def check_state_values(
                 f"{owner}: `state.{name}` is {value[name]}, expected between {text}; "
                 "was the state saved by this optimizer and loaded unchanged?"
             )
+    pending = tree.static_value(state.pending_loss)
+    if pending is not None and not (pending == pending and pending > -math.inf):
+        raise ValueError(
+            f"{owner}: `state.pending_loss` is {pending}, expected a loss or +inf; was the "
+            "state saved by this optimizer and loaded unchanged?"
+        )
     check_values = getattr(config.inner, "check_values", None)
     if callable(check_values):
         check_values(state.inner_state, count=count, name="state.inner_state", owner=owner)

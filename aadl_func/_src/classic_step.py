@@ -40,6 +40,7 @@ from aadl_func._src.stages import (
     output,
     owned,
     plain_step,
+    read_slot,
     safeguard,
     solve,
     store_anchor,
@@ -52,7 +53,7 @@ from aadl_func._src.stages import (
 from aadl_func._src.state import AndersonState
 from aadl_func._src.window import combine, write_slot
 
-__all__ = ["base_bound", "classic_step", "mix_bound"]
+__all__ = ["base_bound", "classic_step", "last_plain_step", "mix_bound"]
 
 
 class Window(NamedTuple):
@@ -175,3 +176,11 @@ def mix_bound(options: Any, alpha: Tensor, norms: Tensor, base: Tensor) -> Tenso
     :math:`A \sum_i |\alpha_i| + \beta \sum_i |\alpha_i| \|f_i\|`."""
     a = alpha.abs()
     return base * a.sum() + options.relaxation * torch.where(a > 0, a * norms, 0.0).sum()
+
+
+def last_plain_step(call: Call) -> list[Tensor]:
+    """The previous call's plain step :math:`y_{k-1} = x_{k-1} + f_{k-1}`: the anchor plus
+    the newest residual, added in the params' dtype as the plain step was (exact for a
+    window in the params' dtype; a lower ``history_dtype`` rounds :math:`f_{k-1}`)."""
+    newest = read_slot(call.ring, call.state.head)
+    return [a + f.to(a.dtype) for a, f in zip(call.anchor, newest)]

@@ -208,6 +208,14 @@ class ShardedCall:
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
         return buffer.to(values.device)
 
+    def mean_loss(self, loss: Tensor) -> Tensor:
+        """A loss passed to ``update`` (the deferred safeguard), identical on every rank: a
+        DTensor's global value, else this rank's loss averaged over the group (one
+        all_reduce of one float64 value)."""
+        if is_dtensor(loss):
+            return loss.full_tensor()
+        return self.all_sum(loss.detach().reshape(1).to(torch.float64))[0] / self.world_size
+
     def mean_losses(self, loss_x: Tensor, loss_y: Tensor) -> tuple[Tensor, Tensor]:
         """The safeguard's losses, identical on every rank.
 

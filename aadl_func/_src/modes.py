@@ -32,6 +32,9 @@ class Mode:
       base_bound: ``base_bound(call)``, this rank's bound of the combination's base.
       mix_bound: ``mix_bound(options, alpha, norms, base)``, a bound of every entry of the mix
         from the summed base bound and the residual norms.
+      last_plain_step: ``last_plain_step(call)``, the previous call's plain step read from
+        the window (history device), where a rejected mix goes back to
+        (:mod:`aadl_func._src.deferred`).
     """
 
     name: str
@@ -42,6 +45,7 @@ class Mode:
     step: Callable[..., tuple[Any, Any]]
     base_bound: Callable[..., Any]
     mix_bound: Callable[..., Any]
+    last_plain_step: Callable[..., Any]
 
 
 MODES = {
@@ -55,6 +59,7 @@ MODES = {
         step=aadl_step.aadl_step,
         base_bound=aadl_step.base_bound,
         mix_bound=aadl_step.mix_bound,
+        last_plain_step=aadl_step.last_plain_step,
     ),
     # Classic stores one residual and one step per pair. The moving average needs a window
     # of plain iterates, whose spread the residual Gram of pairs does not give.
@@ -67,5 +72,6 @@ MODES = {
         step=classic_step.classic_step,
         base_bound=classic_step.base_bound,
         mix_bound=classic_step.mix_bound,
+        last_plain_step=classic_step.last_plain_step,
     ),
 }

@@ -28,7 +28,7 @@ import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import distributed, flags, tree
+from aadl_func._src import deferred, distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, write_back
 from aadl_func._src.blend import Blend
 from aadl_func._src.solve import (
@@ -60,7 +60,9 @@ __all__ = [
     "plain_step",
     "recover",
     "replace_newest",
+    "reset_streak",
     "restart_window",
+    "revert",
     "safeguard",
     "solve",
     "stores",
@@ -85,6 +87,8 @@ class Call:
       updates: the inner optimizer's update leaves ``u`` (``y = x + u``).
       inner_state: the inner optimizer's state after this call's update.
       inplace, loss_fn: as given to ``update``.
+      loss: the training loss at ``params`` given to ``update`` (the deferred safeguard,
+        :mod:`aadl_func._src.deferred`), a 0-d tensor, or None.
       shards: sharded params only, the call's :class:`aadl_func._src.distributed.ShardedCall`.
       guard: eager in-place calls only, the :class:`~aadl_func._src.atomic.InterruptGuard`.
       plain: the wrapper's recovery: record the plain step, never mix.
@@ -109,6 +113,7 @@ class Call:
         "inner_state",
         "inplace",
         "loss_fn",
+        "loss",
         "shards",
         "guard",
         "plain",
@@ -137,6 +142,7 @@ class Call:
         *,
         inplace: bool,
         loss_fn: Any,
+        loss: Tensor | None = None,
         shards: distributed.ShardedCall | None = None,
         guard: InterruptGuard | None = None,
         plain: bool = False,
@@ -149,6 +155,7 @@ class Call:
         self.inner_state = inner_state
         self.inplace = inplace
         self.loss_fn = loss_fn
+        self.loss = loss
         self.shards = shards
         self.guard = guard
         self.plain = plain
@@ -585,11 +592,8 @@ def commit_plain(
     plain = state._replace(
         count=call.count,
         inner_state=call.inner_state,
-        skip_streak=call.blend.select(
-            flags.known(tree.static_value(state.skip_streak) == 0),
-            lambda: state.skip_streak,
-            lambda: torch.zeros_like(state.skip_streak),
-        ),
+        skip_streak=reset_streak(call),
+        pending_loss=deferred.cleared(state),  # the plain step is no mix to judge
         residuals=window_tree(call, "residuals", ring),
         gram=grams[0],
         dr_gram=grams[1],
@@ -606,6 +610,17 @@ def commit_plain(
     if call.guard is not None:
         call.guard.checkpoint()
     return plain
+
+
+def reset_streak(call: Call) -> Tensor:
+    """``skip_streak`` after a call that takes a step: 0 (the state's own tensor if it is
+    already 0, so that there is nothing to write back)."""
+    streak = call.state.skip_streak
+    return call.blend.select(
+        flags.known(tree.static_value(streak) == 0),
+        lambda: streak,
+        lambda: torch.zeros_like(streak),
+    )
 
 
 def count_outcome(
@@ -629,8 +644,36 @@ def count_outcome(
         # A poisoned append was counted at the commit; a failed mix on a poisoned call
         # is the same event.
         num_nonfinite=flags.add_if(plain.num_nonfinite, failed),
+        pending_loss=deferred.pending_after(call, use_mix),
         **fields,
     )
+
+
+def revert(call: Call, *, blended: bool) -> tuple[Any, AndersonState]:
+    """The call whose ``loss`` rejected the pending mix (:mod:`aadl_func._src.deferred`):
+    the previous call's plain step, read from the window by the mode's
+    ``last_plain_step``, and the state with only ``num_rejected``,
+    ``pending_loss``, ``skip_streak`` and (``restart_on_reject``) ``window_size`` changed;
+    the inner optimizer's state stays that of the plain step.
+
+    Eagerly the params are written in place through :func:`output` (an exception then
+    finishes the call) and the state is committed. ``blended`` (the decision has no value:
+    vmap, compile): the leaves are returned out of place, and the caller writes them after
+    blending them with the kept call's outcome."""
+    state = call.state
+    y = to_params(call, call.options.rules.last_plain_step(call))
+    # ``count`` stays, as for a skipped call: the inner optimizer took no step (its own step
+    # count equals ``count``), and the call-count gates count the steps taken.
+    final = state._replace(
+        num_rejected=state.num_rejected + 1,
+        pending_loss=torch.full_like(state.pending_loss, deferred.INF),
+        skip_streak=reset_streak(call),
+        window_size=restarted(call, state.window_size, flags.TRUE),
+    )
+    if blended:
+        return tree.unflatten(call.spec, y), final
+    out = output(call, flags.FALSE, y, y, final)
+    return tree.unflatten(call.spec, out), commit(call, final)
 
 
 def commit(call: Call, new_state: AndersonState, *, plain: bool = False) -> AndersonState:
@@ -751,6 +794,7 @@ def restart_window(call: Call) -> None:
     state.window_size.fill_(0 if call.options.rules.keeps_iterates else 1)
     state.count.fill_(call.count_value)
     state.skip_streak.fill_(0)
+    state.pending_loss.fill_(deferred.INF)
 
 
 def callbacks(call: Call) -> contextlib.AbstractContextManager:

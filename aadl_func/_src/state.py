@@ -43,6 +43,10 @@ class AndersonState(NamedTuple):
       num_skipped: 0-d int64, calls skipped by ``skip_nonfinite`` (non-finite grads or inner
         update: params and the rest of the state left as they were).
       skip_streak: 0-d int64, consecutive skipped calls up to now (0 after a step is taken).
+      pending_loss: 0-d float64 (beside the counters): with ``update(..., loss=...)`` (the
+        deferred safeguard), the loss at the point the returned mix was made from, which the
+        next call's ``loss`` must beat; +inf when the last call returned no mix.
+        ``None`` in a state saved before the field existed (read as +inf).
     """
 
     count: Tensor
@@ -61,6 +65,7 @@ class AndersonState(NamedTuple):
     num_averaged: Tensor
     num_skipped: Tensor
     skip_streak: Tensor
+    pending_loss: Tensor | None = None
 
 
 # The 0-d int64 counters of the state (checked and moved together).

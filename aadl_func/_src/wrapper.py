@@ -455,6 +455,8 @@ class AcceleratedOptimizer(Optimizer):
         if not params:
             raise ValueError(f"{owner}: {where} has no params but the checkpoint has a window")
         template = self._anderson.init(params)
+        if saved.pending_loss is None:  # saved before the field existed: nothing pending
+            saved = saved._replace(pending_loss=template.pending_loss)
         template_leaves, template_spec = optree.tree_flatten(template)
         saved_leaves, saved_spec = optree.tree_flatten(saved)
         if template_spec != saved_spec:
