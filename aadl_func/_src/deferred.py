@@ -99,18 +99,17 @@ def cleared(state: AndersonState) -> Tensor:
     return torch.full_like(state.pending_loss, INF)
 
 
-def pending_after(call: Any, use_mix: Tensor) -> Tensor:
+def pending_after(call: Any, use_mix: Tensor, nothing: Tensor) -> Tensor:
     """``pending_loss`` after a call that returns the mix where ``use_mix`` holds: the call's
     ``loss`` there (a finite one; a mix made from a point of non-finite loss is not judged),
-    else +inf."""
-    state = call.state
+    else ``nothing``, the plain step's (:func:`cleared`, so that it is read once a call)."""
     if call.loss is None:
-        return cleared(state)
+        return nothing
     known = flags.value(use_mix)
     if known is False:
-        return cleared(state)
-    loss = as_pending(call.loss, state.pending_loss)
+        return nothing
+    loss = as_pending(call.loss, nothing)
     judged = torch.where(torch.isfinite(loss), loss, INF)
     if known:
         return judged
-    return torch.where(use_mix.to(judged.device), judged, INF)
+    return torch.where(use_mix.to(judged.device), judged, nothing)

@@ -644,7 +644,7 @@ def count_outcome(
         # A poisoned append was counted at the commit; a failed mix on a poisoned call
         # is the same event.
         num_nonfinite=flags.add_if(plain.num_nonfinite, failed),
-        pending_loss=deferred.pending_after(call, use_mix),
+        pending_loss=deferred.pending_after(call, use_mix, plain.pending_loss),
         **fields,
     )
 
