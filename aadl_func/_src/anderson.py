@@ -27,7 +27,7 @@ from aadl_func._src.checks import (
     mark_verified,
 )
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.scalars import gram_dtype
+from aadl_func._src.scalars import wide
 from aadl_func._src.stages import Call, commit, recover
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.window import new_ring
@@ -270,7 +270,8 @@ def _init(options: AndersonOptions, params: Params) -> AndersonState:
         anchor_leaves = [a.copy_(p.detach()) for a, p in zip(anchor_leaves, leaves)]
         iterates = ring()
     device = options.compute_device_of(leaves)
-    grams = gram_dtype(p.dtype for p in leaves)  # complex128 (Hermitian) for complex params
+    # complex128 (Hermitian) for complex params, which are all complex (check_floating).
+    grams = wide(leaves[0].dtype)
     return AndersonState(
         count=_counter(),
         inner_state=options.inner.init(params),

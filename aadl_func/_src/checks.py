@@ -19,7 +19,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import tree
-from aadl_func._src.scalars import COMPLEX_HISTORY, gram_dtype
+from aadl_func._src.scalars import COMPLEX_HISTORY, wide
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.validation import (
     check_bool,
@@ -310,7 +310,9 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
         check_window("state.iterates[0]", state.iterates[0])
     check_leaf_devices(OWNER, "state.anchor", a_leaves, history_devices, where, spec=a_spec)
     compute_device = config.compute_device_of(p_leaves)
-    grams = gram_dtype(history_dtypes)  # complex128 (Hermitian) for a complex window
+    # complex128 (Hermitian) for a complex window, all of whose leaves are complex (checked
+    # above by check_floating): the first leaf decides.
+    grams = wide(history_dtypes[0])
     for name, shape in (("gram", (q, q)), ("dr_gram", (q, q)), ("dr_rhs", (q,))):
         value = getattr(state, name)
         if not (

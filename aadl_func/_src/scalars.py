@@ -5,23 +5,21 @@ product :math:`\langle a, b \rangle = a^H b = \sum_i \overline{a_i}\, b_i` (conj
 in the first argument), its Gram matrices are Hermitian, :math:`G = F^H F`, and its least
 squares problem is solved over complex coefficients. The passes write that as
 ``torch.mv(block.conj(), v)``; for a real tensor ``conj()`` returns the tensor itself, so the
-real window's arithmetic is unchanged, bit for bit. This module holds the few decisions that
-do depend on the field, so that nothing else needs an ``is_complex`` test:
+real window's arithmetic is unchanged, bit for bit. The few decisions that do depend on the
+field are here (besides the argument checks, which refuse what complex data cannot do):
 
-* :func:`wide` -- the dtype inner products accumulate in (float64 or complex128);
-* :func:`gram_dtype` -- the dtype of a state's Grams for its window's dtypes;
+* :func:`wide` -- the dtype inner products and the state's Grams are kept in (float64, or
+  complex128 for complex data: params are all real or all complex, so one leaf decides);
 * :func:`real_view` -- a complex tensor as its real and imaginary parts (finiteness, bounds);
 * :func:`abs2` -- :math:`|z|^2`, real.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import Tensor
 
-__all__ = ["COMPLEX_HISTORY", "EXACT", "abs2", "gram_dtype", "real_view", "wide"]
+__all__ = ["COMPLEX_HISTORY", "EXACT", "abs2", "real_view", "wide"]
 
 #: Window dtypes solved by the accurate route (a QR factor of the differences, formed element
 #: by element): float64 and, for complex windows, complex128.
@@ -36,12 +34,6 @@ def wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype inner products of ``dtype`` data accumulate in: complex128 for complex data
     (its parts float64), float64 otherwise."""
     return torch.complex128 if dtype.is_complex else torch.float64
-
-
-def gram_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    """The dtype of the Grams of a window whose leaves have ``dtypes``: complex128 when any
-    leaf is complex (the Gram is Hermitian), float64 otherwise."""
-    return torch.complex128 if any(d.is_complex for d in dtypes) else torch.float64
 
 
 def real_view(t: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from aadl_func._src import batched, kernels, native, tree
 from aadl_func._src.blend import Blend
-from aadl_func._src.scalars import EXACT, gram_dtype
+from aadl_func._src.scalars import EXACT, wide
 
 __all__ = [
     "append_difference",
@@ -96,7 +96,8 @@ def gram_row(
         the slots (the residual just written), which is then converted only once.
       device: where the result (``Q`` scalars) goes.
     """
-    row = torch.zeros(len(slots), dtype=gram_dtype(v.dtype for v in vector), device=device)
+    # float64, or complex128 for a complex window (whose leaves are all complex: check_floating).
+    row = torch.zeros(len(slots), dtype=wide(vector[0].dtype), device=device)
     for leaf_index, v in enumerate(vector):
         flats = [tree.flat_view(slot[leaf_index]) for slot in slots]
         v_flat = tree.flat_view(v)
@@ -366,7 +367,7 @@ def difference_rows(
     """
     q = len(slots)
     exact = direct or all(s.dtype in EXACT for s in slots[0])
-    acc = gram_dtype(s.dtype for s in slots[0])
+    acc = wide(slots[0][0].dtype)  # float64 or complex128 (leaves all real or all complex)
     p = torch.zeros(q, dtype=acc, device=device) if exact else None
     if g is not None and exact:
         raise ValueError(
@@ -434,7 +435,7 @@ def difference_factor(
       device: where the ``(Q, Q)`` result goes.
     """
     q = len(slots)
-    factor = torch.zeros(q, q, dtype=gram_dtype(s.dtype for s in slots[0]), device=device)
+    factor = torch.zeros(q, q, dtype=wide(slots[0][0].dtype), device=device)
     concrete = not tree.any_transformed([order, valid])
     positions = (order.tolist(), valid.tolist()) if concrete else None
     for leaf_index in range(len(slots[0])):
