@@ -158,9 +158,16 @@ def test_state_grams_are_hermitian_inner_products(dtype):
 
 
 # -- vmap: an ensemble of complex problems --------------------------------------------------
-def test_vmap_ensemble_matches_each_member():
+@pytest.mark.parametrize("passes", ["per_member", "batched"])
+def test_vmap_ensemble_matches_each_member(passes, monkeypatch):
     """Three complex problems stepped together under torch.func.vmap: each member's iterates
-    are the reference's for its own problem, to 1e-10."""
+    are the reference's for its own problem, to 1e-10. ``batched``: the passes an accelerator
+    or a differentiated step takes (stacked chunks, batched products) instead of the CPU's
+    per-member eager kernels."""
+    if passes == "batched":
+        from aadl_func._src import vmap_rules
+
+        monkeypatch.setattr(vmap_rules, "per_member", lambda tensors: False)
     problems = [_hermitian_problem(6, seed=10 + m, skew=0.2) for m in range(3)]
     lr = 0.1
     opt = aa.anderson(GradientDescent(lr), mode="classic", history_depth=4, reg_column=1e-4)
@@ -432,27 +439,30 @@ def test_reference_is_sound():
 
 
 @pytest.mark.skipif(torch.__version__ < (2, 12), reason="compiling update needs torch 2.12+")
-def test_compiled_step_on_complex_params():
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64], ids=str)
+def test_compiled_step_on_complex_params(dtype):
     """torch.compile traces the complex window's passes in one graph (the ``aot_eager``
     backend, as tests/test_compile.py: graph breaks and in-place semantics are dynamo's and
     AOT autograd's; inductor has no complex code generation and falls back to eager kernels,
-    so compiling is about composition, not speed): each call is the reference's, to 1e-10."""
+    so compiling is about composition, not speed): each call is the reference's, to 1e-10
+    (complex64: 1e-5, as test_complex64_window_matches_numpy)."""
     A, b, x0 = _hermitian_problem(5, seed=80, skew=0.2)
     lr = 0.1
     opt = aa.anderson(GradientDescent(lr), mode="classic", history_depth=3)
     torch._dynamo.reset()
     step = torch.compile(lambda s, x, g: opt.update(s, x, g), backend="aot_eager", fullgraph=True)
-    x = torch.tensor(x0)
+    x = torch.tensor(x0, dtype=dtype)
     state = opt.init(x)
     ours = []
     try:
         for _ in range(6):
-            x, state = step(state, x, torch.from_numpy(A @ x.numpy() - b))
-            ours.append(x.numpy().copy())
+            g = A @ x.numpy().astype(np.complex128) - b
+            x, state = step(state, x, torch.from_numpy(g).to(dtype))
+            ours.append(x.numpy().astype(np.complex128))
     finally:
         torch._dynamo.reset()
     expected, kinds = Recurrence(lambda x: A @ x - b, lr, mode="classic", history_depth=3).run(
         x0, 6, inputs=ours
     )
-    assert _worst(ours, expected) <= 1e-10
+    assert _worst(ours, expected) <= (1e-10 if dtype == C else 1e-5)
     assert kinds.count("mix") == 5
