@@ -512,7 +512,8 @@ def fixed_point(
     Args:
       g: the map, pytree -> pytree of the structure, shapes (and dtypes, after a cast) of
         ``x0``.
-      x0: the starting point, a pytree of real floating tensors.
+      x0: the starting point, a pytree of real floating tensors, or (mode "classic") of
+        complex ones: the norm is then that of the moduli (docs/solver.md, "Complex tensors").
       tol: absolute tolerance (``>= 0``) on the residual norm.
       rtol: relative tolerance (``>= 0``): the solve stops at
         :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\, \|r_0\|)`.
@@ -584,7 +585,7 @@ def root(
 
     Args:
       F: the function, pytree -> pytree of ``x0``'s structure and shapes.
-      x0: the starting point, a pytree of real floating tensors.
+      x0: the starting point, as :func:`fixed_point`'s.
       alpha: None (SciPy's rule) or a finite non-zero real number.
       line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s default
         backtracking search on :math:`\|F\|^2` (``scipy.optimize.anderson`` uses it unless
