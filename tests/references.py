@@ -16,6 +16,9 @@ dense matrices, so that agreement with the library is evidence, not the same cod
   on an explicit window.
 
 Conventions: a window is an ``(n, k)`` array whose columns are the iterates, oldest first.
+Complex data (mode "classic"): :func:`type2_anderson`, :class:`Recurrence` and
+:func:`svd_lstsq` compute in complex128 (LAPACK's complex least squares, norms of
+:math:`|z|^2`), :func:`minimal_residual_iterate` is GMRES over real or complex numbers.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "gmres",
     "gmres_iterate",
     "householder_lstsq",
+    "minimal_residual_iterate",
     "svd_lstsq",
     "type2_anderson",
 ]
@@ -50,13 +54,14 @@ def _augment(A: np.ndarray, b: np.ndarray, reg) -> tuple[np.ndarray, np.ndarray]
     problem, :math:`\|Ax - b\|^2 + \sum_j \mathrm{reg}_j x_j^2 = \|[A;
     \mathrm{diag}(\sqrt{\mathrm{reg}})] x - [b; 0]\|^2`; ``reg`` one number for every
     column or one per column (``reg_column``)."""
-    A = np.array(A, dtype=np.float64)
-    b = np.array(b, dtype=np.float64)
+    dtype = np.result_type(A, b, np.float64)  # complex128 for complex data
+    A = np.array(A, dtype=dtype)
+    b = np.array(b, dtype=dtype)
     m = A.shape[1]
     weights = np.broadcast_to(np.asarray(reg, dtype=np.float64), (m,))
     if np.any(weights > 0):
         A = np.vstack([A, np.diag(np.sqrt(weights))])
-        b = np.concatenate([b, np.zeros(m)])
+        b = np.concatenate([b, np.zeros(m, dtype=dtype)])
     return A, b
 
 
@@ -158,6 +163,7 @@ def type2_anderson(
     reg: float = 0.0,
     reg_relative: float = 0.0,
     solve: Solver = svd_lstsq,
+    reg_column: float = 0.0,
 ) -> np.ndarray:
     r"""Textbook type-II Anderson acceleration from the pairs ``(x_i, g(x_i))`` (columns):
 
@@ -170,16 +176,25 @@ def type2_anderson(
     The constraint is eliminated with consecutive differences :math:`\Delta F`, so that a
     Tikhonov weight means what it means in ``anderson``: :math:`\gamma = \arg\min \|f_{last}
     - \Delta F \gamma\|^2 + \lambda \|\gamma\|^2`, :math:`\alpha = \alpha(\gamma)` as in AADL
-    (:math:`\sum_i \alpha_i f_i = f_{last} - \Delta F \gamma`).
+    (:math:`\sum_i \alpha_i f_i = f_{last} - \Delta F \gamma`). ``reg_column`` adds
+    :math:`\mathrm{reg\_column}\,\|\Delta f_j\|^2` to column ``j``'s weight (SciPy's
+    :math:`w_0^2`).
+
+    Complex pairs give the complex problem: the norms are those of :math:`\mathbb{C}^n`
+    (:math:`|z|^2`), :math:`\gamma` and :math:`\alpha` are complex (``solve`` must then be
+    :func:`svd_lstsq`, LAPACK's complex solver).
     """
-    xs = np.asarray(xs, dtype=np.float64)
-    gs = np.asarray(gs, dtype=np.float64)
+    dtype = np.result_type(xs, gs, np.float64)
+    xs = np.asarray(xs, dtype=dtype)
+    gs = np.asarray(gs, dtype=dtype)
     F = gs - xs
     if F.shape[1] == 1:
         alpha = np.ones(1)
     else:
         DF = np.diff(F, axis=1)
-        lam = reg + reg_relative * float(np.sum(DF * DF)) / DF.shape[1]
+        lam = reg + reg_relative * float(np.sum(np.abs(DF) ** 2)) / DF.shape[1]
+        if reg_column:
+            lam = lam + reg_column * np.sum(np.abs(DF) ** 2, axis=0)
         alpha = aadl_alpha(solve(DF, F[:, -1], lam))
     return ((1.0 - relaxation) * xs + relaxation * gs) @ alpha
 
@@ -232,6 +247,32 @@ def gmres(A: np.ndarray, b: np.ndarray, x0: np.ndarray, steps: int) -> list:
             break
         V[:, j + 1] = w / H[j + 1, j]
     return out
+
+
+def minimal_residual_iterate(A: np.ndarray, b: np.ndarray, x0: np.ndarray, k: int) -> np.ndarray:
+    r"""GMRES's ``x_k`` over real or complex numbers, by its definition: the minimiser of
+    :math:`\|b - A x\|_2` over :math:`x_0 + \mathcal{K}_k(A, r_0)`, from an orthonormal basis
+    of the Krylov space (Arnoldi, modified Gram-Schmidt run twice, with the Hermitian inner
+    product ``np.vdot``) and LAPACK's least-squares solver on the small problem
+    :math:`\min_y \|r_0 - A V_k y\|`. (:func:`gmres` is the real Givens-rotation form.)"""
+    dtype = np.result_type(A, b, x0, np.float64)
+    x0 = np.asarray(x0, dtype=dtype)
+    r0 = b - A @ x0
+    if k == 0 or np.linalg.norm(r0) == 0.0:
+        return x0.copy()
+    V = [r0 / np.linalg.norm(r0)]
+    for _ in range(1, k):
+        w = A @ V[-1]
+        for _ in range(2):
+            for v in V:
+                w = w - np.vdot(v, w) * v
+        norm = np.linalg.norm(w)
+        if norm <= 1e-14 * np.linalg.norm(r0):  # the space is invariant: x* is in it
+            break
+        V.append(w / norm)
+    basis = np.stack(V, axis=1)
+    y = np.linalg.lstsq(A @ basis, r0, rcond=None)[0]
+    return x0 + basis @ y
 
 
 def gmres_iterate(A: np.ndarray, b: np.ndarray, x0: np.ndarray, k: int) -> np.ndarray:
@@ -356,6 +397,7 @@ class Recurrence:
     skip_nonfinite: bool = False
     deferred: bool = False
     solve: Solver = svd_lstsq
+    reg_column: float = 0.0  # mode "classic" (type2_anderson's)
     window: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -368,7 +410,7 @@ class Recurrence:
             return aadl_extrapolate(np.stack(self.window, axis=1), self.relaxation, **options)
         xs = np.stack([p[0] for p in self.window], axis=1)
         gs = np.stack([p[1] for p in self.window], axis=1)
-        return type2_anderson(xs, gs, self.relaxation, **options)
+        return type2_anderson(xs, gs, self.relaxation, reg_column=self.reg_column, **options)
 
     def _averaged(self) -> np.ndarray | None:
         """The window mean if AADL's moving-average rule applies (spread > tol |mean|)."""
@@ -400,13 +442,14 @@ class Recurrence:
         decisions = iter(accept) if accept is not None else None
         depth = self.history_depth
         self.window = []
-        x = np.array(x0, dtype=np.float64)
+        dtype = np.result_type(x0, np.float64)  # complex128 for a complex run (mode "classic")
+        x = np.array(x0, dtype=dtype)
         inner_state = self.inner.init(x)
         outputs, kinds, k = [], [], 0
         pending, y = None, None  # deferred: the pending mix's reference loss, the last y
         for j in range(steps):
             if inputs is not None and j > 0:
-                x = np.array(inputs[j - 1], dtype=np.float64)
+                x = np.array(inputs[j - 1], dtype=dtype)
             if self.deferred:
                 value = loss(x)
                 if pending is not None and not value < pending:

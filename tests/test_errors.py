@@ -262,6 +262,12 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "init-params-empty": _init({}),
     "init-params-int": _init({"w": torch.arange(3)}),
     "init-params-complex": _init(torch.zeros(3, dtype=torch.complex64)),
+    "init-params-complex-mixed": lambda: aa.anderson(sgd(0.1), mode="classic").init(
+        {"a": torch.zeros(3, dtype=torch.complex64), "b": torch.zeros(2)}
+    ),
+    "init-params-complex-history_dtype": lambda: aa.anderson(
+        sgd(0.1), mode="classic", history_dtype=torch.bfloat16
+    ).init(torch.zeros(3, dtype=torch.complex64)),
     # update: the call itself
     "update-state-type": _update_case(state=lambda s: tuple(s)),
     "update-inplace-type": _update_case(inplace=1),

@@ -28,6 +28,7 @@ from aadl_func._src.checks import (
     mark_verified,
 )
 from aadl_func._src.options import AndersonOptions
+from aadl_func._src.scalars import wide
 from aadl_func._src.stages import Call, commit, recover, revert
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.window import new_ring
@@ -118,7 +119,8 @@ def anderson(
       wait_iterations: calls before the first mixing, ``>= 0``.
       store_each_nth: store every n-th inner step in the window, ``>= 1``.
       frequency: mix every ``frequency`` calls, ``>= 1``.
-      mode: ``"aadl"`` or ``"classic"``.
+      mode: ``"aadl"`` or ``"classic"`` (complex params: ``"classic"`` only, with complex128
+        Hermitian Grams; docs/solver.md, "Complex tensors").
       average: AADL's moving-average rule on the window (see the README).
       average_tol: relative spread of the window above which ``average`` applies, ``> 0``.
       history_device: where the window lives (default: each parameter's device).
@@ -254,7 +256,7 @@ def _init(options: AndersonOptions, params: Params) -> AndersonState:
     leaves, spec = tree.flatten(params, "params", owner="anderson.init")
     if not leaves:
         raise ValueError("anderson.init: `params` must contain at least one tensor")
-    check_floating("anderson.init", leaves, spec)
+    check_floating("anderson.init", leaves, spec, options)
     q = options.num_slots
 
     def ring() -> tuple:
@@ -273,15 +275,17 @@ def _init(options: AndersonOptions, params: Params) -> AndersonState:
         anchor_leaves = [a.copy_(p.detach()) for a, p in zip(anchor_leaves, leaves)]
         iterates = ring()
     device = options.compute_device_of(leaves)
+    # complex128 (Hermitian) for complex params, which are all complex (check_floating).
+    grams = wide(leaves[0].dtype)
     return AndersonState(
         count=_counter(),
         inner_state=options.inner.init(params),
         anchor=tree.unflatten(spec, anchor_leaves),
         residuals=ring(),
         iterates=iterates,
-        gram=torch.zeros(q, q, dtype=torch.float64, device=device),
-        dr_gram=torch.zeros(q, q, dtype=torch.float64, device=device),
-        dr_rhs=torch.zeros(q, dtype=torch.float64, device=device),
+        gram=torch.zeros(q, q, dtype=grams, device=device),
+        dr_gram=torch.zeros(q, q, dtype=grams, device=device),
+        dr_rhs=torch.zeros(q, dtype=grams, device=device),
         head=torch.full((), q - 1, dtype=torch.int64),
         window_size=_counter(),
         num_mixed=_counter(),

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import kernels, tree, vmap_rules
+from aadl_func._src.scalars import wide
 
 __all__ = ["combine_leaf", "difference_rows_leaf", "factor_leaf", "gram_leaf"]
 
@@ -29,15 +30,17 @@ def gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
     if tree.tracing():
         # Whole-vector expressions: the compiler fuses the widening into one reduction per
         # slot (no chunks, no float64 copy of the window).
-        v64 = v.to(torch.float64)
-        return torch.stack([torch.sum(f.to(torch.float64) * v64) for f in flats])
+        acc = wide(v.dtype)  # float64, or complex128 with <f, v> = sum(conj(f) v)
+        v64 = v.to(acc)
+        return torch.stack([torch.sum(f.to(acc).conj() * v64) for f in flats])
     numel = v.shape[0]
     step = kernels.chunk_size(len(flats), v.device)
+    acc = wide(v.dtype)
     partial = None
     for start in range(0, numel, step):
         stop = min(start + step, numel)
-        block = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
-        contribution = torch.mv(block, v[start:stop].to(torch.float64))
+        block = torch.stack([f[start:stop] for f in flats]).to(acc)
+        contribution = torch.mv(block.conj(), v[start:stop].to(acc))
         partial = contribution if partial is None else partial + contribution
     return partial
 
@@ -78,21 +81,21 @@ def _difference_rows_traced(
     """The pass as whole-vector expressions for the compiler: the slots are selected by
     masks and every product is widened in registers, so it fuses into one read of the
     window."""
-    wide = [f.to(torch.float64) for f in flats]
+    widened = [f.to(wide(f.dtype)) for f in flats]
     at = slot.to(flats[0].device)
 
     def pick(index: Tensor) -> Tensor:
-        chosen = wide[0]
-        for s in range(1, len(wide)):
-            chosen = torch.where(index == s, wide[s], chosen)
+        chosen = widened[0]
+        for s in range(1, len(widened)):
+            chosen = torch.where(index == s, widened[s], chosen)
         return chosen
 
     newest = pick(at)
-    g = torch.stack([torch.sum(f * newest) for f in wide])
+    g = torch.stack([torch.sum(f.conj() * newest) for f in widened])
     if not exact:
         return g, g[:0]
-    step = newest - pick((at - 1) % len(wide))
-    return g, torch.stack([torch.sum(f * step) for f in wide])
+    step = newest - pick((at - 1) % len(widened))
+    return g, torch.stack([torch.sum(f.conj() * step) for f in widened])
 
 
 def difference_rows_leaf(
@@ -111,9 +114,10 @@ def difference_rows_leaf(
     pick = pick.to(flats[0].device)
     for start in range(0, numel, step):
         stop = min(start + step, numel)
-        b = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
+        b = torch.stack([f[start:stop] for f in flats]).to(wide(flats[0].dtype))
         newest, previous = b.index_select(0, pick)
-        parts = (torch.mv(b, newest), torch.mv(b, newest - previous) if exact else newest[:0])
+        bh = b.conj()
+        parts = (torch.mv(bh, newest), torch.mv(bh, newest - previous) if exact else newest[:0])
         totals = parts if totals is None else tuple(t + u for t, u in zip(totals, parts))
     return totals
 
@@ -124,14 +128,15 @@ def factor_leaf(flats: Sequence[Tensor], order: Tensor, valid: Tensor, factor: T
     (``1 * a - 1 * b`` is one rounding, exactly ``a - b``)."""
     q = len(flats)
     dev = flats[0].device
-    chrono = torch.eye(q, dtype=torch.float64, device=dev)[order.to(dev)]
+    acc = wide(flats[0].dtype)
+    chrono = torch.eye(q, dtype=acc, device=dev)[order.to(dev)]
     steps = torch.where(valid.to(dev)[:, None], chrono[1:] - chrono[:-1], 0.0)
     select = torch.cat([steps, chrono[-1:]])
     numel = flats[0].shape[0]
     step = kernels.chunk_size(q, dev)
     for start in range(0, numel, step):
         stop = min(start + step, numel)
-        chunk = torch.stack([f[start:stop] for f in flats]).to(torch.float64)
+        chunk = torch.stack([f[start:stop] for f in flats]).to(acc)
         # mode="reduced": the R of mode="r" has no derivative (torch.func.grad through update).
         factor = torch.linalg.qr(torch.cat([factor, chunk.mT @ select.mT]), mode="reduced").R
     return factor

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import tree
+from aadl_func._src.scalars import COMPLEX_HISTORY, wide
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.validation import (
     check_bool,
@@ -126,17 +127,18 @@ def check_update_inputs(
     if loss_fn is not None:
         check_callable(OWNER, "loss_fn", loss_fn)
     p_leaves, spec = tree.flatten(params, "params", owner=OWNER)
-    check_floating(OWNER, p_leaves, spec)
+    check_floating(OWNER, p_leaves, spec, config)
     g_leaves, g_spec = tree.flatten(grads, "grads", owner=OWNER)
     tree.check_like("grads", g_leaves, g_spec, p_leaves, spec, owner=OWNER)
     cast = False
     for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
         if g.dtype != p.dtype:
-            if not g.is_floating_point():
+            # Real grads are cast to any params dtype; complex ones only to a complex one.
+            if not (g.is_floating_point() or (g.is_complex() and p.is_complex())):
                 raise TypeError(
                     f"{OWNER}: `{tree.leaf_path(g_spec, i, 'grads')}` has dtype {g.dtype}; "
-                    f"gradients must be floating (they are cast to the params' dtype, here "
-                    f"{p.dtype})"
+                    f"gradients must be floating, or complex for complex params (they are "
+                    f"cast to the params' dtype, here {p.dtype})"
                 )
             cast = True
         if not same_device(g.device, p.device):
@@ -193,20 +195,55 @@ def _input_path(k: int, num_params: int, spec: Any, g_spec: Any) -> str:
     return tree.leaf_path(g_spec, k - num_params, "grads")
 
 
-def check_floating(owner: str, leaves: list[Tensor], spec: Any) -> None:
-    """Every params leaf is a real floating tensor (the window extrapolates real numbers)."""
+def check_floating(owner: str, leaves: list[Tensor], spec: Any, config: Config) -> None:
+    """Every params leaf is a real floating tensor, or every one is complex in a mode that
+    accepts complex params (mode "classic": :data:`aadl_func._src.modes.Mode.complex_params`)
+    with a ``history_dtype`` that has a complex counterpart."""
+    complex_leaves = 0
     for i, p in enumerate(leaves):
-        if not p.is_floating_point():
-            advice = (
-                "complex params are not supported"
-                if p.is_complex()
-                else "pass trainable parameters only (not buffers such as BatchNorm's "
-                "num_batches_tracked)"
-            )
-            raise TypeError(
-                f"{owner}: `{tree.leaf_path(spec, i, 'params')}` must be floating, got "
-                f"{p.dtype}; {advice}"
-            )
+        if not p.is_floating_point():  # the real case passes with this one test per leaf
+            if not p.is_complex():
+                raise TypeError(
+                    f"{owner}: `{tree.leaf_path(spec, i, 'params')}` must be floating, got "
+                    f"{p.dtype}; pass trainable parameters only (not buffers such as "
+                    "BatchNorm's num_batches_tracked)"
+                )
+            complex_leaves += 1
+    if complex_leaves:
+        _check_complex(owner, leaves, spec, config, complex_leaves)
+
+
+def _check_complex(
+    owner: str, leaves: list[Tensor], spec: Any, config: Config, complex_leaves: int
+) -> None:
+    """Complex params: a mode with complex windows, all leaves complex, a history dtype with a
+    complex counterpart."""
+    first = next(i for i, p in enumerate(leaves) if p.is_complex())
+    name = tree.leaf_path(spec, first, "params")
+    if not config.rules.complex_params:
+        raise TypeError(
+            f"{owner}: `{name}` is {leaves[first].dtype}; complex params are supported in "
+            f"mode='classic' only (type-II Anderson acceleration with a Hermitian least-squares "
+            f"problem, as scipy.optimize.anderson), not in mode={config.mode!r}, whose "
+            "extrapolation of optimizer steps is implemented for real params only: pass "
+            "mode='classic'"
+        )
+    if complex_leaves != len(leaves):
+        real = next(i for i, p in enumerate(leaves) if not p.is_complex())
+        raise TypeError(
+            f"{owner}: `{name}` is complex but `{tree.leaf_path(spec, real, 'params')}` is "
+            f"{leaves[real].dtype}; params must be all real or all complex (one window over "
+            "complex numbers would give a real leaf complex values): make the real leaves "
+            "complex, or step them with another optimizer"
+        )
+    dtype = config.history_dtype
+    if dtype is not None and dtype not in COMPLEX_HISTORY:
+        raise TypeError(
+            f"{owner}: `history_dtype` is {dtype}, which has no complex counterpart for the "
+            f"complex `{name}` (a complex leaf's window holds complex numbers with parts of "
+            "history_dtype): pass torch.float32 (a complex64 window), torch.float64 "
+            "(complex128) or None"
+        )
 
 
 def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], spec: Any) -> None:
@@ -279,16 +316,20 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
         check_window("state.iterates[0]", state.iterates[0])
     check_leaf_devices(OWNER, "state.anchor", a_leaves, history_devices, where, spec=a_spec)
     compute_device = config.compute_device_of(p_leaves)
+    # complex128 (Hermitian) for a complex window, all of whose leaves are complex (checked
+    # above by check_floating): the first leaf decides.
+    grams = wide(history_dtypes[0])
     for name, shape in (("gram", (q, q)), ("dr_gram", (q, q)), ("dr_rhs", (q,))):
         value = getattr(state, name)
         if not (
             isinstance(value, Tensor)
             and tuple(value.shape) == shape
-            and value.dtype == torch.float64
+            and value.dtype == grams
             and same_device(value.device, compute_device)
         ):
+            dtype = str(grams).removeprefix("torch.")
             raise ValueError(
-                f"{OWNER}: `state.{name}` must be a {shape} float64 tensor on {compute_device}, "
+                f"{OWNER}: `state.{name}` must be a {shape} {dtype} tensor on {compute_device}, "
                 f"got {_describe(value, device=True)}; {HINT}"
             )
     # The inner optimizer knows its state's layout: the built-in ones (InnerOptimizer) and any

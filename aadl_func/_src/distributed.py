@@ -105,6 +105,12 @@ class ShardedCall:
             raise NotImplementedError(
                 f"{owner}: `average=True` is not supported with sharded (DTensor) params"
             )
+        if any(p.is_complex() for p in leaves):
+            # The step's one all_reduce packs float64 rows and a real finiteness bound.
+            raise NotImplementedError(
+                f"{owner}: complex sharded (DTensor) params are not supported; complex params "
+                "work unsharded (mode='classic')"
+            )
         if not all(isinstance(p, dtensor) for p in leaves):
             kinds = sorted({"DTensor" if isinstance(p, dtensor) else "Tensor" for p in leaves})
             raise TypeError(

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
+from aadl_func._src.scalars import real_view
 
 __all__ = [
     "TRUE",
@@ -120,7 +121,7 @@ def all_finite(t: Tensor, device: torch.device | None = None) -> Tensor:
     if t.numel() == 0:
         return TRUE
     if t.is_cpu and not tree.is_transformed(t):
-        low, high = torch.aminmax(t)
+        low, high = torch.aminmax(real_view(t))  # complex: over the real and imaginary parts
         return known(-math.inf < low.item() and high.item() < math.inf)
     flag = torch.isfinite(t).all()
     return flag if device is None else decision(flag, device)

@@ -4,7 +4,9 @@ Each pass reads the ``Q`` slots of one leaf once (:math:`O(Q n)`) and never buil
 window-sized temporary:
 
 * :func:`gram_leaf` -- :math:`\langle s_j, v \rangle` for every slot, accumulated in float64
-  from the stored values (products of float32 or bf16 numbers are exact in float64);
+  from the stored values (products of float32 or bf16 numbers are exact in float64); a
+  complex window's in complex128, :math:`\langle s, v \rangle = \sum_i \overline{s_i} v_i`
+  (``block.conj()``, which is the block itself for real data: :mod:`aadl_func._src.scalars`);
 * :func:`combine_leaf` -- :math:`b + \sum_j w_j s_j` in the compute dtype;
 * :func:`difference_rows_leaf` -- the Gram rows of a newly written slot;
 * :func:`factor_leaf` -- a streaming float64 QR factor of the slots' differences.
@@ -34,6 +36,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import native
+from aadl_func._src.scalars import wide
 
 __all__ = [
     "accumulator",
@@ -133,24 +136,26 @@ def gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
     if numel == 0:
         return None
     runs = slot_runs(flats)
-    f64 = torch.float64
-    partial = torch.zeros(q, dtype=f64, device=v.device)
-    if v.dtype == f64 and all(block.dtype == f64 for _, block in runs):
+    # float64, or complex128 for a complex window, whose products <s, v> = conj(s) . v are
+    # formed as ``mv(block.conj(), v)`` (``conj()`` of a real tensor is that tensor).
+    acc = wide(v.dtype)
+    partial = torch.zeros(q, dtype=acc, device=v.device)
+    if v.dtype == acc and all(block.dtype == acc for _, block in runs):
         # Nothing to widen: one BLAS product per run over the whole vector.
         for first, block in runs:
-            torch.mv(block, v, out=partial[first : first + block.shape[0]])
+            torch.mv(block.conj(), v, out=partial[first : first + block.shape[0]])
         return partial
     dots = native.float64_dots(flats, v)
     if dots is not None:
         return dots
     step = buffer_width(q, numel, v.device)
-    buffer = torch.empty(q, step, dtype=f64, device=v.device)
+    buffer = torch.empty(q, step, dtype=acc, device=v.device)
     # Chunk views made in one call per run (cheaper than slicing chunk by chunk).
     pieces = [(first, block.shape[0], block.split(step, dim=1)) for first, block in runs]
     v_row = next((s for s, f in enumerate(flats) if same(f, v)), None)
     if v_row is None:
         v_pieces = v.split(step)
-        v_buffer = torch.empty(step, dtype=f64, device=v.device)
+        v_buffer = torch.empty(step, dtype=acc, device=v.device)
     else:
         v_full = buffer[v_row]
     for i in range(len(pieces[0][2])):
@@ -165,7 +170,7 @@ def gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
             v_chunk = v_buffer[:width].copy_(v_pieces[i])
         else:
             v_chunk = v_full if width == step else b[v_row]
-        partial.addmv_(b, v_chunk)
+        partial.addmv_(b.conj(), v_chunk)
     return partial
 
 
@@ -243,22 +248,22 @@ def difference_rows_leaf(
         g = native.float64_dots(flats, flats[s])
         if g is not None:
             return g, None
-    f64, dev = torch.float64, flats[0].device
+    acc, dev = wide(flats[s].dtype), flats[0].device
     runs = slot_runs(flats)
     step = buffer_width(q, numel, dev)
-    buffer = torch.empty(q, step, dtype=f64, device=dev)
-    newest_step = torch.empty(step, dtype=f64, device=dev)
-    g = torch.zeros(q, dtype=f64, device=dev)
-    p = torch.zeros(q, dtype=f64, device=dev)
+    buffer = torch.empty(q, step, dtype=acc, device=dev)
+    newest_step = torch.empty(step, dtype=acc, device=dev)
+    g = torch.zeros(q, dtype=acc, device=dev)
+    p = torch.zeros(q, dtype=acc, device=dev)
     pieces = [(first, block.shape[0], block.split(step, dim=1)) for first, block in runs]
     for i in range(len(pieces[0][2])):
         width = pieces[0][2][i].shape[1]
         b = buffer if width == step else buffer[:, :width]
         for first, k, chunks in pieces:
             b[first : first + k].copy_(chunks[i])
-        g.addmv_(b, b[s])
+        g.addmv_(b.conj(), b[s])
         if exact:
-            p.addmv_(b, torch.sub(b[s], b[s - 1], out=newest_step[:width]))
+            p.addmv_(b.conj(), torch.sub(b[s], b[s - 1], out=newest_step[:width]))
     return g, p
 
 
@@ -266,7 +271,7 @@ def factor_leaf(
     flats: Sequence[Tensor], order: list[int], valid: list[bool], factor: Tensor
 ) -> Tensor:
     q, numel = len(flats), flats[0].shape[0]
-    f64, dev = torch.float64, flats[0].device
+    acc, dev = wide(flats[0].dtype), flats[0].device
     # Each chunk costs a LAPACK call whose overhead rivals O(Q^2 b) flops for small b: chunks
     # 4x wider than the other passes' (2^18 values on a CPU; measured 2x faster at n = 2^20,
     # Q = 9), with the same cap of about one float32 parameter.
@@ -274,15 +279,15 @@ def factor_leaf(
     # The QR's input [R; block], column-major (LAPACK's layout) as the transpose of a
     # row-major (Q, Q + step) buffer: each column of the block is then one contiguous row,
     # written by one subtraction. Columns of invalid differences stay zero (so do R's).
-    work_t = torch.zeros(q, q + step, dtype=f64, device=dev)
+    work_t = torch.zeros(q, q + step, dtype=acc, device=dev)
     # geqrf writes its Householder vectors and R into a second buffer of that layout (R is
     # its upper triangle), so that no chunk allocates anything chunk-sized.
-    reflected_t = torch.empty(q, q + step, dtype=f64, device=dev)
-    tau = torch.empty(q, dtype=f64, device=dev)
+    reflected_t = torch.empty(q, q + step, dtype=acc, device=dev)
+    tau = torch.empty(q, dtype=acc, device=dev)
     # float64 slots are read in place; others are widened chunk by chunk first (subtracting
     # them in their own dtype would round the differences).
-    widen = any(f.dtype != f64 for f in flats)
-    buffer = torch.empty(q, step, dtype=f64, device=dev) if widen else None
+    widen = any(f.dtype != acc for f in flats)
+    buffer = torch.empty(q, step, dtype=acc, device=dev) if widen else None
     for start in range(0, numel, step):
         stop = min(start + step, numel)
         width = stop - start

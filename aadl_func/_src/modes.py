@@ -27,6 +27,7 @@ class Mode:
       min_window: window entries (aadl: iterates, classic: pairs) before a mix.
       keeps_iterates: the state holds a second ring (``AndersonState.iterates``) of steps.
       averages: AADL's moving average (``average=True``) is defined for it.
+      complex_params: complex params are accepted (a complex window, Hermitian Grams).
       step: ``step(call) -> (params, state)``, one ``update`` call
         (:class:`aadl_func._src.stages.Call`).
       base_bound: ``base_bound(call)``, this rank's bound of the combination's base.
@@ -42,6 +43,7 @@ class Mode:
     min_window: int
     keeps_iterates: bool
     averages: bool
+    complex_params: bool
     step: Callable[..., tuple[Any, Any]]
     base_bound: Callable[..., Any]
     mix_bound: Callable[..., Any]
@@ -56,6 +58,10 @@ MODES = {
         min_window=3,
         keeps_iterates=False,
         averages=True,
+        # Not implemented for complex windows: AADL's extrapolation from the plain steps of
+        # an optimizer, its moving average and its safeguards are written, and tested, for
+        # real parameters only.
+        complex_params=False,
         step=aadl_step.aadl_step,
         base_bound=aadl_step.base_bound,
         mix_bound=aadl_step.mix_bound,
@@ -69,6 +75,9 @@ MODES = {
         min_window=2,
         keeps_iterates=True,
         averages=False,
+        # Type-II Anderson acceleration over complex numbers: the Hermitian least-squares
+        # problem min ||sum alpha_i f_i|| over complex alpha, as scipy.optimize.anderson.
+        complex_params=True,
         step=classic_step.classic_step,
         base_bound=classic_step.base_bound,
         mix_bound=classic_step.mix_bound,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src.modes import MODES, Mode
+from aadl_func._src.scalars import COMPLEX_HISTORY
 from aadl_func._src.validation import (
     check_bool,
     check_choice,
@@ -119,7 +120,15 @@ class AndersonOptions:
         return self.history_device if self.history_device is not None else p.device
 
     def history_dtype_of(self, p: Tensor) -> torch.dtype:
-        return self.history_dtype if self.history_dtype is not None else p.dtype
+        """The window's dtype for leaf ``p``: ``history_dtype`` (default ``p``'s dtype); for a
+        complex leaf, the complex dtype whose parts are ``history_dtype`` (float32:
+        complex64, float64: complex128; :data:`~aadl_func._src.scalars.COMPLEX_HISTORY`)."""
+        if self.history_dtype is None:
+            return p.dtype
+        if p.is_complex():
+            # check_floating refused the history dtypes without a complex counterpart.
+            return COMPLEX_HISTORY.get(self.history_dtype, self.history_dtype)
+        return self.history_dtype
 
     def compute_device_of(self, leaves: list[Tensor]) -> torch.device:
         if self.compute_device is not None:

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import flags, tree
+from aadl_func._src.scalars import abs2, wide
 
 __all__ = [
     "MixingWeights",
@@ -168,7 +169,7 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
     m = q - 1
     device = factor.device
     columns = torch.cat([valid.to(device), torch.ones(1, dtype=torch.bool, device=device)])
-    r = torch.where(columns[None, :], factor.to(torch.float64), 0.0)
+    r = torch.where(columns[None, :], factor.to(wide(factor.dtype)), 0.0)
     ok = torch.isfinite(r).all()
     r = torch.where(ok, r, 0.0)
 
@@ -193,25 +194,25 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
         # A ridge per column (reg_column): min ||rhs - R11 g||^2 + sum_j shift_j g_j^2 is the
         # least-squares problem of [R11; diag(sqrt(shift))] against [rhs; 0], reduced by one
         # more QR to m x m; its SVD then needs no shift.
-        ridge_rows = torch.diag(shift.clamp(min=0.0).sqrt())
+        ridge_rows = torch.diag(shift.clamp(min=0.0).sqrt()).to(r11.dtype)
         q_aug, r_aug = torch.linalg.qr(torch.cat([r11, ridge_rows]))
         u, sigma, vh = torch.linalg.svd(r_aug)
-        b = u.mT @ (q_aug[:m].mT @ rhs)
+        b = u.mH @ (q_aug[:m].mH @ rhs)
         denominator = sigma * sigma
     else:
         u, sigma, vh = torch.linalg.svd(r11)
-        b = u.mT @ rhs
+        b = u.mH @ rhs
         denominator = sigma * sigma + shift
     keep = denominator > RCOND * RCOND
     phi = torch.where(keep, sigma / torch.where(keep, denominator, 1.0), 0.0)
-    gamma = vh.mT @ (phi * b)
+    gamma = vh.mH @ (phi * b)
     gamma = torch.where(valid.to(small), gamma, 0.0)
     if per_column:
         misfit = rhs - r11 @ gamma
-        mixed_sq = r[m, m].to(small) ** 2 + (misfit * misfit).sum()
+        mixed_sq = abs2(r[m, m].to(small)) + abs2(misfit).sum()
     else:
         unresolved = (1.0 - sigma * phi) * b
-        mixed_sq = r[m, m].to(small) ** 2 + (unresolved * unresolved).sum()
+        mixed_sq = abs2(r[m, m].to(small)) + abs2(unresolved).sum()
 
     gamma = gamma.to(device)
     ok = ok & torch.isfinite(gamma).all()
@@ -263,7 +264,7 @@ def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> Mi
     if q < 2:
         raise ValueError(f"the mixing problem needs at least 2 residuals, got a {q}x{q} Gram")
     dev = gram.device
-    gram = gram.to(torch.float64)
+    gram = gram.to(wide(gram.dtype))
     index = torch.arange(q, device=dev)
     num_valid = torch.as_tensor(num_valid, device=dev)
     valid = index >= q - num_valid
@@ -273,7 +274,7 @@ def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> Mi
 
     # Scaled to max_i ||f_i||^2 = 1 (|G_ij| <= 1), so differencing cannot overflow near the
     # float64 limit and eigh sees O(1) entries whatever the parameters' scale.
-    gmax = torch.diagonal(g).max()
+    gmax = torch.diagonal(g).real.max()
     unit = torch.where(gmax > 0, gmax, torch.ones_like(gmax))
     g = g / unit
 
@@ -282,7 +283,7 @@ def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> Mi
     h = g_cols[1:, :] - g_cols[:-1, :]
     b = g[1:, -1] - g[:-1, -1]
 
-    weights = solve_differences(h, b, torch.diagonal(g), num_valid, reg / unit)
+    weights = solve_differences(h, b, torch.diagonal(g).real, num_valid, reg / unit)
     return weights._replace(residual_norm=weights.residual_norm * unit.sqrt(), ok=ok & weights.ok)
 
 
@@ -339,7 +340,7 @@ def solve_coefficients(
     keep = shifted > RTOL * unit
     # 1 / inf = +0 for the dropped eigenvalues: no 1 / 0 (nor its gradient) anywhere.
     inverse = torch.where(keep, shifted, torch.inf).reciprocal()
-    gamma = eigvecs @ (inverse * (eigvecs.mT @ b))
+    gamma = eigvecs @ (inverse * (eigvecs.mH @ b))
     if valid is not None:
         gamma = torch.where(valid, gamma, 0.0)
     # Inputs at the edge of the float64 range can still round to Inf/NaN: fall back to
@@ -417,7 +418,8 @@ def solve_differences(
     alpha = _affine_weights(gamma)
     if not residual_norm:
         return MixingWeights(gamma, alpha, None, ok)
-    mixed_sq = norms[-1] / unit - 2.0 * (gamma @ c) + gamma @ h @ gamma
+    # Re(gamma^H c) and gamma^H H gamma (real data: conj() and .real leave them as they are).
+    mixed_sq = norms[-1] / unit - 2.0 * (gamma.conj() @ c).real + (gamma.conj() @ h @ gamma).real
     return MixingWeights(gamma, alpha, (mixed_sq.clamp(min=0.0) * unit).sqrt(), ok)
 
 
@@ -472,7 +474,7 @@ def ridge(options: Any, dr_chrono: Tensor, num_valid: Tensor) -> float | Tensor:
     m = dr_chrono.shape[0]
     # gamma_j (j = 0..m-1) is valid when residuals j and j + 1 both are (solve_differences).
     valid = torch.arange(m, device=dr_chrono.device) >= m + 1 - num_valid
-    column_sq = torch.diagonal(dr_chrono)  # ||Delta f_j||^2
+    column_sq = torch.diagonal(dr_chrono).real  # ||Delta f_j||^2
     weight = options.reg
     if options.reg_relative != 0.0:
         mean_sq = torch.where(valid, column_sq, 0.0).sum() / valid.sum().clamp(min=1)

@@ -30,6 +30,7 @@ from aadl_func._src import tree
 from aadl_func._src.anderson import Anderson, anderson
 from aadl_func._src.checks import differentiating
 from aadl_func._src.inner import InnerOptimizer
+from aadl_func._src.scalars import wide
 from aadl_func._src.validation import check_bool, check_callable, check_float, check_int
 
 __all__ = ["REASONS", "SolverInfo", "fixed_point", "root", "implicit_fixed_point"]
@@ -141,23 +142,50 @@ def _accelerator(
     )
 
 
-def _check_x0(owner: str, x0: PyTree) -> tuple[list[Tensor], Any]:
-    leaves, spec = tree.flatten(x0, "x0", owner=owner)
+def _check_x0(
+    owner: str, x0: PyTree, mode: str | None = None, name: str = "x0"
+) -> tuple[list[Tensor], Any]:
+    """``x0``'s leaves: real floating, or (``mode="classic"``) all complex; ``mode`` None
+    (:func:`implicit_fixed_point`, whose ``name`` is ``z0``) takes real ones only."""
+    leaves, spec = tree.flatten(x0, name, owner=owner)
     if not leaves:
-        raise ValueError(f"{owner}: `x0` must contain at least one tensor")
+        raise ValueError(f"{owner}: `{name}` must contain at least one tensor")
+    kinds = [leaf.is_complex() for leaf in leaves]
     for i, leaf in enumerate(leaves):
-        if not leaf.is_floating_point():
+        if leaf.is_floating_point():
+            continue
+        path = tree.leaf_path(spec, i, name)
+        if not leaf.is_complex():
             raise TypeError(
-                f"{owner}: `{tree.leaf_path(spec, i, 'x0')}` has dtype {leaf.dtype}; the "
-                "solvers take real floating tensors (complex ones are not supported yet)"
+                f"{owner}: `{path}` has dtype {leaf.dtype}; {owner} takes floating tensors "
+                "(real, or complex in mode='classic')"
+            )
+        if mode is None:
+            raise TypeError(
+                f"{owner}: `{path}` has dtype {leaf.dtype}; {owner} takes real floating "
+                "tensors (complex ones are not supported: the adjoint solve is written for "
+                "real vjps)"
+            )
+        if mode != "classic":
+            raise TypeError(
+                f"{owner}: `{path}` is complex ({leaf.dtype}); complex problems are solved in "
+                f"mode='classic' only (the default), not mode={mode!r}"
+            )
+        if not all(kinds):
+            real = tree.leaf_path(spec, kinds.index(False), name)
+            raise TypeError(
+                f"{owner}: `{path}` is complex but `{real}` is real; `{name}` must be all real or "
+                "all complex (make the real leaves complex)"
             )
     return leaves, spec
 
 
 # -- pytree arithmetic -----------------------------------------------------------------------
 def _norm(leaves: list[Tensor]) -> Tensor:
-    """The 2-norm over all leaves, accumulated in float64 (a 0-d tensor)."""
-    squares = [torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in leaves]
+    r"""The 2-norm over all leaves, accumulated in float64 (a 0-d tensor); of a complex leaf,
+    that of its moduli, :math:`(\sum_i |z_i|^2)^{1/2}` (accumulated in complex128, whose
+    norm is real)."""
+    squares = [torch.linalg.vector_norm(t, dtype=wide(t.dtype)).square() for t in leaves]
     return torch.stack(squares).sum().sqrt()
 
 
@@ -395,8 +423,9 @@ def _solve(
     alpha: Any,
     options: _Options,
     opt: Anderson,
+    mode: str,
 ) -> tuple[PyTree, SolverInfo]:
-    leaves, spec = _check_x0(owner, x0)
+    leaves, spec = _check_x0(owner, x0, mode)
     if torch.is_grad_enabled() and differentiating():
         # Unrolled through the core's update the gradient is not usable (NaN where the
         # window degenerates), and torch.no_grad here would make it silently zero.
@@ -483,7 +512,8 @@ def fixed_point(
     Args:
       g: the map, pytree -> pytree of the structure, shapes (and dtypes, after a cast) of
         ``x0``.
-      x0: the starting point, a pytree of real floating tensors.
+      x0: the starting point, a pytree of real floating tensors, or (mode "classic") of
+        complex ones: the norm is then that of the moduli (docs/solver.md, "Complex tensors").
       tol: absolute tolerance (``>= 0``) on the residual norm.
       rtol: relative tolerance (``>= 0``): the solve stops at
         :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\, \|r_0\|)`.
@@ -521,7 +551,7 @@ def fixed_point(
     check_callable(owner, "g", g)
     options = _options(owner, tol, rtol, max_iter, line_search, callback, masked)
     opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
-    return _solve(owner, "fixed_point", g, x0, None, options, opt)
+    return _solve(owner, "fixed_point", g, x0, None, options, opt, mode)
 
 
 def root(
@@ -555,7 +585,7 @@ def root(
 
     Args:
       F: the function, pytree -> pytree of ``x0``'s structure and shapes.
-      x0: the starting point, a pytree of real floating tensors.
+      x0: the starting point, as :func:`fixed_point`'s.
       alpha: None (SciPy's rule) or a finite non-zero real number.
       line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s default
         backtracking search on :math:`\|F\|^2` (``scipy.optimize.anderson`` uses it unless
@@ -583,7 +613,7 @@ def root(
             raise ValueError(f"{owner}: `alpha` must be non-zero (the step is x + alpha F(x))")
     options = _options(owner, tol, rtol, max_iter, line_search, callback, masked)
     opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
-    return _solve(owner, "root", F, x0, alpha, options, opt)
+    return _solve(owner, "root", F, x0, alpha, options, opt, mode)
 
 
 # -- implicit differentiation ----------------------------------------------------------------
@@ -699,7 +729,7 @@ def implicit_fixed_point(
     """
     owner = "implicit_fixed_point"
     check_callable(owner, "f", f)
-    z_leaves, z_spec = _check_x0(owner, z0)
+    z_leaves, z_spec = _check_x0(owner, z0, name="z0")
     theta_leaves, theta_spec = tree.flatten(theta, "theta", owner=owner)
     if adjoint_options is not None and not isinstance(adjoint_options, dict):
         raise TypeError(

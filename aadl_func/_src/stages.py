@@ -31,6 +31,7 @@ from torch import Tensor
 from aadl_func._src import deferred, distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, write_back
 from aadl_func._src.blend import Blend
+from aadl_func._src.scalars import EXACT, real_view
 from aadl_func._src.solve import (
     MixingWeights,
     ridge,
@@ -172,7 +173,7 @@ class Call:
         )
         # A float64 window is mixed through a QR factor of its differences (accurate to
         # eps * cond); other windows through their float64 Gram matrices (O(m n)).
-        self.exact = all(leaf.dtype == torch.float64 for leaf in self.ring[0])
+        self.exact = all(leaf.dtype in EXACT for leaf in self.ring[0])
         # The call's decisions without values (vmap, torch.compile): see blend.py.
         self.blend = Blend()
         self.progress = Progress() if guard is not None else None
@@ -442,7 +443,8 @@ def solve(
     else:
         slots = _chronological(q, head).to(call.compute_device)
         later = slots[1:]  # d at chronological position j + 1 is the column of gamma_j
-    residual_sq = torch.diagonal(gram).index_select(0, slots)  # ||f_i||^2, oldest first
+    # ||f_i||^2, oldest first (real: ``.real`` of a real tensor is that tensor).
+    residual_sq = torch.diagonal(gram).real.index_select(0, slots)
     dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
     dr_rhs = dr_rhs.index_select(0, later)
     order = newest if newest is not None else slots
@@ -487,6 +489,7 @@ def finite(call: Call, leaves: list[Tensor], solution: Solution) -> Tensor:
             continue
         limit = torch.finfo(p.dtype).max
         transformed = tree.is_transformed(t)
+        t = real_view(t)  # a complex mix: its real and imaginary parts
         if transformed:
             # Batched, aminmax runs as a per-row reduction ~10x slower than amin + amax.
             low, high = t.amin(), t.amax()

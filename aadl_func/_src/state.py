@@ -27,7 +27,9 @@ class AndersonState(NamedTuple):
       iterates: mode "classic": ring of the ``Q`` differences ``x_i - x_{i-1}`` of
         consecutive points (history dtype and device; the oldest one's is never used), so a
         low-precision window rounds the steps, not the points. Mode "aadl": ``()``.
-      gram: ``(Q, Q)`` float64 Gram matrix of ``residuals`` in ring order (compute device).
+      gram: ``(Q, Q)`` float64 Gram matrix of ``residuals`` in ring order (compute device);
+        complex params: complex128, Hermitian, ``G[t, s] = <f_t, f_s> = f_t^H f_s`` (so are
+        ``dr_gram`` and ``dr_rhs``).
       dr_gram: ``(Q, Q)`` float64 Gram matrix of the consecutive differences
         ``d_t = residuals[t] - residuals[t - 1]`` (ring order; the oldest slot's entry is
         unused). Kept from differences formed element by element, so it does not cancel

@@ -36,6 +36,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import kernels, tree
+from aadl_func._src.scalars import wide
 
 __all__ = ["per_member", "gram_row", "difference_rows", "combine"]
 
@@ -78,7 +79,7 @@ def _rows(rows: Sequence[Tensor], dims: Sequence[int | None], b: int) -> list[Te
 # -- the Gram row <r_s, v> -------------------------------------------------------------
 def _gram_row(rows: list[Tensor], vector: Tensor) -> Tensor:
     partial = kernels.gram_leaf(rows, vector)
-    return partial if partial is not None else vector.new_zeros(len(rows), dtype=torch.float64)
+    return partial if partial is not None else vector.new_zeros(len(rows), dtype=wide(vector.dtype))
 
 
 # The operators' signatures say ``List[Tensor]``: torch before 2.7 infers a schema from the
@@ -86,19 +87,19 @@ def _gram_row(rows: list[Tensor], vector: Tensor) -> Tensor:
 # ``typing``'s names, and knows ``typing.List`` but not the built-in ``list[Tensor]``.
 @torch.library.custom_op("aadl_func::gram_row", mutates_args=())
 def gram_row(rows: List[Tensor], vector: Tensor) -> Tensor:  # noqa: UP006
-    """``(len(rows),)`` float64 ``<rows[s], vector>``."""
+    """``(len(rows),)`` float64 (complex: complex128) ``<rows[s], vector>``."""
     return _gram_row(rows, vector)
 
 
 @gram_row.register_fake
 def gram_row_shape(rows: list[Tensor], vector: Tensor) -> Tensor:
-    return vector.new_empty(len(rows), dtype=torch.float64)
+    return vector.new_empty(len(rows), dtype=wide(vector.dtype))
 
 
 @gram_row.register_vmap
 def gram_row_per_member(info, in_dims, rows: list[Tensor], vector: Tensor):
     row_dims, vector_dim = in_dims
-    out = torch.empty(info.batch_size, len(rows), dtype=torch.float64, device=vector.device)
+    out = torch.empty(info.batch_size, len(rows), dtype=wide(vector.dtype), device=vector.device)
     for b in range(info.batch_size):
         member_rows, member_vector = _rows(rows, row_dims, b), _member(vector, vector_dim, b)
         # Plain members run the eager pass directly (no operator dispatch per member);
@@ -123,19 +124,18 @@ def difference_rows(
 def _difference_rows(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor, Tensor]:
     q = len(rows)
     parts = kernels.difference_rows_leaf(rows, slot, exact)
-    zeros = rows[0].new_zeros(q if exact else 0, dtype=torch.float64)
+    acc = wide(rows[0].dtype)
+    zeros = rows[0].new_zeros(q if exact else 0, dtype=acc)
     if parts is None:  # empty rows
-        return rows[0].new_zeros(q, dtype=torch.float64), zeros
+        return rows[0].new_zeros(q, dtype=acc), zeros
     g, p = parts
     return g, p if exact else zeros
 
 
 @difference_rows.register_fake
 def difference_rows_shape(rows: list[Tensor], slot: int, exact: bool) -> tuple[Tensor, Tensor]:
-    q = len(rows)
-    return rows[0].new_empty(q, dtype=torch.float64), rows[0].new_empty(
-        q if exact else 0, dtype=torch.float64
-    )
+    q, acc = len(rows), wide(rows[0].dtype)
+    return rows[0].new_empty(q, dtype=acc), rows[0].new_empty(q if exact else 0, dtype=acc)
 
 
 @difference_rows.register_vmap
@@ -143,8 +143,9 @@ def difference_rows_per_member(info, in_dims, rows: list[Tensor], slot: int, exa
     row_dims = in_dims[0]
     q, size = len(rows), info.batch_size
     device = next(r.device for r in rows)
-    g = torch.empty(size, q, dtype=torch.float64, device=device)
-    p = torch.empty(size, q if exact else 0, dtype=torch.float64, device=device)
+    acc = wide(rows[0].dtype)
+    g = torch.empty(size, q, dtype=acc, device=device)
+    p = torch.empty(size, q if exact else 0, dtype=acc, device=device)
     for b in range(size):
         member_rows = _rows(rows, row_dims, b)
         run = difference_rows if _wrapped(member_rows) else _difference_rows

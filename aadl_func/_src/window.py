@@ -27,6 +27,7 @@ from torch import Tensor
 
 from aadl_func._src import batched, kernels, native, tree
 from aadl_func._src.blend import Blend
+from aadl_func._src.scalars import EXACT, wide
 
 __all__ = [
     "append_difference",
@@ -95,7 +96,8 @@ def gram_row(
         the slots (the residual just written), which is then converted only once.
       device: where the result (``Q`` scalars) goes.
     """
-    row = torch.zeros(len(slots), dtype=torch.float64, device=device)
+    # float64, or complex128 for a complex window (whose leaves are all complex: check_floating).
+    row = torch.zeros(len(slots), dtype=wide(vector[0].dtype), device=device)
     for leaf_index, v in enumerate(vector):
         flats = [tree.flat_view(slot[leaf_index]) for slot in slots]
         v_flat = tree.flat_view(v)
@@ -247,17 +249,19 @@ def stored_value(value: Tensor) -> Tensor:
 
 
 def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
-    """Symmetric Gram with row and column ``slot`` replaced by ``row``."""
+    r"""Hermitian (real: symmetric) Gram with column ``slot`` replaced by ``row`` and row
+    ``slot`` by its conjugate: ``row[t]`` is :math:`G_{t,s} = \langle f_t, f_s \rangle`, so
+    :math:`G_{s,t} = \overline{\mathrm{row}_t}` (``conj()`` of a real row is the row)."""
     known = tree.static_value(slot)
     if known is not None and not tree.any_transformed([gram, row]):
         # Eager: the same entries as the masked blend below, in three operations.
         gram = gram.clone()
-        gram[known] = row
+        gram[known] = row.conj()
         gram[:, known] = row
         return gram
     index = torch.arange(gram.shape[-1], device=gram.device)
     hit = index == slot.to(gram.device)
-    gram = torch.where(hit[:, None], row[None, :], gram)
+    gram = torch.where(hit[:, None], row.conj()[None, :], gram)
     return torch.where(hit[None, :], row[:, None], gram)
 
 
@@ -362,14 +366,15 @@ def difference_rows(
       ``(g, h, c)``.
     """
     q = len(slots)
-    exact = direct or all(s.dtype == torch.float64 for s in slots[0])
-    p = torch.zeros(q, dtype=torch.float64, device=device) if exact else None
+    exact = direct or all(s.dtype in EXACT for s in slots[0])
+    acc = wide(slots[0][0].dtype)  # float64 or complex128 (leaves all real or all complex)
+    p = torch.zeros(q, dtype=acc, device=device) if exact else None
     if g is not None and exact:
         raise ValueError(
             "difference_rows: a precomputed `g` needs a float32/bf16/fp16 window and direct=False"
         )
     leaves = [] if g is not None else range(len(slots[0]))
-    g = torch.zeros(q, dtype=torch.float64, device=device) if g is None else g.to(device)
+    g = torch.zeros(q, dtype=acc, device=device) if g is None else g.to(device)
     index = tree.static_value(slot)
     for leaf_index in leaves:
         flats = [tree.flat_view(s[leaf_index]) for s in slots]
@@ -383,17 +388,19 @@ def difference_rows(
                 p = p + parts[1].to(device)
     c = g - g.roll(1)
     if not exact:
-        # p_t = <f_t, d_s> = g_t - <f_t, f_{s-1}>, the last from the stored row s - 1, except
-        # t = s, whose stored entry is the old f_s: there p_s = g_s - g_{s-1} = c_s.
+        # p_t = <f_t, d_s> = g_t - <f_t, f_{s-1}>, the last the conjugate of the stored row
+        # s - 1 (G is Hermitian), except t = s, whose stored entry is the old f_s: there
+        # p_s = g_s - <f_s, f_{s-1}> = g_s - conj(g_{s-1}), which for real data is c_s.
         if index is not None:
-            p = g - gram.to(device)[(index - 1) % q]
-            p[index] = c[index]
+            previous = (index - 1) % q
+            p = g - gram.to(device)[previous].conj()
+            p[index] = g[index] - g[previous].conj() if acc.is_complex else c[index]
         else:
             ring = torch.arange(q, device=device)
             at = slot.to(device)
             previous = (at - 1) % q
             before = torch.where(ring == at, _pick(g, previous), _pick(gram.to(device), previous))
-            p = g - before
+            p = g - before.conj()
     return g, p - p.roll(1), c
 
 
@@ -408,7 +415,8 @@ def difference_factor(
     valid: Tensor,
     device: torch.device,
 ) -> Tensor:
-    r"""The float64 triangular factor ``R`` of :math:`[\Delta F \mid f_{\mathrm{last}}]`, streamed.
+    r"""The float64 (complex window: complex128) triangular factor ``R`` of
+    :math:`[\Delta F \mid f_{\mathrm{last}}]`, streamed.
 
     With the residuals :math:`f_p` = ``slots[order[p]]`` in chronological order (``p = 0 ..
     Q - 1``, the newest last), the columns are :math:`\Delta F_{:, j} = f_{j+1} - f_j`
@@ -427,7 +435,7 @@ def difference_factor(
       device: where the ``(Q, Q)`` result goes.
     """
     q = len(slots)
-    factor = torch.zeros(q, q, dtype=torch.float64, device=device)
+    factor = torch.zeros(q, q, dtype=wide(slots[0][0].dtype), device=device)
     concrete = not tree.any_transformed([order, valid])
     positions = (order.tolist(), valid.tolist()) if concrete else None
     for leaf_index in range(len(slots[0])):
