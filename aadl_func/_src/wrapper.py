@@ -250,6 +250,10 @@ class AcceleratedOptimizer(Optimizer):
             element or a real number), raised at its first evaluation, before the wrapped
             optimizer writes anything.
         """
+        if torch.compiler.is_compiling():
+            # Under torch.compile: no Ctrl-C guard (dynamo cannot trace signal handlers, and
+            # a graph is not interruptible between its kernels anyway; docs/compiling.md).
+            return self._step(None if closure is None else _returns_a_loss(closure))
         guard = InterruptGuard()
         with guard:
             if closure is not None:
@@ -264,10 +268,24 @@ class AcceleratedOptimizer(Optimizer):
             if skipped:
                 return loss
             closure = None if closure is None else _returning(loss, closure)
-        starts = [
-            [p.detach().clone(memory_format=torch.preserve_format) for p in group["params"]]
-            for group in groups
-        ]
+        # ``clone`` keeps the memory format (channels_last) by default. Spelled out
+        # (``memory_format=torch.preserve_format``), it makes dynamo (torch 2.13) give up on
+        # this frame where the torch step below breaks the graph.
+        starts = [[p.detach().clone() for p in group["params"]] for group in groups]
+        if torch.compiler.is_compiling():
+            # Compiled (docs/compiling.md): no recovery, so no count to read and no try
+            # block, which dynamo cannot resume in after torch.optim's own graph break.
+            # ``torch`` is named in this frame (and ``step``) on purpose: dynamo only traces
+            # frames that name it or hold a tensor.
+            loss = self._torch_step(closure)
+            for index, (group, start) in enumerate(zip(groups, starts)):
+                if not group["params"]:
+                    continue
+                if closure is None:
+                    self._update_group(windows, index, group["params"], start, closure)
+                else:  # the safeguard calls the closure inside the core: see _eagerly
+                    _eagerly(self._update_group, windows, index, group["params"], start, closure)
+            return loss
         # Once the torch optimizer has stepped, every group must end recorded. ``position``:
         # the first group not finished; ``count_before``: its window's count before its
         # update (-1 until read).
@@ -278,25 +296,43 @@ class AcceleratedOptimizer(Optimizer):
             for index, (group, start) in enumerate(zip(groups, starts)):
                 position, count_before = index, -1
                 params = group["params"]
-                if not params:
-                    continue
-                if windows[index] is None:
-                    windows[index] = self._anderson.init(start)
-                state = windows[index]
-                loss_fn = None if closure is None else _closure_loss(params, closure)
-                count_before = int(state.count)
-                stepped = [p.detach() for p in params]
-                out, state = self._anderson.update(
-                    state, start, stepped, inplace=True, loss_fn=loss_fn
-                )
-                for p, value in zip(params, out):
-                    p.copy_(value)
+                if params:
+                    count_before = int(self._window(windows, index, start).count)
+                    self._update_group(windows, index, params, start, closure)
                 position, count_before = index + 1, -1
         except BaseException:
             if torch_stepped:
                 self._recover(groups, starts, windows, position, count_before)
             raise
         return loss
+
+    def _window(
+        self, windows: list[AndersonState | None], index: int, start: list[Tensor]
+    ) -> AndersonState:
+        """Group ``index``'s window, made for the params ``start`` if it has none yet."""
+        window = windows[index]
+        if window is None:
+            window = windows[index] = self._anderson.init(start)
+        return window
+
+    def _update_group(
+        self,
+        windows: list[AndersonState | None],
+        index: int,
+        params: list[Tensor],
+        start: list[Tensor],
+        closure: Callable[[], Any] | None,
+    ) -> None:
+        """Group ``index``'s call of the core: from ``start`` (its params before the torch
+        step) and its params now (after it), the outcome written into the params and the
+        returned state kept (compiled, its counters are new tensors)."""
+        loss_fn = None if closure is None else _closure_loss(params, closure)
+        stepped = [p.detach() for p in params]
+        out, windows[index] = self._anderson.update(
+            self._window(windows, index, start), start, stepped, inplace=True, loss_fn=loss_fn
+        )
+        for p, value in zip(params, out):
+            p.copy_(value)
 
     def _torch_step(self, closure: Callable[[], Any] | None) -> Any:
         """The wrapped optimizer's own step, in one line: its caller records that it
@@ -341,11 +377,14 @@ class AcceleratedOptimizer(Optimizer):
             if not params:
                 continue
             start = starts[index]
-            if windows[index] is None:
-                windows[index] = self._anderson.init(start)
             stepped = [p.detach() for p in params]
             out, windows[index] = step(
-                self._config, windows[index], start, stepped, inplace=True, mix=False
+                self._config,
+                self._window(windows, index, start),
+                start,
+                stepped,
+                inplace=True,
+                mix=False,
             )
             for p, value in zip(params, out):
                 p.copy_(value)
@@ -360,9 +399,15 @@ class AcceleratedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = [p.grad for group in self.param_groups for p in group["params"]]
-        finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
-        if finite:
+        flags = [
+            torch.isfinite(p.grad).all()
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        # One read of one flag: under torch.compile, the one graph break of this option
+        # (whether the torch optimizer steps at all depends on the values).
+        if not flags or bool(torch.stack(flags).all()):
             return loss, False
         windows = self._sync_windows()
         for index, group in enumerate(self.param_groups):
@@ -484,6 +529,20 @@ class AcceleratedOptimizer(Optimizer):
         return template
 
 
+@torch.compiler.disable
+def _eagerly(function: Callable[..., None], *args: Any) -> None:
+    """``function(*args)``, run eagerly from a compiled step: a group's call of the core when
+    the safeguard evaluates the user's closure inside it.
+
+    The closure breaks the graph (``backward``), in the middle of the core's step. Dynamo
+    cannot resume a frame inside its ``try``/``with`` blocks: it would run the rest of each
+    such frame eagerly on decisions traced before the break, and return its stand-in for
+    optree's tree spec to eager code, which then fails. One deliberate break here instead
+    keeps the core whole (eager, as without ``torch.compile``).
+    """
+    function(*args)
+
+
 def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
     """The closure whose first call returns ``loss``, evaluated already (grads in place)."""
     calls = 0
@@ -498,9 +557,15 @@ def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
 
 def _interruptible(closure: Callable[[], Any], guard: InterruptGuard) -> Callable[[], Any]:
     """``closure`` run as the user's code: Ctrl-C acts at once inside it (see
-    :meth:`aadl_func._src.atomic.InterruptGuard.callbacks`)."""
+    :meth:`aadl_func._src.atomic.InterruptGuard.callbacks`).
+
+    Traced (the wrapped optimizer's step compiled on its own, its closure call with it), the
+    signal handlers stay as they are, which dynamo cannot trace: Ctrl-C in the closure is
+    then deferred to the end of the step, as elsewhere in it."""
 
     def run() -> Any:
+        if torch.compiler.is_compiling():
+            return closure()
         with guard.callbacks():
             return closure()
 
