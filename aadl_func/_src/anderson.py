@@ -20,7 +20,9 @@ from torch import Tensor
 from aadl_func._src import distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard
 from aadl_func._src.checks import (
+    MISSING,
     autograd_policy,
+    check_call,
     check_floating,
     check_update_inputs,
     keep_requires_grad,
@@ -201,11 +203,17 @@ def functions(options: AndersonOptions) -> tuple[Callable[..., Any], Callable[..
     def update(
         state: AndersonState,
         params: Params,
-        grads: Params,
+        grads: Params = MISSING,
+        /,
         *,
         inplace: bool = False,
         loss_fn: LossFn | None = None,
+        **misplaced: Any,
     ) -> tuple[Params, AndersonState]:
+        # ``grads``' default and ``misplaced`` only catch calls made as to a gradient
+        # transformation (``update(updates, state, params=...)``), to say what to call instead.
+        if misplaced or grads is MISSING:
+            grads = check_call(state, params, grads, misplaced)
         with autograd_policy():  # no graph through the window (see checks.autograd_policy)
             out, new_state = step(options, state, params, grads, inplace=inplace, loss_fn=loss_fn)
         return keep_requires_grad(out, params, inplace), new_state
