@@ -29,6 +29,7 @@ from aadl_func._src.checks import (
     mark_verified,
 )
 from aadl_func._src.options import AndersonOptions
+from aadl_func._src.protocols import AndersonInit, AndersonUpdate
 from aadl_func._src.stages import Call, commit, recover
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.window import new_ring
@@ -41,10 +42,12 @@ LossFn = Callable[[Params], Tensor]
 
 class Anderson(NamedTuple):
     """A functional optimizer: ``state = init(params)``;
-    ``params, state = update(state, params, grads, *, inplace=False, loss_fn=None)``."""
+    ``params, state = update(state, params, grads, *, inplace=False, loss_fn=None)``.
 
-    init: Callable[[Params], AndersonState]
-    update: Callable[..., tuple[Params, AndersonState]]
+    Typed by :class:`aadl_func.AndersonInit` and :class:`aadl_func.AndersonUpdate`."""
+
+    init: AndersonInit
+    update: AndersonUpdate
 
 
 def anderson(
@@ -193,7 +196,7 @@ def anderson(
     return Anderson(*functions(options))
 
 
-def functions(options: AndersonOptions) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
     """The ``init`` and ``update`` functions of :class:`Anderson` for ``options``."""
 
     def init(params: Params) -> AndersonState:

@@ -10,7 +10,6 @@ AADL, and the result is written back into the params in place.
 
 from __future__ import annotations
 
-import inspect
 import numbers
 from collections import OrderedDict
 from collections.abc import Callable
@@ -69,19 +68,6 @@ class _TakenStep:
         return optree.tree_map(displacement, updates, params), state
 
 
-def _anderson_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with :func:`aadl_func.anderson`'s defaults filled in."""
-    signature = inspect.signature(AndersonOptions)
-    try:
-        bound = signature.bind(None, **options)
-    except TypeError as err:
-        raise TypeError(f"AcceleratedOptimizer: {err}") from None
-    bound.apply_defaults()
-    resolved = dict(bound.arguments)
-    resolved.pop("inner")
-    return resolved
-
-
 def _plain_values(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` in plain Python values (devices and dtypes as strings), so that they
     survive ``torch.load(weights_only=True)``."""
@@ -117,15 +103,40 @@ class AcceleratedOptimizer(Optimizer):
       anderson_states: per param group, its :class:`aadl_func.AndersonState` (counters
         ``num_mixed``, ``num_rejected``, ``num_averaged``, ...), or None before the first step.
 
+    The keyword parameters after ``optimizer`` are the options of :func:`aadl_func.anderson`
+    (all but ``inner``), with its defaults (docs/options.md), validated here. They are spelled
+    out for type checkers; ``tests/test_options.py`` holds them to
+    ``aadl_func._src.options.AndersonOptions``, where they are defined.
+
     Args:
       optimizer: a ``torch.optim.Optimizer``; its ``step``, ``state_dict`` and
         ``load_state_dict`` are captured now.
-      **anderson_options: any keyword option of :func:`aadl_func.anderson` (all but
-        ``inner``, with the same defaults; one list, ``aadl_func._src.options.AndersonOptions``),
-        validated here.
     """
 
-    def __init__(self, optimizer: Optimizer, **anderson_options: Any) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        history_depth: int = 10,
+        relaxation: float = 1.0,
+        reg: float = 0.0,
+        wait_iterations: int = 0,
+        store_each_nth: int = 1,
+        frequency: int = 1,
+        mode: str = "aadl",
+        average: bool = False,
+        average_tol: float = 0.1,
+        history_device: torch.device | str | None = None,
+        compute_device: torch.device | str | None = None,
+        history_dtype: torch.dtype | None = None,
+        skip_nonfinite: bool = False,
+        max_consecutive_skips: int | None = None,
+        reg_relative: float = 0.0,
+        restart_on_reject: bool = False,
+        reg_column: float = 0.0,
+    ) -> None:
+        given = locals()
+        resolved = {name: given[name] for name in AndersonOptions.names()}
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 "AcceleratedOptimizer: `optimizer` must be a torch.optim.Optimizer, got "
@@ -135,7 +146,6 @@ class AcceleratedOptimizer(Optimizer):
             optimizer, _ACCELERATOR_ATTRIBUTE
         ):
             raise ValueError("AcceleratedOptimizer: `optimizer` is already accelerated")
-        resolved = _anderson_options(anderson_options)
         self._config = AndersonOptions(_TakenStep(), **resolved)
         self._anderson = Anderson(*functions(self._config))
         self._options = _plain_values(resolved)
@@ -621,7 +631,15 @@ def accelerate(
     average: bool = False,
     history_device: torch.device | str | None = None,
     compute_device: torch.device | str | None = None,
-    **anderson_options: Any,
+    *,
+    mode: str = "aadl",
+    average_tol: float = 0.1,
+    history_dtype: torch.dtype | None = None,
+    skip_nonfinite: bool = False,
+    max_consecutive_skips: int | None = None,
+    reg_relative: float = 0.0,
+    restart_on_reject: bool = False,
+    reg_column: float = 0.0,
 ) -> AcceleratedOptimizer:
     r"""AADL's ``accelerate``: Anderson-accelerates ``optimizer`` in place.
 
@@ -636,7 +654,9 @@ def accelerate(
     Semantics are those of :func:`aadl_func.anderson` (``reg_acc`` is its ``reg``): the window
     holds every ``store_each_nth``-th plain step, mixing happens every ``frequency`` calls
     after ``wait_iterations`` once the window holds 3 entries, a ``closure`` turns on the loss
-    safeguard, and ``average=True`` the moving-average rule.
+    safeguard, and ``average=True`` the moving-average rule. The keyword-only parameters
+    (``mode``, ``average_tol``, ...) are the other options of :func:`aadl_func.anderson`, with
+    its defaults (``tests/test_options.py`` holds them to ``AndersonOptions``).
 
     Args:
       optimizer: the ``torch.optim.Optimizer`` to accelerate.
@@ -655,8 +675,6 @@ def accelerate(
         defaulted to ``"cpu"``; pass it to keep the windows off the accelerator).
       compute_device: where the small least-squares problem is solved (default: the history
         device).
-      **anderson_options: further keyword options of :func:`aadl_func.anderson`
-        (``average_tol``, ``mode``, ``history_dtype``).
 
     Returns:
       The :class:`AcceleratedOptimizer` now behind ``optimizer.step``.
@@ -665,6 +683,7 @@ def accelerate(
       ValueError: unknown ``acceleration_type`` (AADL's ``"identity"`` included), an invalid
         option, or an optimizer that is already accelerated.
     """
+    given = locals()
     if not isinstance(acceleration_type, str):
         raise TypeError(
             f"accelerate: `acceleration_type` must be a str, got {type(acceleration_type).__name__}"
@@ -675,19 +694,9 @@ def accelerate(
             "accelerate: `acceleration_type` must be 'anderson' or 'anderson_normal_equation', "
             f"got {acceleration_type!r}"
         )
-    accelerator = AcceleratedOptimizer(
-        optimizer,
-        relaxation=relaxation,
-        wait_iterations=wait_iterations,
-        history_depth=history_depth,
-        store_each_nth=store_each_nth,
-        frequency=frequency,
-        reg=reg_acc,
-        average=average,
-        history_device=history_device,
-        compute_device=compute_device,
-        **anderson_options,
-    )
+    # Every option under its own name but ``reg`` (AADL's ``reg_acc``).
+    options = {name: given[name] for name in AndersonOptions.names() if name != "reg"}
+    accelerator = AcceleratedOptimizer(optimizer, reg=reg_acc, **options)
     setattr(optimizer, _ACCELERATOR_ATTRIBUTE, accelerator)
     # Bound to ``optimizer`` itself (as AADL's MethodType): LR schedulers re-bind
     # ``optimizer.step.__func__`` to the optimizer when they wrap it.
