@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MISSING",
     "OUTERMOST",
+    "as_a_transformation",
     "autograd_policy",
     "check_call",
     "check_state",
@@ -124,7 +125,7 @@ def check_update_inputs(
     """
     if not isinstance(state, AndersonState):
         if isinstance(params, AndersonState):  # update(updates, state, params): optax's order
-            raise TypeError(f"{OWNER}: got the state second. {OUTERMOST}")
+            raise TypeError(as_a_transformation("state"))
         raise TypeError(f"{OWNER}: `state` must be an AndersonState, got {type(state).__name__}")
     check_bool(OWNER, "inplace", inplace)
     if loss_fn is not None:
@@ -179,6 +180,17 @@ OUTERMOST = (
 )
 
 
+def as_a_transformation(argument: str) -> str:
+    """The message for a call made as to a gradient transformation, by what gave it away:
+    ``params`` passed by keyword too (torchopt's chain), or ``state`` passed second (optax's
+    chain, ``update(grads, state)``)."""
+    how = {
+        "params": "`params` passed by keyword too, as in update(updates, state, params=...)",
+        "state": "`state` passed second, as in update(updates, state, params)",
+    }[argument]
+    return f"{OWNER}: called as a gradient transformation ({how}). {OUTERMOST}"
+
+
 def check_call(state: Any, params: Any, grads: Any, misplaced: dict[str, Any]) -> Any:
     """``update``'s ``grads`` for a call that named it (``update(state, params, grads=g)``);
     the call made as to a gradient transformation raises a ``TypeError`` that says where
@@ -190,8 +202,10 @@ def check_call(state: Any, params: Any, grads: Any, misplaced: dict[str, Any]) -
     """
     if grads is MISSING and set(misplaced) == {"grads"}:
         return misplaced["grads"]
-    if "params" in misplaced or isinstance(params, AndersonState):
-        raise TypeError(f"{OWNER}: called as a gradient transformation. {OUTERMOST}")
+    if "params" in misplaced:
+        raise TypeError(as_a_transformation("params"))
+    if isinstance(params, AndersonState):
+        raise TypeError(as_a_transformation("state"))
     if misplaced:
         names = ", ".join(f"`{name}`" for name in misplaced)
         raise TypeError(
