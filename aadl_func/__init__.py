@@ -5,6 +5,7 @@ from aadl_func._src.anderson import Anderson, anderson
 from aadl_func._src.compose import ChainState, add_decayed_weights, chain, clip_by_global_norm
 from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
 from aadl_func._src.mix import mix, mixing_weights
+from aadl_func._src.protocols import AndersonInit, AndersonUpdate
 from aadl_func._src.solve import MixingWeights, solve_weights
 from aadl_func._src.solver import SolverInfo, fixed_point, implicit_fixed_point, root
 from aadl_func._src.state import AndersonState
@@ -18,7 +19,9 @@ __all__ = [
     "AdaSAMState",
     "AdamState",
     "Anderson",
+    "AndersonInit",
     "AndersonState",
+    "AndersonUpdate",
     "ChainState",
     "InnerOptimizer",
     "MixingWeights",

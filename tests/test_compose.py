@@ -146,3 +146,105 @@ def test_a_bad_mask_is_named():
     t = aa.add_decayed_weights(0.1, mask={"w": 1})
     with pytest.raises(TypeError, match="`mask` must be"):
         t.update({"w": torch.zeros(2)}, t.init(None), params={"w": torch.ones(2)})
+
+
+# -- anderson inside someone else's chain ---------------------------------------------------
+RULE = (
+    "anderson must be the outermost transformation: call update(state, params, grads); to "
+    "clip or decay, put aa.chain(...) as anderson's inner optimizer"
+)
+
+
+def _torchopt_style_chain(*transforms):
+    """torchopt's ``chain``, as torchopt 0.7 writes it: ``update(updates, state, *,
+    params=None, inplace=True)`` calls each ``fn(updates, s, params=params, inplace=...)``."""
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, *, params=None, inplace=True):
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params=params, inplace=inplace)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return init, update
+
+
+def _optax_style_chain(*transforms):
+    """optax's ``chain``: ``fn(updates, state, params)``, all three by position."""
+
+    def update(updates, state, params=None):
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return lambda params: tuple(t.init(params) for t in transforms), update
+
+
+def _problem():
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(3).double()}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    return params, grads
+
+
+def _snapshot(tree):
+    return [t.clone() for t in torch.utils._pytree.tree_leaves(tree)]
+
+
+def _unchanged(tree, snapshot):
+    return all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(tree), snapshot))
+
+
+@pytest.mark.parametrize("style", ["torchopt_written_here", "optax", "torchopt"])
+def test_anderson_inside_a_chain_names_the_rule_and_changes_nothing(style):
+    params, grads = _problem()
+    accelerated = aa.anderson(aa.sgd(0.1), history_depth=3)
+    if style == "torchopt":
+        torchopt = pytest.importorskip("torchopt")
+        chained = torchopt.chain(torchopt.clip_grad_norm(1.0), accelerated)
+        init, update = chained.init, chained.update
+    elif style == "optax":
+        init, update = _optax_style_chain(aa.clip_by_global_norm(1.0), accelerated)
+    else:
+        init, update = _torchopt_style_chain(aa.clip_by_global_norm(1.0), accelerated)
+    state = init(params)
+    # The clip before anderson may scale the grads in place (inplace=True): that is the
+    # chain's doing; anderson leaves the params and every state as they were.
+    before = _snapshot((params, state))
+    with pytest.raises(TypeError) as raised:
+        if style == "optax":
+            update(grads, state, params)
+        else:
+            update(grads, state, params=params, inplace=True)
+    assert RULE in str(raised.value)
+    assert str(raised.value).startswith("anderson.update: ")
+    assert _unchanged((params, state), before)
+
+
+def test_gradient_transformation_order_without_params_names_the_rule():
+    """``update(grads, state)``: a gradient transformation's call, by position."""
+    params, grads = _problem()
+    opt = aa.anderson(aa.sgd(0.1), history_depth=3)
+    state = opt.init(params)
+    with pytest.raises(TypeError, match="outermost transformation"):
+        opt.update(grads, state)
+
+
+def test_grads_by_keyword_still_works_and_other_calls_are_named():
+    params, grads = _problem()
+    opt = aa.anderson(aa.sgd(0.1), history_depth=3)
+    by_position, _ = opt.update(opt.init(params), params, grads)
+    by_keyword, _ = opt.update(opt.init(params), params, grads=grads)
+    assert all(torch.equal(by_position[k], by_keyword[k]) for k in params)
+    # Plain SGD from params: p - 0.1 g, a reference independent of the window (first call).
+    assert all(torch.allclose(by_keyword[k], params[k] - 0.1 * grads[k]) for k in params)
+    state = opt.init(params)
+    with pytest.raises(TypeError, match="`grads` is missing"):
+        opt.update(state, params)
+    with pytest.raises(TypeError, match="unexpected keyword argument `lr`"):
+        opt.update(state, params, grads, lr=0.1)

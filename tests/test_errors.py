@@ -168,6 +168,14 @@ def _update_case(
     return Update(build)
 
 
+def _anderson_and_state(call: Callable[[Any, aa.AndersonState, dict], Any]) -> Any:
+    """``call(opt, state, params)`` on a fresh optimizer and state, for the rows about the
+    call itself (its arguments in the wrong places)."""
+    opt = aa.anderson(sgd(0.1), history_depth=4)
+    params = _params()
+    return call(opt, opt.init(params), params)
+
+
 def _rebuild(leaf_fn: Callable[[torch.Tensor], torch.Tensor], field: str):
     """Replaces every tensor of one state field, e.g. to corrupt a loaded checkpoint."""
     return lambda s: s._replace(**{field: optree.tree_map(leaf_fn, getattr(s, field))})
@@ -270,6 +278,17 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     ).init(torch.zeros(3, dtype=torch.complex64)),
     # update: the call itself
     "update-state-type": _update_case(state=lambda s: tuple(s)),
+    # update called as a gradient transformation (anderson inside a chain; tests/test_compose.py)
+    "update-state-second": lambda: _anderson_and_state(
+        lambda opt, state, p: opt.update(_grads_of(p), state, p)
+    ),
+    "update-params-keyword": lambda: _anderson_and_state(
+        lambda opt, state, p: opt.update(_grads_of(p), state, params=p, inplace=True)
+    ),
+    "update-grads-absent": lambda: _anderson_and_state(lambda opt, state, p: opt.update(state, p)),
+    "update-keyword-unknown": lambda: _anderson_and_state(
+        lambda opt, state, p: opt.update(state, p, _grads_of(p), lr=0.1)
+    ),
     "update-inplace-type": _update_case(inplace=1),
     "update-loss_fn-type": _update_case(loss_fn="mse"),
     "update-loss-type": _update_case(loss=torch.tensor([1.0, 2.0])),

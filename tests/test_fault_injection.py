@@ -188,6 +188,19 @@ def _run_traced(setup, faults):
     return params, state
 
 
+@pytest.fixture(autouse=True)
+def grad_mode_restored():
+    """torch's grad mode as it was, after each test. CPython reports a second line event for
+    a ``with`` statement as the block exits, before it calls ``__exit__`` and outside the
+    block's handler: a fault injected there skips ``torch.no_grad().__exit__`` (in
+    ``update``'s ``with autograd_policy()``). Params and state are still at one complete
+    outcome, which is what is tested, but the process's grad mode stays off and would leak
+    into the tests that run next (tests/test_inner.py's gradchecks)."""
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
+
+
 @pytest.fixture
 def default_sigint():
     """Python's own SIGINT handler for the test (a process started in the background may

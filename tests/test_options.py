@@ -43,3 +43,52 @@ def test_readme_signature_and_table_list_every_option_with_its_default():
 def test_the_wrapper_takes_the_same_options():
     parameters = inspect.signature(AndersonOptions).parameters
     assert list(parameters)[1:] == list(_signature_defaults())
+
+
+def _option_fields() -> dict:
+    """``AndersonOptions``' fields after ``inner``: ``name -> (default, annotation)``."""
+    return {
+        f.name: (f.default, f.type)
+        for f in dataclasses.fields(AndersonOptions)
+        if f.name != "inner"
+    }
+
+
+def _keywords(function) -> dict:
+    """The keyword-only parameters of ``function``: ``name -> (default, annotation)``."""
+    return {
+        name: (p.default, p.annotation)
+        for name, p in inspect.signature(function).parameters.items()
+        if p.kind == inspect.Parameter.KEYWORD_ONLY
+    }
+
+
+def test_the_wrapper_types_every_option_as_anderson_does():
+    """``AcceleratedOptimizer(optimizer, *, ...)`` lists the options with the same order,
+    defaults and annotations (what a type checker reads: ``history_depth="5"`` is an error)."""
+    parameters = list(inspect.signature(aa.AcceleratedOptimizer).parameters)
+    assert parameters[0] == "optimizer"
+    assert _keywords(aa.AcceleratedOptimizer) == _option_fields()
+    assert list(_keywords(aa.AcceleratedOptimizer)) == list(_option_fields())
+    anderson = inspect.signature(aa.anderson).parameters
+    assert {n: (p.default, p.annotation) for n, p in anderson.items() if n != "inner"} == (
+        _option_fields()
+    )
+
+
+def test_accelerate_types_every_option_under_aadl_names_or_its_own():
+    """``accelerate`` keeps AADL's positional parameters (``reg_acc`` is ``reg``; AADL's own
+    defaults) and takes every other option by keyword, typed as ``anderson`` types it."""
+    parameters = inspect.signature(aa.accelerate).parameters
+    aadl = [n for n, p in parameters.items() if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert aadl[:2] == ["optimizer", "acceleration_type"]
+    fields = _option_fields()
+    named = {"reg" if n == "reg_acc" else n for n in aadl[2:]}
+    assert named <= set(fields)
+    for name in aadl[2:]:
+        assert parameters[name].annotation == fields["reg" if name == "reg_acc" else name][1]
+    keywords = _keywords(aa.accelerate)
+    assert set(keywords) == set(fields) - named
+    assert keywords == {name: fields[name] for name in keywords}
+    assert list(keywords) == [name for name in fields if name in keywords]  # the same order
+    assert not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())

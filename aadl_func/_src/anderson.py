@@ -21,13 +21,16 @@ from torch import Tensor
 from aadl_func._src import deferred, distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard
 from aadl_func._src.checks import (
+    MISSING,
     autograd_policy,
+    check_call,
     check_floating,
     check_update_inputs,
     keep_requires_grad,
     mark_verified,
 )
 from aadl_func._src.options import AndersonOptions
+from aadl_func._src.protocols import AndersonInit, AndersonUpdate
 from aadl_func._src.scalars import wide
 from aadl_func._src.stages import Call, commit, recover, revert
 from aadl_func._src.state import COUNTERS, AndersonState
@@ -42,10 +45,12 @@ LossFn = Callable[[Params], Tensor]
 class Anderson(NamedTuple):
     """A functional optimizer: ``state = init(params)``;
     ``params, state = update(state, params, grads, *, inplace=False, loss_fn=None,
-    loss=None)``."""
+    loss=None)``.
 
-    init: Callable[[Params], AndersonState]
-    update: Callable[..., tuple[Params, AndersonState]]
+    Typed by :class:`aadl_func.AndersonInit` and :class:`aadl_func.AndersonUpdate`."""
+
+    init: AndersonInit
+    update: AndersonUpdate
 
 
 def anderson(
@@ -195,7 +200,7 @@ def anderson(
     return Anderson(*functions(options))
 
 
-def functions(options: AndersonOptions) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
     """The ``init`` and ``update`` functions of :class:`Anderson` for ``options``."""
 
     def init(params: Params) -> AndersonState:
@@ -205,12 +210,18 @@ def functions(options: AndersonOptions) -> tuple[Callable[..., Any], Callable[..
     def update(
         state: AndersonState,
         params: Params,
-        grads: Params,
+        grads: Params = MISSING,
+        /,
         *,
         inplace: bool = False,
         loss_fn: LossFn | None = None,
         loss: Tensor | float | None = None,
+        **misplaced: Any,
     ) -> tuple[Params, AndersonState]:
+        # ``grads``' default and ``misplaced`` only catch calls made as to a gradient
+        # transformation (``update(updates, state, params=...)``), to say what to call instead.
+        if misplaced or grads is MISSING:
+            grads = check_call(state, params, grads, misplaced)
         with autograd_policy():  # no graph through the window (see checks.autograd_policy)
             out, new_state = step(
                 options, state, params, grads, inplace=inplace, loss_fn=loss_fn, loss=loss

@@ -34,7 +34,11 @@ if TYPE_CHECKING:
     from aadl_func._src.options import AndersonOptions as Config
 
 __all__ = [
+    "MISSING",
+    "OUTERMOST",
+    "as_a_transformation",
     "autograd_policy",
+    "check_call",
     "check_state",
     "check_state_values",
     "mark_verified",
@@ -122,6 +126,8 @@ def check_update_inputs(
       differ (float32 grads for float64 params, as ``torch.optim``'s arithmetic promotes them).
     """
     if not isinstance(state, AndersonState):
+        if isinstance(params, AndersonState):  # update(updates, state, params): optax's order
+            raise TypeError(as_a_transformation("state"))
         raise TypeError(f"{OWNER}: `state` must be an AndersonState, got {type(state).__name__}")
     check_bool(OWNER, "inplace", inplace)
     if loss_fn is not None:
@@ -159,6 +165,57 @@ def check_update_inputs(
     if cast:
         grads = tree.unflatten(g_spec, [g.to(p.dtype) for g, p in zip(g_leaves, p_leaves)])
     return p_leaves, spec, grads
+
+
+# -- the call itself --------------------------------------------------------------------------
+class _Missing:
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+#: ``update``'s ``grads`` when not given (a call made as to a gradient transformation).
+MISSING: Any = _Missing()
+
+#: Where ``anderson`` goes in a composition, for the calls made as to a gradient transformation.
+OUTERMOST = (
+    "anderson must be the outermost transformation: call update(state, params, grads); to "
+    "clip or decay, put aa.chain(...) as anderson's inner optimizer"
+)
+
+
+def as_a_transformation(argument: str) -> str:
+    """The message for a call made as to a gradient transformation, by what gave it away:
+    ``params`` passed by keyword too (torchopt's chain), or ``state`` passed second (optax's
+    chain, ``update(grads, state)``)."""
+    how = {
+        "params": "`params` passed by keyword too, as in update(updates, state, params=...)",
+        "state": "`state` passed second, as in update(updates, state, params)",
+    }[argument]
+    return f"{OWNER}: called as a gradient transformation ({how}). {OUTERMOST}"
+
+
+def check_call(state: Any, params: Any, grads: Any, misplaced: dict[str, Any]) -> Any:
+    """``update``'s ``grads`` for a call that named it (``update(state, params, grads=g)``);
+    the call made as to a gradient transformation raises a ``TypeError`` that says where
+    ``anderson`` goes instead (``OUTERMOST``).
+
+    Those calls are torchopt's and optax's chains, ``update(updates, state, params=params,
+    inplace=...)``, and the gradient-transformation order ``update(grads, state)``. Only calls
+    that passed ``grads`` by keyword or not at all come here: the common call pays nothing.
+    """
+    if grads is MISSING and set(misplaced) == {"grads"}:
+        return misplaced["grads"]
+    if "params" in misplaced:
+        raise TypeError(as_a_transformation("params"))
+    if isinstance(params, AndersonState):
+        raise TypeError(as_a_transformation("state"))
+    if misplaced:
+        names = ", ".join(f"`{name}`" for name in misplaced)
+        raise TypeError(
+            f"{OWNER}: unexpected keyword argument {names}; the call is update(state, params, "
+            "grads, *, inplace=False, loss_fn=None, loss=None)"
+        )
+    raise TypeError(f"{OWNER}: `grads` is missing; the call is update(state, params, grads)")
 
 
 def check_distinct(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_spec: Any) -> None:

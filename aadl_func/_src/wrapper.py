@@ -10,7 +10,6 @@ AADL, and the result is written back into the params in place.
 
 from __future__ import annotations
 
-import inspect
 import numbers
 from collections import OrderedDict
 from collections.abc import Callable
@@ -69,19 +68,6 @@ class _TakenStep:
         return optree.tree_map(displacement, updates, params), state
 
 
-def _anderson_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with :func:`aadl_func.anderson`'s defaults filled in."""
-    signature = inspect.signature(AndersonOptions)
-    try:
-        bound = signature.bind(None, **options)
-    except TypeError as err:
-        raise TypeError(f"AcceleratedOptimizer: {err}") from None
-    bound.apply_defaults()
-    resolved = dict(bound.arguments)
-    resolved.pop("inner")
-    return resolved
-
-
 def _plain_values(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` in plain Python values (devices and dtypes as strings), so that they
     survive ``torch.load(weights_only=True)``."""
@@ -117,15 +103,40 @@ class AcceleratedOptimizer(Optimizer):
       anderson_states: per param group, its :class:`aadl_func.AndersonState` (counters
         ``num_mixed``, ``num_rejected``, ``num_averaged``, ...), or None before the first step.
 
+    The keyword parameters after ``optimizer`` are the options of :func:`aadl_func.anderson`
+    (all but ``inner``), with its defaults (docs/options.md), validated here. They are spelled
+    out for type checkers; ``tests/test_options.py`` holds them to
+    ``aadl_func._src.options.AndersonOptions``, where they are defined.
+
     Args:
       optimizer: a ``torch.optim.Optimizer``; its ``step``, ``state_dict`` and
         ``load_state_dict`` are captured now.
-      **anderson_options: any keyword option of :func:`aadl_func.anderson` (all but
-        ``inner``, with the same defaults; one list, ``aadl_func._src.options.AndersonOptions``),
-        validated here.
     """
 
-    def __init__(self, optimizer: Optimizer, **anderson_options: Any) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        history_depth: int = 10,
+        relaxation: float = 1.0,
+        reg: float = 0.0,
+        wait_iterations: int = 0,
+        store_each_nth: int = 1,
+        frequency: int = 1,
+        mode: str = "aadl",
+        average: bool = False,
+        average_tol: float = 0.1,
+        history_device: torch.device | str | None = None,
+        compute_device: torch.device | str | None = None,
+        history_dtype: torch.dtype | None = None,
+        skip_nonfinite: bool = False,
+        max_consecutive_skips: int | None = None,
+        reg_relative: float = 0.0,
+        restart_on_reject: bool = False,
+        reg_column: float = 0.0,
+    ) -> None:
+        given = locals()
+        resolved = {name: given[name] for name in AndersonOptions.names()}
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 "AcceleratedOptimizer: `optimizer` must be a torch.optim.Optimizer, got "
@@ -135,7 +146,6 @@ class AcceleratedOptimizer(Optimizer):
             optimizer, _ACCELERATOR_ATTRIBUTE
         ):
             raise ValueError("AcceleratedOptimizer: `optimizer` is already accelerated")
-        resolved = _anderson_options(anderson_options)
         self._config = AndersonOptions(_TakenStep(), **resolved)
         self._anderson = Anderson(*functions(self._config))
         self._options = _plain_values(resolved)
@@ -250,6 +260,10 @@ class AcceleratedOptimizer(Optimizer):
             element or a real number), raised at its first evaluation, before the wrapped
             optimizer writes anything.
         """
+        if torch.compiler.is_compiling():
+            # Under torch.compile: no Ctrl-C guard (dynamo cannot trace signal handlers, and
+            # a graph is not interruptible between its kernels anyway; docs/compiling.md).
+            return self._step(None if closure is None else _returns_a_loss(closure))
         guard = InterruptGuard()
         with guard:
             if closure is not None:
@@ -264,10 +278,24 @@ class AcceleratedOptimizer(Optimizer):
             if skipped:
                 return loss
             closure = None if closure is None else _returning(loss, closure)
-        starts = [
-            [p.detach().clone(memory_format=torch.preserve_format) for p in group["params"]]
-            for group in groups
-        ]
+        # ``clone`` keeps the memory format (channels_last) by default. Spelled out
+        # (``memory_format=torch.preserve_format``), it makes dynamo (torch 2.13) give up on
+        # this frame where the torch step below breaks the graph.
+        starts = [[p.detach().clone() for p in group["params"]] for group in groups]
+        if torch.compiler.is_compiling():
+            # Compiled (docs/compiling.md): no recovery, so no count to read and no try
+            # block, which dynamo cannot resume in after torch.optim's own graph break.
+            # ``torch`` is named in this frame (and ``step``) on purpose: dynamo only traces
+            # frames that name it or hold a tensor.
+            loss = self._torch_step(closure)
+            for index, (group, start) in enumerate(zip(groups, starts)):
+                if not group["params"]:
+                    continue
+                if closure is None:
+                    self._update_group(windows, index, group["params"], start, closure)
+                else:  # the safeguard calls the closure inside the core: see _eagerly
+                    _eagerly(self._update_group, windows, index, group["params"], start, closure)
+            return loss
         # Once the torch optimizer has stepped, every group must end recorded. ``position``:
         # the first group not finished; ``count_before``: its window's count before its
         # update (-1 until read).
@@ -278,25 +306,43 @@ class AcceleratedOptimizer(Optimizer):
             for index, (group, start) in enumerate(zip(groups, starts)):
                 position, count_before = index, -1
                 params = group["params"]
-                if not params:
-                    continue
-                if windows[index] is None:
-                    windows[index] = self._anderson.init(start)
-                state = windows[index]
-                loss_fn = None if closure is None else _closure_loss(params, closure)
-                count_before = int(state.count)
-                stepped = [p.detach() for p in params]
-                out, state = self._anderson.update(
-                    state, start, stepped, inplace=True, loss_fn=loss_fn
-                )
-                for p, value in zip(params, out):
-                    p.copy_(value)
+                if params:
+                    count_before = int(self._window(windows, index, start).count)
+                    self._update_group(windows, index, params, start, closure)
                 position, count_before = index + 1, -1
         except BaseException:
             if torch_stepped:
                 self._recover(groups, starts, windows, position, count_before)
             raise
         return loss
+
+    def _window(
+        self, windows: list[AndersonState | None], index: int, start: list[Tensor]
+    ) -> AndersonState:
+        """Group ``index``'s window, made for the params ``start`` if it has none yet."""
+        window = windows[index]
+        if window is None:
+            window = windows[index] = self._anderson.init(start)
+        return window
+
+    def _update_group(
+        self,
+        windows: list[AndersonState | None],
+        index: int,
+        params: list[Tensor],
+        start: list[Tensor],
+        closure: Callable[[], Any] | None,
+    ) -> None:
+        """Group ``index``'s call of the core: from ``start`` (its params before the torch
+        step) and its params now (after it), the outcome written into the params and the
+        returned state kept (compiled, its counters are new tensors)."""
+        loss_fn = None if closure is None else _closure_loss(params, closure)
+        stepped = [p.detach() for p in params]
+        out, windows[index] = self._anderson.update(
+            self._window(windows, index, start), start, stepped, inplace=True, loss_fn=loss_fn
+        )
+        for p, value in zip(params, out):
+            p.copy_(value)
 
     def _torch_step(self, closure: Callable[[], Any] | None) -> Any:
         """The wrapped optimizer's own step, in one line: its caller records that it
@@ -341,11 +387,14 @@ class AcceleratedOptimizer(Optimizer):
             if not params:
                 continue
             start = starts[index]
-            if windows[index] is None:
-                windows[index] = self._anderson.init(start)
             stepped = [p.detach() for p in params]
             out, windows[index] = step(
-                self._config, windows[index], start, stepped, inplace=True, mix=False
+                self._config,
+                self._window(windows, index, start),
+                start,
+                stepped,
+                inplace=True,
+                mix=False,
             )
             for p, value in zip(params, out):
                 p.copy_(value)
@@ -360,9 +409,15 @@ class AcceleratedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = [p.grad for group in self.param_groups for p in group["params"]]
-        finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
-        if finite:
+        flags = [
+            torch.isfinite(p.grad).all()
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        # One read of one flag: under torch.compile, the one graph break of this option
+        # (whether the torch optimizer steps at all depends on the values).
+        if not flags or bool(torch.stack(flags).all()):
             return loss, False
         windows = self._sync_windows()
         for index, group in enumerate(self.param_groups):
@@ -486,6 +541,20 @@ class AcceleratedOptimizer(Optimizer):
         return template
 
 
+@torch.compiler.disable
+def _eagerly(function: Callable[..., None], *args: Any) -> None:
+    """``function(*args)``, run eagerly from a compiled step: a group's call of the core when
+    the safeguard evaluates the user's closure inside it.
+
+    The closure breaks the graph (``backward``), in the middle of the core's step. Dynamo
+    cannot resume a frame inside its ``try``/``with`` blocks: it would run the rest of each
+    such frame eagerly on decisions traced before the break, and return its stand-in for
+    optree's tree spec to eager code, which then fails. One deliberate break here instead
+    keeps the core whole (eager, as without ``torch.compile``).
+    """
+    function(*args)
+
+
 def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
     """The closure whose first call returns ``loss``, evaluated already (grads in place)."""
     calls = 0
@@ -500,9 +569,15 @@ def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
 
 def _interruptible(closure: Callable[[], Any], guard: InterruptGuard) -> Callable[[], Any]:
     """``closure`` run as the user's code: Ctrl-C acts at once inside it (see
-    :meth:`aadl_func._src.atomic.InterruptGuard.callbacks`)."""
+    :meth:`aadl_func._src.atomic.InterruptGuard.callbacks`).
+
+    Traced (the wrapped optimizer's step compiled on its own, its closure call with it), the
+    signal handlers stay as they are, which dynamo cannot trace: Ctrl-C in the closure is
+    then deferred to the end of the step, as elsewhere in it."""
 
     def run() -> Any:
+        if torch.compiler.is_compiling():
+            return closure()
         with guard.callbacks():
             return closure()
 
@@ -558,7 +633,15 @@ def accelerate(
     average: bool = False,
     history_device: torch.device | str | None = None,
     compute_device: torch.device | str | None = None,
-    **anderson_options: Any,
+    *,
+    mode: str = "aadl",
+    average_tol: float = 0.1,
+    history_dtype: torch.dtype | None = None,
+    skip_nonfinite: bool = False,
+    max_consecutive_skips: int | None = None,
+    reg_relative: float = 0.0,
+    restart_on_reject: bool = False,
+    reg_column: float = 0.0,
 ) -> AcceleratedOptimizer:
     r"""AADL's ``accelerate``: Anderson-accelerates ``optimizer`` in place.
 
@@ -573,7 +656,9 @@ def accelerate(
     Semantics are those of :func:`aadl_func.anderson` (``reg_acc`` is its ``reg``): the window
     holds every ``store_each_nth``-th plain step, mixing happens every ``frequency`` calls
     after ``wait_iterations`` once the window holds 3 entries, a ``closure`` turns on the loss
-    safeguard, and ``average=True`` the moving-average rule.
+    safeguard, and ``average=True`` the moving-average rule. The keyword-only parameters
+    (``mode``, ``average_tol``, ...) are the other options of :func:`aadl_func.anderson`, with
+    its defaults (``tests/test_options.py`` holds them to ``AndersonOptions``).
 
     Args:
       optimizer: the ``torch.optim.Optimizer`` to accelerate.
@@ -592,8 +677,6 @@ def accelerate(
         defaulted to ``"cpu"``; pass it to keep the windows off the accelerator).
       compute_device: where the small least-squares problem is solved (default: the history
         device).
-      **anderson_options: further keyword options of :func:`aadl_func.anderson`
-        (``average_tol``, ``mode``, ``history_dtype``).
 
     Returns:
       The :class:`AcceleratedOptimizer` now behind ``optimizer.step``.
@@ -602,6 +685,7 @@ def accelerate(
       ValueError: unknown ``acceleration_type`` (AADL's ``"identity"`` included), an invalid
         option, or an optimizer that is already accelerated.
     """
+    given = locals()
     if not isinstance(acceleration_type, str):
         raise TypeError(
             f"accelerate: `acceleration_type` must be a str, got {type(acceleration_type).__name__}"
@@ -612,19 +696,9 @@ def accelerate(
             "accelerate: `acceleration_type` must be 'anderson' or 'anderson_normal_equation', "
             f"got {acceleration_type!r}"
         )
-    accelerator = AcceleratedOptimizer(
-        optimizer,
-        relaxation=relaxation,
-        wait_iterations=wait_iterations,
-        history_depth=history_depth,
-        store_each_nth=store_each_nth,
-        frequency=frequency,
-        reg=reg_acc,
-        average=average,
-        history_device=history_device,
-        compute_device=compute_device,
-        **anderson_options,
-    )
+    # Every option under its own name but ``reg`` (AADL's ``reg_acc``).
+    options = {name: given[name] for name in AndersonOptions.names() if name != "reg"}
+    accelerator = AcceleratedOptimizer(optimizer, reg=reg_acc, **options)
     setattr(optimizer, _ACCELERATOR_ATTRIBUTE, accelerator)
     # Bound to ``optimizer`` itself (as AADL's MethodType): LR schedulers re-bind
     # ``optimizer.step.__func__`` to the optimizer when they wrap it.

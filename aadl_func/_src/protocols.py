@@ -1,0 +1,50 @@
+"""The types of :class:`aadl_func.Anderson`'s ``init`` and ``update``, for annotations.
+
+``anderson(...)`` returns plain functions; these protocols describe their calls to a type
+checker (``opt.update(state, params, grads)`` returns params of the type passed in, and the
+state), and let code that takes an accelerated optimizer as an argument say so::
+
+    def train(init: aa.AndersonInit, update: aa.AndersonUpdate) -> None: ...
+
+``inplace`` changes what is written, not what is returned, so ``update`` needs no overloads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from torch import Tensor
+
+from aadl_func._src.state import AndersonState
+
+__all__ = ["AndersonInit", "AndersonUpdate"]
+
+P = TypeVar("P")  # a pytree of tensors: the params (and grads) of one call
+
+
+class AndersonInit(Protocol):
+    """``init(params) -> AndersonState``: a fresh state for ``params`` (a pytree of tensors)."""
+
+    def __call__(self, params: Any, /) -> AndersonState: ...
+
+
+class AndersonUpdate(Protocol):
+    """``update(state, params, grads, *, inplace=False, loss_fn=None, loss=None)``.
+
+    Returns ``(params, state)``: the new params, a pytree like ``params`` (dict in, dict
+    out), and the new state. ``state`` and ``params`` are passed by position (see
+    :func:`aadl_func.anderson` for the keywords).
+    """
+
+    def __call__(
+        self,
+        state: AndersonState,
+        params: P,
+        grads: P,
+        /,
+        *,
+        inplace: bool = False,
+        loss_fn: Callable[[P], Tensor] | None = None,
+        loss: Tensor | float | None = None,
+    ) -> tuple[P, AndersonState]: ...
