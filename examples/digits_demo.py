@@ -42,6 +42,7 @@ Usage::
     python examples/digits_demo.py            # 6 methods x 3 seeds (about a minute)
     python examples/digits_demo.py --quick    # 1 seed, 30 gradient-equivalents: smoke test
     python examples/digits_demo.py --tune     # the tuning sweeps (15-30 minutes)
+    python examples/digits_demo.py --guard    # failing AA settings, unguarded and guarded
 
 Writes ``<out-dir>/<run>/summary.json`` (``config``, ``methods``, per-seed ``runs`` with their
 loss curves, ``stats`` over seeds, ``verdict``) and ``<out-dir>/<run>/loss_curves.png``;
@@ -51,6 +52,7 @@ loss curves, ``stats`` over seeds, ``verdict``) and ``<out-dir>/<run>/loss_curve
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -115,6 +117,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="initial weights")
     parser.add_argument("--budget", type=float, default=BUDGET, help="gradient-equivalents")
     parser.add_argument("--tune", action="store_true", help="run the tuning sweeps instead")
+    parser.add_argument(
+        "--guard",
+        action="store_true",
+        help="instead: the AA settings that fail unguarded, without and with the deferred "
+        "safeguard",
+    )
     parser.add_argument("--families", default=None, help="--tune: these grids only (a,b,...)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -265,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     if args.tune:
         return tune(args, data, out)
+    if args.guard:
+        return guard(args, data, dtype, out)
 
     problems = {seed: make_problem(seed, data, dtype, args.wall_clock) for seed in args.seeds}
     forward_ratio = measure_forward_ratio(next(iter(problems.values())))
@@ -301,6 +311,37 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f.write(table)
     print("\n" + table)
     print(f"wrote {os.path.join(out, 'summary.json')}, loss_curves.png and table.md")
+    return summary
+
+
+def guard(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[str, Any]:
+    """``--guard``: the AA settings that fail without a safeguard (outside the tuned band),
+    each without and with the deferred safeguard (``loss=``, nothing else changed); writes
+    ``guard.json`` and prints their table."""
+    failing = {
+        "Adam 0.02, beta1 0, depth 20": lambda: anderson_adam(0.02, 20, 0.0),
+        "Adam 0.03, beta1 0.9, depth 20": lambda: aa.anderson(
+            aa.adam(0.03), history_depth=20, mode="classic"
+        ),
+        "GD 0.5, depth 20": lambda: aa.anderson(aa.sgd(GD_LR), history_depth=20, mode="classic"),
+    }
+    rows = {}
+    for name, make in failing.items():
+        for safeguard in ("none", "deferred"):
+            label, usage, flags = aa_row(safeguard)
+            rows[f"{name} {safeguard}"] = Method(
+                f"{label} ({name})", "functional", make=make, **flags, description=usage
+            )
+    comparison = dataclasses.replace(COMPARISON, baselines=(), accelerated=())
+    problems = {seed: make_problem(seed, data, dtype, args.wall_clock) for seed in args.seeds}
+    runs = run_all(rows, problems, args.budget, comparison, not args.no_progress)
+    stats, _ = summarize_runs(runs, comparison)
+    summary = {"config": {"seeds": args.seeds, "budget": args.budget}, "runs": runs}
+    write_json(os.path.join(out, "guard.json"), summary)
+    print(markdown({"stats": stats}, rows, comparison))
+    for key, per_seed in runs.items():
+        counts = [f"{r['num_mixed']} kept / {r['num_rejected']} rejected" for r in per_seed]
+        print(f"{rows[key].label}: " + ", ".join(counts))
     return summary
 
 

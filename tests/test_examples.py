@@ -509,3 +509,14 @@ def test_deq(examples, tmp_path, capsys):
     assert abs(anderson["train_loss"] - plain["train_loss"]) < 1e-3
     assert abs(anderson["test_accuracy"] - plain["test_accuracy"]) <= 0.01
     assert anderson["test_accuracy"] > 0.8  # 10 classes: chance is 0.1
+
+
+def test_digits_demo_guard(examples, tmp_path, capsys):
+    """``--guard``: each failing AA setting without and with the deferred safeguard."""
+    demo = examples["digits_demo"]
+    summary = demo.main(["--guard", "--quick", "--no-progress", "--out-dir", str(tmp_path)])
+    assert json.loads((tmp_path / "digits" / "guard.json").read_text()) == summary
+    assert len(summary["runs"]) == 6 and "rejected" in capsys.readouterr().out
+    for key, (run,) in summary["runs"].items():
+        assert run["forwards"] == 0  # neither row evaluates a forward-only loss
+        assert (run["num_rejected"] > 0) == key.endswith("deferred")
