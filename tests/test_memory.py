@@ -177,3 +177,29 @@ def test_benchmark_quick_configuration(tmp_path, capsys):
     # The AADL-style step computes the same iteration (float32 lstsq vs float64 solve).
     assert result["agreement_relative_difference"] < 1e-4
     assert "aadl_func" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.__version__ < (2, 12), reason="torch.compile of update needs 2.12+")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+@pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated")
+def test_compiled_inplace_step_allocates_at_most_one_parameter_sized_buffer():
+    """The benchmark's compiled step (inductor, in place, n = 2^18, m = 5): at most one
+    parameter-sized buffer during a mixing step (a check of ``grads`` in ``update``'s own
+    frame once cost a second one under torch 2.13)."""
+    n, depth = 1 << 18, 5
+    opt = aa.anderson(sgd(0.01), history_depth=depth)
+    step = torch.compile(lambda s, p, g: opt.update(s, p, g, inplace=True), fullgraph=True)
+    params, state = torch.randn(n), None
+    state = opt.init(params)
+    for _ in range(depth + 2):
+        params, state = step(state, params, 1e-2 * torch.randn(n))
+    grads = 1e-2 * torch.randn(n)
+    before = int(state.num_mixed)
+    result = {}
+
+    def one():
+        result["out"] = step(state, params, grads)
+
+    peak, _, _ = allocation_profile(one)
+    assert int(result["out"][1].num_mixed) == before + 1
+    assert peak <= 1.25 * 4 * n, peak / (4 * n)

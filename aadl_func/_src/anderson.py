@@ -220,7 +220,9 @@ def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
     ) -> tuple[Params, AndersonState]:
         # ``grads``' default and ``misplaced`` only catch calls made as to a gradient
         # transformation (``update(updates, state, params=...)``), to say what to call instead.
-        if misplaced or grads is MISSING:
+        # A missing ``grads`` is caught by check_update_inputs: testing it here (``grads is
+        # MISSING``) costs a compiled step one more parameter-sized buffer (torch 2.13).
+        if misplaced:
             grads = check_call(state, params, grads, misplaced)
         with autograd_policy():  # no graph through the window (see checks.autograd_policy)
             out, new_state = step(

@@ -125,6 +125,8 @@ def check_update_inputs(
       ``(params leaves, params spec, grads)``: ``grads`` cast to the params' dtypes where they
       differ (float32 grads for float64 params, as ``torch.optim``'s arithmetic promotes them).
     """
+    if grads is MISSING:  # update(state, params) or update(grads, state): see check_call
+        check_call(state, params, grads, {})
     if not isinstance(state, AndersonState):
         if isinstance(params, AndersonState):  # update(updates, state, params): optax's order
             raise TypeError(as_a_transformation("state"))
