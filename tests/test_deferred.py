@@ -156,7 +156,7 @@ def torch_rosenbrock(x: torch.Tensor) -> torch.Tensor:
     return (CURVE * (b - a**2) ** 2 + (1 - a) ** 2).sum()
 
 
-@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile")
+@pytest.mark.skipif(torch.__version__ < (2, 12), reason="torch.compile of update needs 2.12+")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("inplace", [False, True])

@@ -261,9 +261,13 @@ def difference_rows_leaf(
         b = buffer if width == step else buffer[:, :width]
         for first, k, chunks in pieces:
             b[first : first + k].copy_(chunks[i])
-        g.addmv_(b.conj(), b[s])
+        # ``resolve_conj``: with the lazily conjugated block (which shares memory with its
+        # row argument) torch 2.5's addmv_ gave wrong complex products under vmap's
+        # per-member rule; a real block has no conjugate bit, so it costs real windows nothing.
+        bh = b.conj().resolve_conj()
+        g.addmv_(bh, b[s])
         if exact:
-            p.addmv_(b.conj(), torch.sub(b[s], b[s - 1], out=newest_step[:width]))
+            p.addmv_(bh, torch.sub(b[s], b[s - 1], out=newest_step[:width]))
     return g, p
 
 
