@@ -31,24 +31,30 @@ def launch(script: str, world: int, work: Path, timeout_s: float) -> list[dict]:
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    # Each worker writes to a file, not a pipe: a pipe read one worker after the other can
+    # fill up and block the worker not read yet, halfway through a step its peer waits on.
+    logs = [open(work / f"rank{rank}.log", "wb") for rank in range(world)]  # noqa: SIM115
     procs = [
         subprocess.Popen(
             [sys.executable, script, "--worker", str(rank), str(world), str(work)],
-            stdout=subprocess.PIPE,
+            stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
         )
-        for rank in range(world)
+        for rank, log in enumerate(logs)
     ]
-    outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout_s)[0].decode(errors="replace"))
+            proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-            proc.communicate()
+            proc.wait()
         pytest.fail(f"the {world} distributed workers did not finish within {timeout_s} s")
+    finally:
+        for log in logs:
+            log.close()
+    outputs = [(work / f"rank{rank}.log").read_text(errors="replace") for rank in range(world)]
     results = []
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
         path = work / f"rank{rank}.pt"
