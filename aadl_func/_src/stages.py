@@ -669,7 +669,7 @@ def revert(call: Call, *, blended: bool) -> tuple[Any, AndersonState]:
     # count equals ``count``), and the call-count gates count the steps taken.
     final = state._replace(
         num_rejected=state.num_rejected + 1,
-        pending_loss=torch.full_like(state.pending_loss, deferred.INF),
+        pending_loss=deferred.cleared(state),
         skip_streak=reset_streak(call),
         window_size=restarted(call, state.window_size, flags.TRUE),
     )
