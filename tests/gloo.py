@@ -60,7 +60,7 @@ def launch(script: str, world: int, work: Path, timeout_s: float) -> list[dict]:
         path = work / f"rank{rank}.pt"
         if proc.returncode != 0 or not path.exists():
             pytest.fail(f"worker {rank} failed (exit {proc.returncode}):\n{out[-4000:]}")
-        results.append(torch.load(path, weights_only=False))
+        results.append(torch.load(path, weights_only=True))
     return results
 
 
