@@ -11,6 +11,8 @@ The module also holds the autograd policy of ``init``/``update`` (:func:`autogra
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import math
 import operator
 import weakref
@@ -137,13 +139,14 @@ def check_update_inputs(
     if loss_fn is not None:
         check_callable(OWNER, "loss_fn", loss_fn)
     p_leaves, spec = tree.flatten(params, "params", owner=OWNER)
-    check_dense(OWNER, "params", p_leaves, spec)
     check_floating(OWNER, p_leaves, spec, config)
     g_leaves, g_spec = tree.flatten(grads, "grads", owner=OWNER)
     tree.check_like("grads", g_leaves, g_spec, p_leaves, spec, owner=OWNER)
-    check_dense(OWNER, "grads", g_leaves, g_spec)
     cast = False
     for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
+        if p.layout is not torch.strided or g.layout is not torch.strided:
+            check_dense(OWNER, "params", p_leaves, spec)  # names the leaf
+            check_dense(OWNER, "grads", g_leaves, g_spec)
         if g.dtype != p.dtype:
             # Real grads are cast to any params dtype; complex ones only to a complex one.
             if not (g.is_floating_point() or (g.is_complex() and p.is_complex())):
@@ -166,9 +169,7 @@ def check_update_inputs(
             "grad/vjp/jvp transform is active); pass inplace=False"
         )
     if inplace:
-        if not tree.any_transformed(p_leaves):
-            check_writable(OWNER, "params", p_leaves, spec)
-        check_distinct(p_leaves, spec, g_leaves, g_spec)
+        check_in_place(p_leaves, spec, g_leaves, g_spec)
     check_state(config, state, p_leaves, spec)
     if cast:
         grads = tree.unflatten(g_spec, [g.to(p.dtype) for g, p in zip(g_leaves, p_leaves)])
@@ -226,17 +227,19 @@ def check_call(state: Any, params: Any, grads: Any, misplaced: dict[str, Any]) -
     raise TypeError(f"{OWNER}: `grads` is missing; the call is update(state, params, grads)")
 
 
-def check_distinct(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_spec: Any) -> None:
-    """In place, no params leaf overlaps another (the same tensor twice, overlapping views)
-    and no grads leaf overlaps a params leaf: the step writes every params leaf once, so an
-    overlap would be stepped twice, and grads read after the params were written would have
-    changed. Out of place nothing is written, and each leaf is stepped on its own.
+def check_in_place(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_spec: Any) -> None:
+    """In place, every params leaf can be written (:func:`check_writable`), no params leaf
+    overlaps another (the same tensor twice, overlapping views) and no grads leaf overlaps a
+    params leaf: the step writes every params leaf once, so an overlap would be stepped
+    twice, and grads read after the params were written would have changed. Out of place
+    nothing is written, and each leaf is stepped on its own.
 
     Metadata only (addresses and extents); skipped under vmap / torch.compile, whose
     tensors have no addresses."""
     leaves = [*p_leaves, *g_leaves]
-    if len(leaves) < 2 or tree.any_transformed(leaves):
+    if tree.any_transformed(leaves):
         return
+    check_writable(OWNER, "params", p_leaves, spec)
     if len(leaves) == 2:  # one leaf: its grads against it, without the sort
         p, g = _span(leaves[0]), _span(leaves[1])
         if p is None or g is None or g[1] <= p[0] or p[1] <= g[0]:
@@ -625,23 +628,42 @@ def check_window_values(state: AndersonState, owner: str = OWNER) -> None:
     forms them, cannot overflow. ``update`` stores only finite entries of such a size for
     finite params and steps; a state from outside with larger ones (a tampered checkpoint:
     3e38 in a float32 anchor) is refused here, once, rather than trusted by the
-    finiteness fallback, which covers the mix but not the plain step. One pass over the
-    window, on the first call with a state from outside."""
+    finiteness fallback, which covers the mix but not the plain step.
+
+    One pass over the window (``torch._foreach_norm``, the largest magnitude of every
+    leaf), on the first call with a state from outside."""
+    leaves = optree.tree_leaves([getattr(state, f) for f in WINDOW_FIELDS], none_is_leaf=False)
+    leaves = list(itertools.compress(leaves, map(Tensor.numel, leaves)))  # inf-norm of none
+    if not leaves:
+        return
+    largest = torch.stack(
+        [*map(Tensor.double, map(Tensor.cpu, torch._foreach_norm(leaves, math.inf)))]
+    )
+    limits = torch.tensor([*map(_half_max, map(_DTYPE, leaves))], dtype=torch.float64)
+    if bool((largest <= limits).all()):  # a NaN fails the comparison
+        return
     for field in WINDOW_FIELDS:
         leaves, spec = optree.tree_flatten(getattr(state, field), none_is_leaf=False)
         for i, t in enumerate(leaves):
-            if not isinstance(t, Tensor) or t.numel() == 0:
+            if t.numel() == 0 or bool(t.abs().le(_half_max(t.dtype)).all()):
                 continue
-            limit = torch.finfo(t.dtype).max / 2
-            if not bool(t.abs().le(limit).all()):
-                finite = bool(t.isfinite().all())
-                worst = f"{float(t.abs().max()):.3g}" if finite else "a non-finite value"
-                raise ValueError(
-                    f"{owner}: `{tree.leaf_path(spec, i, f'state.{field}')}` holds {worst}; "
-                    f"a window holds finite values up to {limit:.3g} in magnitude (half the "
-                    f"largest {t.dtype}); was the state saved by this optimizer and loaded "
-                    "unchanged?"
-                )
+            finite = bool(t.isfinite().all())
+            worst = f"{float(t.abs().max()):.3g}" if finite else "a non-finite value"
+            raise ValueError(
+                f"{owner}: `{tree.leaf_path(spec, i, f'state.{field}')}` holds {worst}; a "
+                f"window holds finite values up to {_half_max(t.dtype):.3g} in magnitude "
+                f"(half the largest {t.dtype}); was the state saved by this optimizer and "
+                "loaded unchanged?"
+            )
+
+
+_DTYPE = operator.attrgetter("dtype")
+
+
+@functools.cache
+def _half_max(dtype: torch.dtype) -> float:
+    """Half the largest finite value of ``dtype`` (of its real parts, for a complex one)."""
+    return torch.finfo(dtype).max / 2
 
 
 def check_pending_loss(config: Config, state: AndersonState, value: dict, owner: str) -> None:
@@ -768,11 +790,27 @@ def check_state_memory(state: AndersonState, owner: str = OWNER) -> None:
     """Every tensor of the state is dense and can be written in place (:func:`check_dense`,
     :func:`check_writable`), in both modes: ``update(..., inplace=True)`` writes the ring's
     slots, the anchor, the Grams, the counters and the inner state's buffers, and a state
-    checked once is trusted by every later call, whichever its ``inplace``."""
+    checked once is trusted by every later call, whichever its ``inplace``.
+
+    The common case (every tensor dense, writable, contiguous) is answered by C-level maps
+    over the state's leaves, in a constant number of Python steps; only a state that fails
+    it is walked leaf by leaf, for the name of the first offending leaf."""
+    leaves = optree.tree_leaves(state, none_is_leaf=False)
+    fine = (
+        all(map(isinstance, leaves, itertools.repeat(Tensor)))
+        and all(map(operator.is_, map(_LAYOUT, leaves), itertools.repeat(torch.strided)))
+        and not any(map(Tensor.is_inference, leaves))
+        and all(map(Tensor.is_contiguous, leaves))
+    )
+    if fine:
+        return
     for field in AndersonState._fields:
         leaves, spec = optree.tree_flatten(getattr(state, field), none_is_leaf=False)
         check_dense(owner, f"state.{field}", leaves, spec)
         check_writable(owner, f"state.{field}", leaves, spec)
+
+
+_LAYOUT = operator.attrgetter("layout")
 
 
 def _leaf_name(named: list, k: int, i: int) -> str:
