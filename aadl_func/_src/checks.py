@@ -142,11 +142,11 @@ def check_update_inputs(
     check_floating(OWNER, p_leaves, spec, config)
     g_leaves, g_spec = tree.flatten(grads, "grads", owner=OWNER)
     tree.check_like("grads", g_leaves, g_spec, p_leaves, spec, owner=OWNER)
+    if not (all_strided(p_leaves) and all_strided(g_leaves)):
+        check_dense(OWNER, "params", p_leaves, spec)  # names the leaf
+        check_dense(OWNER, "grads", g_leaves, g_spec)
     cast = False
     for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
-        if p.layout is not torch.strided or g.layout is not torch.strided:
-            check_dense(OWNER, "params", p_leaves, spec)  # names the leaf
-            check_dense(OWNER, "grads", g_leaves, g_spec)
         if g.dtype != p.dtype:
             # Real grads are cast to any params dtype; complex ones only to a complex one.
             if not (g.is_floating_point() or (g.is_complex() and p.is_complex())):
@@ -239,7 +239,8 @@ def check_in_place(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_
     leaves = [*p_leaves, *g_leaves]
     if tree.any_transformed(leaves):
         return
-    check_writable(OWNER, "params", p_leaves, spec)
+    if not all(map(Tensor.is_contiguous, p_leaves)) or any(map(Tensor.is_inference, p_leaves)):
+        check_writable(OWNER, "params", p_leaves, spec)  # C-level maps first: the common case
     if len(leaves) == 2:  # one leaf: its grads against it, without the sort
         p, g = _span(leaves[0]), _span(leaves[1])
         if p is None or g is None or g[1] <= p[0] or p[1] <= g[0]:
@@ -268,6 +269,11 @@ def check_dense(owner: str, name: str, leaves: list[Tensor], spec: Any) -> None:
                 f"{owner}: `{tree.leaf_path(spec, i, name)}` has layout {t.layout}; only "
                 "dense (strided) tensors are supported: pass .to_dense()"
             )
+
+
+def all_strided(leaves: list[Tensor]) -> bool:
+    """Whether every one of ``leaves`` (tensors) is dense: one C-level pass, no Python loop."""
+    return all(map(operator.is_, map(_LAYOUT, leaves), itertools.repeat(torch.strided)))
 
 
 def check_writable(owner: str, name: str, leaves: list[Tensor], spec: Any) -> None:
@@ -798,7 +804,7 @@ def check_state_memory(state: AndersonState, owner: str = OWNER) -> None:
     leaves = optree.tree_leaves(state, none_is_leaf=False)
     fine = (
         all(map(isinstance, leaves, itertools.repeat(Tensor)))
-        and all(map(operator.is_, map(_LAYOUT, leaves), itertools.repeat(torch.strided)))
+        and all_strided(leaves)
         and not any(map(Tensor.is_inference, leaves))
         and all(map(Tensor.is_contiguous, leaves))
     )
