@@ -142,7 +142,8 @@ def check_update_inputs(
     check_floating(OWNER, p_leaves, spec, config)
     g_leaves, g_spec = tree.flatten(grads, "grads", owner=OWNER)
     tree.check_like("grads", g_leaves, g_spec, p_leaves, spec, owner=OWNER)
-    if not (all_strided(p_leaves) and all_strided(g_leaves)):
+    # (Traced, the leaves are dense stand-ins, and dynamo cannot trace the C-level maps.)
+    if not (tree.tracing() or (all_strided(p_leaves) and all_strided(g_leaves))):
         check_dense(OWNER, "params", p_leaves, spec)  # names the leaf
         check_dense(OWNER, "grads", g_leaves, g_spec)
     cast = False
