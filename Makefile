@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo minibatch test docs compat lint bench clean
+.PHONY: venv demo minibatch test fuzz docs compat lint bench clean
 
 # The install also compiles the CPU kernel (setup.py), so editing _dots.c reinstalls.
 $(STAMP): pyproject.toml setup.py aadl_func/_src/_dots.c Makefile
@@ -28,6 +28,12 @@ minibatch: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The long run of tests/test_fuzz.py (odd leaves and tampered states; `make test` runs a sample
+# of 40 examples per test): FUZZ_EXAMPLES examples per test, the outcome counts printed.
+FUZZ_EXAMPLES ?= 2000
+fuzz: $(STAMP)
+	AADL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/test_fuzz.py
 
 # The documentation site (mkdocs + mkdocstrings, API pages from the docstrings) into site/,
 # strict: a broken link or a docstring that does not match its signature fails the build.

@@ -60,8 +60,19 @@ def launch(script: str, world: int, work: Path, timeout_s: float) -> list[dict]:
         path = work / f"rank{rank}.pt"
         if proc.returncode != 0 or not path.exists():
             pytest.fail(f"worker {rank} failed (exit {proc.returncode}):\n{out[-4000:]}")
-        results.append(torch.load(path, weights_only=False))
+        with torch.serialization.safe_globals(_numpy_globals()):
+            results.append(torch.load(path, weights_only=True))
     return results
+
+
+def _numpy_globals() -> list:
+    """What the workers' NumPy results unpickle through: weights-only loading, with NumPy's
+    array and scalar rebuilders and dtypes allowed (no arbitrary code)."""
+    import numpy as np
+
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    dtypes = [getattr(np.dtypes, name) for name in np.dtypes.__all__]
+    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
 
 
 def init_worker(rank: int, world: int, work: Path, timeout_s: float):

@@ -176,7 +176,7 @@ def test_pure_vmap_and_save():
     buffer = io.BytesIO()
     torch.save(s, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = torch.load(buffer, weights_only=True)
     assert isinstance(loaded, aa.AdaSAMState)
     a, _ = opt.update(s, p, {k: v[3] for k, v in grads[0].items()})
     b, _ = opt.update(loaded, p, {k: v[3] for k, v in grads[0].items()})

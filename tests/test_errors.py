@@ -193,6 +193,11 @@ def _update_in_place(params_of: Callable, grads: Callable = _grads_of) -> Any:
     return opt.update(opt.init(params), params, grads(params), inplace=True)
 
 
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
 def _requires_grad(p: dict) -> dict:
     return {k: v.clone().requires_grad_(True) for k, v in p.items()}
 
@@ -345,6 +350,12 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "update-grads-aliased": lambda: _update_in_place(
         lambda w: {"a": w[:3], "b": w[3:]}, grads=lambda p: p
     ),
+    "update-params-expanded": lambda: _update_in_place(lambda w: {"a": w, "b": w[:1].expand(3)}),
+    "update-params-inference": lambda: _update_in_place(lambda w: {"a": w, "b": _inference(w)}),
+    "update-params-sparse": _update_case(params=lambda p: {**p, "b": p["b"].to_sparse()}),
+    "update-grads-sparse": _update_case(
+        grads=lambda p: {**_grads_of(p), "b": _grads_of(p)["b"].to_sparse()}
+    ),
     # update: the state's other slots and its values (a tampered or mismatched checkpoint)
     "update-state-residuals-slot-shape": _update_case(
         state=lambda s: s._replace(
@@ -382,6 +393,23 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     ),
     "update-state-aliased-params": _update_case(
         state=lambda s: s._replace(num_mixed=s.num_mixed.clone()), params_from_state=True
+    ),
+    "update-state-expanded": _update_case(
+        state=lambda s: s._replace(gram=s.gram[:1].expand_as(s.gram))
+    ),
+    "update-state-inference": _update_case(state=lambda s: s._replace(gram=_inference(s.gram))),
+    "update-state-pending_loss-unmixed": _update_case(
+        state=lambda s: s._replace(
+            pending_loss=torch.tensor(0.5, dtype=torch.float64), num_mixed=torch.tensor(0)
+        )
+    ),
+    "update-state-mixed-averaged-range": _update_case(
+        state=lambda s: s._replace(num_mixed=s.count.clone(), num_averaged=torch.tensor(1))
+    ),
+    "update-state-window-overflow": _update_case(
+        state=lambda s: s._replace(
+            anchor=optree.tree_map(lambda t: torch.full_like(t, torch.finfo(t.dtype).max), s.anchor)
+        )
     ),
     "update-inner_state-count-value": _update_case(
         state=lambda s: s._replace(inner_state=s.inner_state._replace(count=torch.tensor(0)))
@@ -450,15 +478,19 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t if t.device.type == "meta" else t.detach().clone()
+    return t if t.device.type == "meta" or t.layout != torch.strided else t.detach().clone()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version  # inference tensors keep no counter
 
 
 def _assert_untouched(before: list[tuple], after: list[torch.Tensor]) -> None:
     assert len(before) == len(after)
     for (copy, version), t in zip(before, after):
-        assert t._version == version, "a tensor was written in place by a failing update"
+        assert _version(t) == version, "a tensor was written in place by a failing update"
         assert t.dtype == copy.dtype and t.shape == copy.shape
-        if t.device.type != "meta":  # meta tensors hold no values
+        if t.device.type != "meta" and t.layout == torch.strided:  # values to compare
             assert torch.equal(t, copy)
 
 
@@ -505,7 +537,7 @@ def test_error_row(row: Row, inplace: int | None):
     opt, spy, state, params, grads, kwargs = case.build()
     kwargs = {"inplace": bool(inplace), **kwargs}
     watched = _tensors((state, params, grads))
-    before = [(_copy(t), t._version) for t in watched]
+    before = [(_copy(t), _version(t)) for t in watched]
     with pytest.raises(expected, match=re.escape(row.excerpt)) as info:
         opt.update(state, params, grads, **kwargs)
     assert spy.calls == 0, "the inner optimizer ran before the error"

@@ -134,6 +134,22 @@ def test_wrapper_load_state_dict_checks_the_values(tamper, match):
     assert all(torch.equal(p, q) for p, q in zip(fresh_model.parameters(), before))
 
 
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_wrapper_load_state_dict_refuses_windows_without_dense_values(kind):
+    model, opt = _wrapper()
+    _train(model, opt, 5)
+    saved = opt.state_dict()
+    window = saved["anderson"]["windows"][0]
+    gram = window.gram.to("meta") if kind == "meta" else window.gram.to_sparse()
+    saved["anderson"]["windows"] = [window._replace(gram=gram)]
+    fresh_model, fresh = _wrapper(seed=3)
+    before = [p.detach().clone() for p in fresh_model.parameters()]
+    with pytest.raises(ValueError, match="AcceleratedOptimizer.load_state_dict: the window"):
+        fresh.load_state_dict(saved)
+    assert fresh.anderson_states == (None,)
+    assert all(torch.equal(p, q) for p, q in zip(fresh_model.parameters(), before))
+
+
 # -- aliased params and grads in place -----------------------------------------------------
 
 

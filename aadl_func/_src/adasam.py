@@ -67,6 +67,7 @@ import optree
 import torch
 from torch import Tensor
 
+from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import check_float, check_int
 
 __all__ = ["AdaSAM", "AdaSAMState", "adasam"]
@@ -101,6 +102,9 @@ class AdaSAMState(NamedTuple):
     drs: Any
     num_mixed: Tensor
     num_fallback: Tensor
+
+
+allow_weights_only(AdaSAMState)
 
 
 class AdaSAM(NamedTuple):

@@ -24,6 +24,7 @@ from aadl_func._src.checks import (
     MISSING,
     autograd_policy,
     check_call,
+    check_dense,
     check_floating,
     check_update_inputs,
     keep_requires_grad,
@@ -269,6 +270,7 @@ def _init(options: AndersonOptions, params: Params) -> AndersonState:
     leaves, spec = tree.flatten(params, "params", owner="anderson.init")
     if not leaves:
         raise ValueError("anderson.init: `params` must contain at least one tensor")
+    check_dense("anderson.init", "params", leaves, spec)
     check_floating("anderson.init", leaves, spec, options)
     q = options.num_slots
 

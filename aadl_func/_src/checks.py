@@ -11,7 +11,11 @@ The module also holds the autograd policy of ``init``/``update`` (:func:`autogra
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import math
+import operator
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -138,6 +142,10 @@ def check_update_inputs(
     check_floating(OWNER, p_leaves, spec, config)
     g_leaves, g_spec = tree.flatten(grads, "grads", owner=OWNER)
     tree.check_like("grads", g_leaves, g_spec, p_leaves, spec, owner=OWNER)
+    # (Traced, the leaves are dense stand-ins, and dynamo cannot trace the C-level maps.)
+    if not (tree.tracing() or (all_strided(p_leaves) and all_strided(g_leaves))):
+        check_dense(OWNER, "params", p_leaves, spec)  # names the leaf
+        check_dense(OWNER, "grads", g_leaves, g_spec)
     cast = False
     for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
         if g.dtype != p.dtype:
@@ -162,7 +170,7 @@ def check_update_inputs(
             "grad/vjp/jvp transform is active); pass inplace=False"
         )
     if inplace:
-        check_distinct(p_leaves, spec, g_leaves, g_spec)
+        check_in_place(p_leaves, spec, g_leaves, g_spec)
     check_state(config, state, p_leaves, spec)
     if cast:
         grads = tree.unflatten(g_spec, [g.to(p.dtype) for g, p in zip(g_leaves, p_leaves)])
@@ -220,17 +228,20 @@ def check_call(state: Any, params: Any, grads: Any, misplaced: dict[str, Any]) -
     raise TypeError(f"{OWNER}: `grads` is missing; the call is update(state, params, grads)")
 
 
-def check_distinct(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_spec: Any) -> None:
-    """In place, no params leaf overlaps another (the same tensor twice, overlapping views)
-    and no grads leaf overlaps a params leaf: the step writes every params leaf once, so an
-    overlap would be stepped twice, and grads read after the params were written would have
-    changed. Out of place nothing is written, and each leaf is stepped on its own.
+def check_in_place(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_spec: Any) -> None:
+    """In place, every params leaf can be written (:func:`check_writable`), no params leaf
+    overlaps another (the same tensor twice, overlapping views) and no grads leaf overlaps a
+    params leaf: the step writes every params leaf once, so an overlap would be stepped
+    twice, and grads read after the params were written would have changed. Out of place
+    nothing is written, and each leaf is stepped on its own.
 
     Metadata only (addresses and extents); skipped under vmap / torch.compile, whose
     tensors have no addresses."""
     leaves = [*p_leaves, *g_leaves]
-    if len(leaves) < 2 or tree.any_transformed(leaves):
+    if tree.any_transformed(leaves):
         return
+    if not all(map(Tensor.is_contiguous, p_leaves)) or any(map(Tensor.is_inference, p_leaves)):
+        check_writable(OWNER, "params", p_leaves, spec)  # C-level maps first: the common case
     if len(leaves) == 2:  # one leaf: its grads against it, without the sort
         p, g = _span(leaves[0]), _span(leaves[1])
         if p is None or g is None or g[1] <= p[0] or p[1] <= g[0]:
@@ -246,6 +257,77 @@ def check_distinct(p_leaves: list[Tensor], spec: Any, g_leaves: list[Tensor], g_
             "same tensor twice, overlapping views) and grads must not overlap params: "
             "pass distinct tensors, or inplace=False"
         )
+
+
+# -- the leaves' memory -----------------------------------------------------------------------
+def check_dense(owner: str, name: str, leaves: list[Tensor], spec: Any) -> None:
+    """Every leaf is a dense (strided) tensor: sparse, sparse-CSR or MKL-DNN layouts have no
+    element-wise in-place arithmetic or byte extents, and would fail inside the step with
+    torch's message instead of this one (torch.optim's dense optimizers refuse them too)."""
+    for i, t in enumerate(leaves):
+        if isinstance(t, Tensor) and t.layout is not torch.strided:
+            raise TypeError(
+                f"{owner}: `{tree.leaf_path(spec, i, name)}` has layout {t.layout}; only "
+                "dense (strided) tensors are supported: pass .to_dense()"
+            )
+
+
+def all_strided(leaves: list[Tensor]) -> bool:
+    """Whether every one of ``leaves`` (tensors) is dense: one C-level pass, no Python loop."""
+    return all(map(operator.is_, map(_LAYOUT, leaves), itertools.repeat(torch.strided)))
+
+
+def check_writable(owner: str, name: str, leaves: list[Tensor], spec: Any) -> None:
+    """Every leaf can be written in place, element by element, each element once; checked
+    before the first write, so that a leaf torch would refuse halfway through a step (after
+    others were written) is refused up front. Eager tensors only (metadata, no values).
+
+    Refused: an inference tensor outside inference mode (torch refuses the write, and only
+    after an earlier leaf was written), and memory where two elements share an address (an
+    ``expand``-ed tensor, an overlapping ``as_strided`` view: an element would be stepped
+    once per alias). Not detectable from torch, so not refused: memory mapped read-only."""
+    for i, t in enumerate(leaves):
+        problem = _unwritable(t) if isinstance(t, Tensor) else None
+        if problem is not None:
+            raise ValueError(f"{owner}: `{tree.leaf_path(spec, i, name)}` {problem}")
+
+
+def _unwritable(t: Tensor) -> str | None:
+    """Why ``t`` cannot be written in place (None if it can)."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return (
+            "is an inference tensor (made under torch.inference_mode()), which cannot be "
+            "written in place outside that mode: pass a tensor made outside it (.clone() "
+            "there), or inplace=False"
+        )
+    if not t.is_contiguous() and self_overlapping(t):
+        return (
+            "has elements that share memory (an expanded tensor or an overlapping "
+            "as_strided view), which a write in place would step once per alias: pass "
+            ".contiguous(), or inplace=False"
+        )
+    return None
+
+
+def self_overlapping(t: Tensor) -> bool:
+    r"""Whether two elements of ``t`` have the same address (from shape, strides only).
+
+    Dimensions sorted by stride are disjoint when each stride exceeds the extent of the
+    smaller ones, :math:`s_i > \sum_{j < i} (n_j - 1) s_j` (every dense or sliced layout);
+    otherwise the elements' offsets are counted exactly (one pass over an index, rare)."""
+    if t.numel() == 0:
+        return False
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return False
+    extent = sum((size - 1) * stride for stride, size in dims)
+    offsets = torch.arange(extent + 1).as_strided(t.shape, t.stride())
+    return offsets.unique().numel() < t.numel()
 
 
 def _input_path(k: int, num_params: int, spec: Any, g_spec: Any) -> str:
@@ -407,12 +489,24 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
 
 # -- the state's values -----------------------------------------------------------------------
 # A state is *verified* once its values have been checked (or ``update`` made it): the value
-# checks then cost one dictionary look-up per call. The key is the state's ``count`` tensor,
-# held (so its id cannot be reused while listed; the newest few are kept, each a 0-d tensor:
-# a weakref per counter cost more per call), and the value the identities of the state's
-# fields, so a state rebuilt with ``_replace`` is checked again. Tensors written in place by
-# the caller behind ``update``'s back are not noticed.
-_VERIFIED: dict[int, tuple[Tensor, tuple]] = {}
+# checks then cost one dictionary look-up and an identity test per field. An entry is keyed
+# by the id of the state's ``count`` tensor and holds a weak reference to it plus the state's
+# other fields themselves: while the entry exists those fields are alive, so no other object
+# can have their identity (a check by ``id()`` alone would take a field rebuilt after the old
+# one was freed for the old one). The entry goes when ``count`` dies, normally with the
+# state, so it keeps nothing alive that the state does not (and at most ``_KEEP`` entries
+# are listed, if counters outlive their states). A state rebuilt with ``_replace`` is checked
+# again; tensors written in place by the caller behind ``update``'s back are not noticed.
+
+
+class _Entry(weakref.ref):
+    """A weak reference to a verified state's ``count``, with the state's other fields (held)
+    and whether its tensors are inference tensors (valid only in inference mode)."""
+
+    __slots__ = ("key", "fields", "inference")
+
+
+_VERIFIED: dict[int, _Entry] = {}
 _KEEP = 64  # states listed at most (optimizers stepping in turn, each with its newest state)
 
 #: Counters above this are refused: a float64 (the inner schedules' ``count``) holds every
@@ -420,8 +514,10 @@ _KEEP = 64  # states listed at most (optimizers stepping in turn, each with its 
 MAX_COUNT = 2**53
 
 
-def _fingerprint(state: AndersonState) -> tuple:
-    return tuple(map(id, state))
+def _forget(entry: _Entry) -> None:
+    """Drops ``entry`` once its ``count`` is freed (weakref callback)."""
+    if _VERIFIED.get(entry.key) is entry:
+        del _VERIFIED[entry.key]
 
 
 def verified(state: AndersonState) -> bool:
@@ -433,7 +529,12 @@ def verified(state: AndersonState) -> bool:
         return True  # compiled: no values (and no ids to guard on)
     count = state.count
     entry = _VERIFIED.get(id(count))
-    if entry is not None and entry[0] is count and entry[1] == _fingerprint(state):
+    if (
+        entry is not None
+        and entry() is count
+        and all(map(operator.is_, entry.fields, state[1:]))
+        and (not entry.inference or torch.is_inference_mode_enabled())
+    ):
         return True  # the common case first: only concrete counters are ever listed
     return not _concrete(count)
 
@@ -453,9 +554,17 @@ def mark_verified(state: AndersonState) -> None:
     count = state.count
     if not (isinstance(count, Tensor) and count.ndim == 0 and count.is_cpu):
         return
-    _VERIFIED[id(count)] = (count, _fingerprint(state))
-    if len(_VERIFIED) > _KEEP:  # a pure run adds one per call: drop the oldest
-        del _VERIFIED[next(iter(_VERIFIED))]
+    key = id(count)
+    entry = _VERIFIED.get(key)
+    if entry is None or entry() is not count:  # in place, the count is the same each call
+        entry = _Entry(count, _forget)
+        entry.key = key
+        _VERIFIED[key] = entry
+        if len(_VERIFIED) > _KEEP:  # counters kept alive after their states: drop the oldest
+            del _VERIFIED[next(iter(_VERIFIED))]
+    entry.fields = state[1:]
+    # A state made in inference mode holds inference tensors, which only that mode may write.
+    entry.inference = count.is_inference()
 
 
 def check_state_values(
@@ -472,8 +581,12 @@ def check_state_values(
     ``count`` equal to the state's, Adam's ``exp_avg_sq >= 0``).
     """
     counters = {name: getattr(state, name) for name in COUNTERS}
-    if any(tree.static_value(t) is None for t in counters.values()):
+    if any(
+        not isinstance(t, Tensor) or tree.is_transformed(t) or t.ndim or not t.is_cpu
+        for t in counters.values()
+    ):
         return  # counters on an accelerator or transformed: nothing to read cheaply
+    check_state_memory(state, owner)
     value = {name: int(t.item()) for name, t in counters.items()}
     count = value["count"]
     bounds = {
@@ -496,17 +609,93 @@ def check_state_values(
                 f"{owner}: `state.{name}` is {value[name]}, expected between {text}; "
                 "was the state saved by this optimizer and loaded unchanged?"
             )
-    pending = tree.static_value(state.pending_loss)
-    if pending is not None and not (pending == pending and pending > -math.inf):
+    if value["num_mixed"] + value["num_averaged"] > count:
         raise ValueError(
-            f"{owner}: `state.pending_loss` is {pending}, expected a loss or +inf; was the "
-            "state saved by this optimizer and loaded unchanged?"
+            f"{owner}: `state.num_mixed` + `state.num_averaged` is "
+            f"{value['num_mixed'] + value['num_averaged']}, expected at most count={count} "
+            "(a call returns a mix or a window mean, not both); was the state saved by this "
+            "optimizer and loaded unchanged?"
         )
+    check_pending_loss(config, state, value, owner)
     check_values = getattr(config.inner, "check_values", None)
     if callable(check_values):
         check_values(state.inner_state, count=count, name="state.inner_state", owner=owner)
     check_no_aliasing(state, p_leaves, spec, owner)
+    check_window_values(state, owner)
     mark_verified(state)
+
+
+#: The state's fields whose values feed the window's arithmetic.
+WINDOW_FIELDS = ("anchor", "residuals", "iterates", "gram", "dr_gram", "dr_rhs")
+
+
+def check_window_values(state: AndersonState, owner: str = OWNER) -> None:
+    """Every value of the window (anchor, ring slots, Grams) is finite and at most half its
+    dtype's largest value in magnitude, so that the difference of two of them, as the step
+    forms them, cannot overflow. ``update`` stores only finite entries of such a size for
+    finite params and steps; a state from outside with larger ones (a tampered checkpoint:
+    3e38 in a float32 anchor) is refused here, once, rather than trusted by the
+    finiteness fallback, which covers the mix but not the plain step.
+
+    One pass over the window (``torch._foreach_norm``, the largest magnitude of every
+    leaf), on the first call with a state from outside."""
+    leaves = optree.tree_leaves([getattr(state, f) for f in WINDOW_FIELDS], none_is_leaf=False)
+    leaves = list(itertools.compress(leaves, map(Tensor.numel, leaves)))  # inf-norm of none
+    if not leaves:
+        return
+    largest = torch.stack(
+        [*map(Tensor.double, map(Tensor.cpu, torch._foreach_norm(leaves, math.inf)))]
+    )
+    limits = torch.tensor([*map(_half_max, map(_DTYPE, leaves))], dtype=torch.float64)
+    if bool((largest <= limits).all()):  # a NaN fails the comparison
+        return
+    for field in WINDOW_FIELDS:
+        leaves, spec = optree.tree_flatten(getattr(state, field), none_is_leaf=False)
+        for i, t in enumerate(leaves):
+            if t.numel() == 0 or bool(t.abs().le(_half_max(t.dtype)).all()):
+                continue
+            finite = bool(t.isfinite().all())
+            worst = f"{float(t.abs().max()):.3g}" if finite else "a non-finite value"
+            raise ValueError(
+                f"{owner}: `{tree.leaf_path(spec, i, f'state.{field}')}` holds {worst}; a "
+                f"window holds finite values up to {_half_max(t.dtype):.3g} in magnitude "
+                f"(half the largest {t.dtype}); was the state saved by this optimizer and "
+                "loaded unchanged?"
+            )
+
+
+_DTYPE = operator.attrgetter("dtype")
+
+
+@functools.cache
+def _half_max(dtype: torch.dtype) -> float:
+    """Half the largest finite value of ``dtype`` (of its real parts, for a complex one)."""
+    return torch.finfo(dtype).max / 2
+
+
+def check_pending_loss(config: Config, state: AndersonState, value: dict, owner: str) -> None:
+    """``pending_loss`` is +inf, or a finite loss left by a call that returned a mix: then
+    the state has made a call (``count >= 1``), returned a mix (``num_mixed >= 1``) and its
+    window holds enough entries to have mixed (``window_size >= min_window``; only a
+    rejection, which clears the loss, shrinks it). A finite loss in a state that never mixed
+    would make the next call's ``loss`` reject a mix that was never returned."""
+    pending = tree.static_value(state.pending_loss)
+    if pending is None or pending == math.inf:
+        return
+    if not (pending == pending and pending > -math.inf):
+        raise ValueError(
+            f"{owner}: `state.pending_loss` is {pending}, expected a loss or +inf; was the "
+            "state saved by this optimizer and loaded unchanged?"
+        )
+    needs = {"count": 1, "num_mixed": 1, "window_size": config.rules.min_window}
+    for name, least in needs.items():
+        if value[name] < least:
+            raise ValueError(
+                f"{owner}: `state.pending_loss` is {pending}, a mix waiting for its verdict, "
+                f"but `state.{name}` is {value[name]} (a state with a pending mix has "
+                f"count >= 1, num_mixed >= 1 and window_size >= {config.rules.min_window}); "
+                "was the state saved by this optimizer and loaded unchanged?"
+            )
 
 
 def _first_overlap(leaves: list[Tensor], counts: Any) -> tuple[int, int] | None:
@@ -602,6 +791,33 @@ def check_no_aliasing(
             "must own its memory (was the state built from shared tensors, or the params "
             "from the state's?)"
         )
+
+
+def check_state_memory(state: AndersonState, owner: str = OWNER) -> None:
+    """Every tensor of the state is dense and can be written in place (:func:`check_dense`,
+    :func:`check_writable`), in both modes: ``update(..., inplace=True)`` writes the ring's
+    slots, the anchor, the Grams, the counters and the inner state's buffers, and a state
+    checked once is trusted by every later call, whichever its ``inplace``.
+
+    The common case (every tensor dense, writable, contiguous) is answered by C-level maps
+    over the state's leaves, in a constant number of Python steps; only a state that fails
+    it is walked leaf by leaf, for the name of the first offending leaf."""
+    leaves = optree.tree_leaves(state, none_is_leaf=False)
+    fine = (
+        all(map(isinstance, leaves, itertools.repeat(Tensor)))
+        and all_strided(leaves)
+        and not any(map(Tensor.is_inference, leaves))
+        and all(map(Tensor.is_contiguous, leaves))
+    )
+    if fine:
+        return
+    for field in AndersonState._fields:
+        leaves, spec = optree.tree_flatten(getattr(state, field), none_is_leaf=False)
+        check_dense(owner, f"state.{field}", leaves, spec)
+        check_writable(owner, f"state.{field}", leaves, spec)
+
+
+_LAYOUT = operator.attrgetter("layout")
 
 
 def _leaf_name(named: list, k: int, i: int) -> str:

@@ -32,6 +32,7 @@ import torch
 
 from aadl_func._src import tree
 from aadl_func._src.inner import InnerOptimizer
+from aadl_func._src.state import allow_weights_only
 from aadl_func._src.transforms import EmptyState
 from aadl_func._src.validation import check_float
 
@@ -166,5 +167,4 @@ def add_decayed_weights(
     return InnerOptimizer(init, update)
 
 
-# The states hold tensors only: ``torch.load(weights_only=True)`` may rebuild them.
-torch.serialization.add_safe_globals([ChainState, EmptyState])
+allow_weights_only(ChainState, EmptyState)

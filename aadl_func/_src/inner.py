@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
+from aadl_func._src.state import allow_weights_only
 from aadl_func._src.transforms import (
     StepInputs,
     Transform,
@@ -165,9 +166,7 @@ class AdamState(NamedTuple):
     exp_avg_sq: PyTree
 
 
-# Let users ``torch.load(..., weights_only=True)`` saved states without registering anything.
-if hasattr(torch.serialization, "add_safe_globals"):  # torch >= 2.4
-    torch.serialization.add_safe_globals([SgdState, AdamState])
+allow_weights_only(SgdState, AdamState)
 
 
 # --------------------------------------------------------------------------------------------

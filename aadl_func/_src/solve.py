@@ -40,6 +40,7 @@ from torch import Tensor
 
 from aadl_func._src import flags, tree
 from aadl_func._src.scalars import abs2, wide
+from aadl_func._src.state import allow_weights_only
 
 __all__ = [
     "MixingWeights",
@@ -86,6 +87,9 @@ class MixingWeights(NamedTuple):
     alpha: Tensor
     residual_norm: Tensor | None
     ok: Tensor
+
+
+allow_weights_only(MixingWeights)
 
 
 def stack_factors(blocks: Sequence[Tensor]) -> Tensor:

@@ -31,6 +31,7 @@ from aadl_func._src.anderson import Anderson, anderson
 from aadl_func._src.checks import differentiating
 from aadl_func._src.inner import InnerOptimizer
 from aadl_func._src.scalars import wide
+from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import check_bool, check_callable, check_float, check_int
 
 __all__ = ["REASONS", "SolverInfo", "fixed_point", "root", "implicit_fixed_point"]
@@ -66,6 +67,9 @@ class SolverInfo(NamedTuple):
     def reason(self) -> str:
         """The status in words (eager results: one problem, not a batch)."""
         return REASONS[int(self.status)]
+
+
+allow_weights_only(SolverInfo)
 
 
 # -- the identity inner optimizer ------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["AndersonState", "COUNTERS"]
+__all__ = ["AndersonState", "COUNTERS", "allow_weights_only"]
 
 
 class AndersonState(NamedTuple):
@@ -83,5 +83,17 @@ COUNTERS = (
     "skip_streak",
 )
 
-# ``torch.load(weights_only=True)`` (the default) only rebuilds allow-listed classes.
-torch.serialization.add_safe_globals([AndersonState])
+
+def allow_weights_only(*records: type) -> None:
+    """Lets ``torch.load(weights_only=True)`` (torch's default) rebuild ``records``: public
+    NamedTuples of tensors that users save (states, solver results), so that loading a
+    checkpoint never needs ``weights_only=False``, which may run arbitrary pickled code.
+
+    Every module that defines such a record calls this at import. The allow-list exists from
+    torch 2.4; an older torch has no weights-only loading of custom classes at all."""
+    add = getattr(torch.serialization, "add_safe_globals", None)
+    if add is not None:
+        add(list(records))
+
+
+allow_weights_only(AndersonState)

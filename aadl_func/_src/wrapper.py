@@ -521,6 +521,14 @@ class AcceleratedOptimizer(Optimizer):
                 "(different params or options?)"
             )
         for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
+            if isinstance(saved_leaf, Tensor) and (
+                saved_leaf.layout is not torch.strided or saved_leaf.is_meta
+            ):
+                raise ValueError(
+                    f"{owner}: the window of {where} holds a {saved_leaf.layout} tensor on "
+                    f"{saved_leaf.device}; a window holds dense tensors with values (load "
+                    "the state_dict() the optimizer saved, unchanged)"
+                )
             if not isinstance(saved_leaf, Tensor) or (
                 template_leaf.shape != saved_leaf.shape or template_leaf.dtype != saved_leaf.dtype
             ):
