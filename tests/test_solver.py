@@ -149,9 +149,7 @@ def test_history_depth_is_scipys_m_plus_one(m):
         fn, x0, nonlin.Anderson(M=m, w0=0), f_tol=1e-2, maxiter=200, line_search=None
     )
     assert ok
-    for depth in (m, m + 1, m + 2):
-        if depth < 3:
-            continue
+    for depth in (m, m + 1, m + 2):  # depth 2 (AA(1)) is the solvers' least
         ours, _ = our_iterates(fn, x0, history_depth=depth, tol=1e-2, max_iter=200)
         gap = max(np.abs(a - b).max() for a, b in zip(theirs, ours))
         assert (gap < 1e-12) == (depth == m + 1), (depth, gap)
@@ -457,7 +455,11 @@ def test_masked_loop_equals_eager_loop():
         (dict(line_search="wolfe"), ValueError, "`line_search`"),
         (dict(callback=3), TypeError, "`callback`"),
         (dict(masked="yes"), TypeError, "`masked`"),
-        (dict(history_depth=2), ValueError, "`history_depth`"),
+        (dict(history_depth=1), ValueError, "fixed_point: `history_depth` must be >= 2"),
+        (dict(history_depth=2, mode="aadl"), ValueError, "fixed_point: `history_depth`.*>= 3"),
+        (dict(reg=-1.0), ValueError, "fixed_point: `reg`"),
+        (dict(history_dtype=3), TypeError, "fixed_point: `history_dtype`"),
+        (dict(max_steps=3), TypeError, "fixed_point: unexpected keyword argument `max_steps`"),
         (dict(relaxation=0.0), ValueError, "`relaxation`"),
         (dict(mode="newton"), ValueError, "`mode`"),
         (dict(inner=aa.sgd(1.0)), TypeError, "`inner`"),

@@ -27,9 +27,10 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import tree
-from aadl_func._src.anderson import Anderson, anderson
+from aadl_func._src.anderson import Anderson, functions
 from aadl_func._src.checks import differentiating
 from aadl_func._src.inner import InnerOptimizer
+from aadl_func._src.options import AndersonOptions
 from aadl_func._src.scalars import wide
 from aadl_func._src.validation import check_bool, check_callable, check_float, check_int
 
@@ -85,6 +86,11 @@ _IDENTITY = InnerOptimizer(_identity_init, _identity_update)
 
 
 # -- options ---------------------------------------------------------------------------------
+# The options of aadl_func.anderson that the solvers pass through (read once: torch.compile
+# does not trace dataclasses.fields of a class).
+_ANDERSON_OPTIONS = frozenset(AndersonOptions.names())
+
+
 @dataclasses.dataclass(frozen=True)
 class _Options:
     tol: float
@@ -129,10 +135,21 @@ def _accelerator(
     mode: str,
     anderson_options: dict[str, Any],
 ) -> Anderson:
+    """The :func:`aadl_func.anderson` update around the identity map, its options validated
+    in the solver's name. Mode "classic" takes ``history_depth=2`` here (AA(1), SciPy's
+    ``M=1``: one difference), which ``anderson`` itself does not."""
     if "inner" in anderson_options:
         raise TypeError(f"{owner}: `inner` is set by the solver (the identity map), not by you")
-    return anderson(
-        _IDENTITY,
+    unknown = sorted(set(anderson_options) - _ANDERSON_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{owner}: unexpected keyword argument `{unknown[0]}` (neither a solver option nor "
+            "one of aadl_func.anderson's)"
+        )
+    options = AndersonOptions.for_owner(
+        owner,
+        2 if mode == "classic" else 3,
+        inner=_IDENTITY,
         history_depth=history_depth,
         relaxation=relaxation,
         reg=reg,
@@ -140,6 +157,7 @@ def _accelerator(
         mode=mode,
         **anderson_options,
     )
+    return Anderson(*functions(options))
 
 
 def _check_x0(
@@ -518,7 +536,9 @@ def fixed_point(
       rtol: relative tolerance (``>= 0``): the solve stops at
         :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\, \|r_0\|)`.
       max_iter: the most steps (``>= 0``); the eager loop stops earlier.
-      history_depth: pairs in the window (``>= 3``); SciPy's ``M`` is ``history_depth - 1``.
+      history_depth: pairs in the window; SciPy's ``M`` (differences) is
+        ``history_depth - 1``. Mode "classic" takes ``>= 2``: ``history_depth=2`` is AA(1),
+        SciPy's ``M=1`` (the same iterates), often the best depth; mode "aadl" ``>= 3``.
       relaxation: :math:`\beta > 0`, 1 undamped.
       reg: absolute Tikhonov weight, ``>= 0``.
       reg_relative: Tikhonov weight relative to the window, ``>= 0``.
