@@ -79,3 +79,29 @@ def test_depth_one_fixed_point_and_masked_loop():
     torch.testing.assert_close(xm, x, rtol=0, atol=0)
     exact = torch.linalg.solve(torch.eye(8, dtype=D) - W, c)
     torch.testing.assert_close(x, exact, rtol=0, atol=1e-8)
+
+
+# -- c. every call of g / F is counted --------------------------------------------------------
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("alpha", [None, 0.5])
+@pytest.mark.parametrize("line_search", [None, True])
+def test_evaluations_count_every_call(alpha, line_search, masked):
+    """``info.evaluations`` equals the calls of F, also with SciPy's alpha rule (whose F(x0)
+    was not counted before issue 34: 19 calls, 18 reported) and with the line search."""
+    if masked and line_search:
+        return
+    fn, x0 = PROBLEMS["F"]
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return fn(x)
+
+    x, info = aa.root(
+        counted, torch.tensor(x0, dtype=D), alpha=alpha, tol=1e-8, line_search=line_search,
+        masked=masked,
+    )  # fmt: skip
+    assert bool(info.converged) and int(info.evaluations) == len(calls)
+    reference, _ = aa.root(fn, torch.tensor(x0, dtype=D), alpha=alpha, tol=1e-8)
+    if not line_search:
+        torch.testing.assert_close(x, reference, rtol=0, atol=0)

@@ -241,8 +241,14 @@ class _Problem:
     def __init__(self, owner: str, fn: Callable, spec: Any, ref: list[Tensor], kind: str):
         self.owner, self.fn, self.spec, self.ref, self.kind = owner, fn, spec, ref, kind
         self.scale: Any = 1.0
+        # (x, residual) computed ahead of the loop (the root's alpha rule), handed to the
+        # loop's first evaluation of that same x instead of calling fn again.
+        self.known: tuple[list[Tensor], list[Tensor]] | None = None
 
     def residual(self, x: list[Tensor]) -> list[Tensor]:
+        if self.known is not None and self.known[0] is x:
+            r, self.known = self.known[1], None
+            return r
         out = self.fn(tree.unflatten(self.spec, x))
         name = "g(x)" if self.kind == "fixed_point" else "F(x)"
         leaves, spec = tree.flatten(out, name, owner=self.owner)
@@ -471,10 +477,13 @@ def _solve(
 def _root_alpha(problem: _Problem, x: list[Tensor], alpha: Any, masked: bool) -> Any:
     r"""The root solver's :math:`\alpha` (the map is :math:`x + \alpha F(x)`): as given, or
     SciPy's rule :math:`\alpha = \tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|` (1 when
-    :math:`F(x_0) = 0`). The extra evaluation of :math:`F(x_0)` is not counted."""
+    :math:`F(x_0) = 0`). The loop's first evaluation reuses this :math:`F(x_0)`: every call
+    of :math:`F` is one of ``info.evaluations``."""
     if alpha is not None:
         return alpha
-    f0 = _norm(problem.residual(x))
+    r0 = problem.residual(x)
+    problem.known = (x, r0)
+    f0 = _norm(r0)
     x0 = _norm(x)
     if masked:
         return torch.where(f0 > 0, 0.5 * torch.clamp(x0, min=1.0) / f0, 1.0)
