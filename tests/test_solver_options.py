@@ -6,6 +6,8 @@ References are independent of the code under test: SciPy's ``scipy.optimize.ande
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -105,3 +107,138 @@ def test_evaluations_count_every_call(alpha, line_search, masked):
     reference, _ = aa.root(fn, torch.tensor(x0, dtype=D), alpha=alpha, tol=1e-8)
     if not line_search:
         torch.testing.assert_close(x, reference, rtol=0, atol=0)
+
+
+# -- d. the best iterate -----------------------------------------------------------------------
+def discrete_boundary_value(n):
+    """MINPACK's discrete boundary-value function (Moré, Garbow, Hillstrom 1981, problem 28)
+    and its standard start :math:`x_i = t_i (t_i - 1)`."""
+    h = 1.0 / (n + 1)
+    t = torch.arange(1, n + 1, dtype=D) * h
+
+    def F(x):
+        padded = torch.cat([x.new_zeros(1), x, x.new_zeros(1)])
+        return 2 * x - padded[:-2] - padded[2:] + h**2 * (x + t + 1) ** 3 / 2
+
+    return F, t * (t - 1)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_best_iterate_on_a_diverging_problem(masked):
+    """On MINPACK's discrete boundary-value problem (n = 10) AA at the defaults diverges (||F||
+    7.7e85 at the last finite iterate from 0.028): by default the lowest-residual iterate is
+    returned (here the start), ``info.returned_iteration`` says which; ``return_best=False``
+    returns the last one. The residuals are recomputed here from F."""
+    F, x0 = discrete_boundary_value(10)
+    x, info = aa.root(F, x0, masked=masked)
+    last, last_info = aa.root(F, x0, masked=masked, return_best=False)
+    assert info.reason == "nonfinite" and not bool(info.converged)
+    assert int(info.returned_iteration) == 0 and torch.equal(x, x0)
+    assert float(F(x).norm()) == pytest.approx(0.028080582281441797, rel=1e-12)
+    assert int(last_info.returned_iteration) == int(last_info.iterations) > 20
+    assert float(F(last).norm()) > 1e80
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize(("name", "max_iter"), [("F5", 8), ("F4_powell", 12), ("F2", 12)])
+def test_best_iterate_is_the_lowest_residual(name, max_iter, masked):
+    """Runs cut short by ``max_iter`` whose lowest residual is neither the first nor the last
+    iterate: the returned x is the iterate (recorded by the callback) with the lowest
+    recomputed ||F||, and ``residual_norms[returned_iteration]`` is its norm."""
+    fn, x0 = PROBLEMS[name]
+    seen = [torch.tensor(x0, dtype=D)]
+    x, info = aa.root(
+        fn, seen[0], tol=0.0, max_iter=max_iter, history_depth=3, masked=masked,
+        callback=lambda k, x, norm: seen.append(x.clone()),
+    )  # fmt: skip
+    norms = [float(fn(s).norm()) for s in seen]
+    k = int(np.argmin(norms))
+    assert 0 < k < max_iter and int(info.returned_iteration) == k
+    torch.testing.assert_close(x, seen[k], rtol=0, atol=0)
+    assert float(info.residual_norms[k]) == pytest.approx(norms[k], rel=1e-12)
+
+
+def test_converged_solve_returns_its_last_iterate():
+    W, c = contraction(n=6)
+    g = lambda x: torch.tanh(W @ x + c)  # noqa: E731
+    x, info = aa.fixed_point(g, torch.zeros(6, dtype=D), tol=1e-10)
+    y, _ = aa.fixed_point(g, torch.zeros(6, dtype=D), tol=1e-10, return_best=False)
+    assert bool(info.converged) and int(info.returned_iteration) == int(info.iterations)
+    torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+# -- e. stopping tests -------------------------------------------------------------------------
+def first_met(fn, seen, test):
+    """The first recorded iterate whose residual (recomputed here) passes ``test``."""
+    for k, s in enumerate(seen):
+        gx = fn(s)
+        if test(float((gx - s).norm()), float(gx.norm())):
+            return k
+    return None
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_stopping_tests_absolute_relative_and_relative_to_g(masked):
+    """Each test alone stops at the first iterate that passes it, found by recomputing
+    ||g(x_k) - x_k|| and ||g(x_k)|| in float64 from the iterates the callback saw: absolute
+    ``tol``, ``rtol`` relative to ||r_0||, and ``gtol`` relative to ||g(x_k)|| (torchdeq's
+    "rel"). With several the first that passes any of them stops the solve."""
+    W, c = contraction(n=8, scale=0.9)
+    g = lambda x: torch.tanh(W @ x + 3 * c)  # noqa: E731
+    x0 = torch.zeros(8, dtype=D)
+    r0 = float((g(x0) - x0).norm())
+    cases = [
+        (dict(tol=1e-6), lambda r, v: r <= 1e-6),
+        (dict(tol=0.0, rtol=1e-4), lambda r, v: r <= 1e-4 * r0),
+        (dict(tol=0.0, gtol=1e-5), lambda r, v: r <= 1e-5 * v),
+        (dict(tol=1e-9, rtol=1e-7, gtol=1e-8), lambda r, v: r <= max(1e-9, 1e-7 * r0, 1e-8 * v)),
+    ]
+    for kwargs, test in cases:
+        seen = [x0]
+        _, info = aa.fixed_point(
+            g,
+            x0,
+            masked=masked,
+            callback=lambda k, x, n, seen=seen: seen.append(x.clone()),
+            **kwargs,
+        )
+        assert bool(info.converged)
+        assert int(info.iterations) == first_met(g, seen, test) > 2, kwargs
+
+
+@pytest.mark.parametrize("name", ["tol", "rtol", "gtol"])
+def test_tensor_tolerances_per_problem_under_vmap(name):
+    """A 0-d tensor tolerance is the number; under vmap a batch of them gives each problem
+    its own, and each member equals its own eager solve with that number."""
+    W, _ = contraction(n=6, scale=0.8)
+    C = torch.randn(3, 6, generator=torch.Generator().manual_seed(3), dtype=D)
+    tols = torch.tensor([1e-3, 1e-7, 1e-11], dtype=D)
+    base = dict(tol=0.0)
+
+    def solve(c, t):
+        return aa.fixed_point(lambda x: torch.tanh(W @ x) + c, torch.zeros(6, dtype=D),
+                              **{**base, name: t})  # fmt: skip
+
+    xs, infos = vmap(solve)(C, tols)
+    assert len(set(infos.iterations.tolist())) == 3
+    for i in range(3):
+        x, info = solve(C[i], float(tols[i]))
+        y, _ = solve(C[i], tols[i])
+        assert int(infos.iterations[i]) == int(info.iterations) and bool(infos.converged[i])
+        torch.testing.assert_close(xs[i], x, rtol=0, atol=1e-12)
+        torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
+def test_bad_tolerances():
+    g = lambda x: 0.5 * x  # noqa: E731
+    x0 = torch.ones(3, dtype=D)
+    with pytest.raises(TypeError, match="fixed_point: `tol` must be a real number or a 0-d"):
+        aa.fixed_point(g, x0, tol=torch.ones(2))
+    with pytest.raises(TypeError, match="`gtol` must be a real number or a 0-d"):
+        aa.fixed_point(g, x0, gtol=torch.tensor(1j))
+    with pytest.raises(ValueError, match="root: `rtol` must be finite and >= 0.0"):
+        aa.root(g, x0, rtol=torch.tensor(-1.0))
+    with pytest.raises(ValueError, match="`gtol` must be finite"):
+        aa.fixed_point(g, x0, gtol=math.nan)
+    with pytest.raises(TypeError, match="`return_best` must be a bool"):
+        aa.fixed_point(g, x0, return_best=1)

@@ -55,6 +55,9 @@ class SolverInfo(NamedTuple):
       converged: 0-d bool, the tolerance was met.
       status: 0-d int64, the reason code: 0 converged, 1 ``max_iter`` reached, 2 a non-finite
         residual (the step that produced it was not taken), 3 the callback asked to stop.
+      returned_iteration: 0-d int64, the step ``k`` whose iterate :math:`x_k` was returned
+        (``residual_norms[k]`` is its residual): ``iterations`` when converged or without
+        ``return_best``, else the iterate with the lowest residual norm seen.
     """
 
     iterations: Tensor
@@ -62,6 +65,7 @@ class SolverInfo(NamedTuple):
     residual_norms: Tensor
     converged: Tensor
     status: Tensor
+    returned_iteration: Tensor
 
     @property
     def reason(self) -> str:
@@ -93,12 +97,18 @@ _ANDERSON_OPTIONS = frozenset(AndersonOptions.names())
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    tol: float
-    rtol: float
+    tol: float | Tensor
+    rtol: float | Tensor
+    gtol: float | Tensor
     max_iter: int
     line_search: bool
     callback: Callable | None
     masked: bool | None
+    return_best: bool
+
+    def tensors(self) -> list[Tensor]:
+        """The tolerances given as tensors (a batched one makes the loop masked)."""
+        return [t for t in (self.tol, self.rtol, self.gtol) if isinstance(t, Tensor)]
 
 
 def _options(
@@ -109,6 +119,8 @@ def _options(
     line_search: object,
     callback: object,
     masked: object,
+    return_best: object,
+    gtol: object = 0.0,
 ) -> _Options:
     if line_search not in (None, False, True, "armijo"):
         raise ValueError(
@@ -117,13 +129,32 @@ def _options(
     if callback is not None:
         check_callable(owner, "callback", callback)
     return _Options(
-        tol=check_float(owner, "tol", tol, minimum=0.0),
-        rtol=check_float(owner, "rtol", rtol, minimum=0.0),
+        tol=_tolerance(owner, "tol", tol),
+        rtol=_tolerance(owner, "rtol", rtol),
+        gtol=_tolerance(owner, "gtol", gtol),
         max_iter=check_int(owner, "max_iter", max_iter, 0),
         line_search=line_search not in (None, False),
         callback=callback,  # type: ignore[arg-type]
         masked=None if masked is None else check_bool(owner, "masked", masked),
+        return_best=check_bool(owner, "return_best", return_best),
     )
+
+
+def _tolerance(owner: str, name: str, value: object) -> float | Tensor:
+    """A tolerance: a real number ``>= 0``, or a 0-d real tensor of one (a float64 copy), the
+    per-problem value under ``vmap`` (a batched 0-d tensor). Its values are checked where they
+    can be read (not under a transform or while compiling)."""
+    if not isinstance(value, Tensor):
+        return check_float(owner, name, value, minimum=0.0)
+    if value.is_complex() or value.dtype == torch.bool or value.dim() != 0:
+        raise TypeError(
+            f"{owner}: `{name}` must be a real number or a 0-d real tensor (one per problem; "
+            f"vmap a batch of them), got a {value.dtype} tensor of shape {tuple(value.shape)}"
+        )
+    value = value.detach().to(torch.float64)
+    if not tree.is_transformed(value) and not (value >= 0 and torch.isfinite(value)):
+        raise ValueError(f"{owner}: `{name}` must be finite and >= 0.0, got {float(value)}")
+    return value
 
 
 def _accelerator(
@@ -232,36 +263,45 @@ def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
 
 # -- the residual of a problem ---------------------------------------------------------------
 class _Problem:
-    """Evaluates a problem's residual at ``x``: the step handed to ``update`` and its norm.
+    r"""Evaluates a problem's residual at ``x``: the step handed to ``update`` and its norm.
 
     ``residual(x)`` is :math:`g(x) - x` or :math:`F(x)`; the step is ``scale`` times it (the
-    root's :math:`\\alpha`, fixed once from the first evaluation); the norm is the residual's.
+    root's :math:`\alpha`, fixed once from the first evaluation); the norm is the residual's.
+    With ``value_norms`` a call also returns :math:`\|g(x)\|` (``gtol``'s scale), else None.
     """
 
-    def __init__(self, owner: str, fn: Callable, spec: Any, ref: list[Tensor], kind: str):
+    def __init__(
+        self, owner: str, fn: Callable, spec: Any, ref: list[Tensor], kind: str, value_norms: bool
+    ):
         self.owner, self.fn, self.spec, self.ref, self.kind = owner, fn, spec, ref, kind
+        self.value_norms = value_norms
         self.scale: Any = 1.0
         # (x, residual) computed ahead of the loop (the root's alpha rule), handed to the
         # loop's first evaluation of that same x instead of calling fn again.
         self.known: tuple[list[Tensor], list[Tensor]] | None = None
 
-    def residual(self, x: list[Tensor]) -> list[Tensor]:
+    def evaluate(self, x: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
+        r"""The residual at ``x`` and, with ``value_norms``, :math:`\|g(x)\|`."""
         if self.known is not None and self.known[0] is x:
             r, self.known = self.known[1], None
-            return r
+            return r, None
         out = self.fn(tree.unflatten(self.spec, x))
         name = "g(x)" if self.kind == "fixed_point" else "F(x)"
         leaves, spec = tree.flatten(out, name, owner=self.owner)
         tree.check_like(name, leaves, spec, self.ref, self.spec, "x0", owner=self.owner)
         leaves = [o.to(r.dtype) for o, r in zip(leaves, self.ref)]
+        value = _norm(leaves) if self.value_norms else None
         if self.kind == "fixed_point":
-            return [o - xi for o, xi in zip(leaves, x)]
-        return leaves
+            return [o - xi for o, xi in zip(leaves, x)], value
+        return leaves, value
 
-    def __call__(self, x: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-        r = self.residual(x)
+    def residual(self, x: list[Tensor]) -> list[Tensor]:
+        return self.evaluate(x)[0]
+
+    def __call__(self, x: list[Tensor]) -> tuple[list[Tensor], Tensor, Tensor | None]:
+        r, value = self.evaluate(x)
         step = r if _is_one(self.scale) else [(self.scale * t).to(t.dtype) for t in r]
-        return step, _norm(r)
+        return step, _norm(r), value
 
 
 def _is_one(value: Any) -> bool:
@@ -309,18 +349,19 @@ def _armijo(
 
 def _line_search(
     problem: _Problem, x: list[Tensor], proposal: list[Tensor], norm: float
-) -> tuple[list[Tensor], list[Tensor], Tensor, int]:
+) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor | None, int]:
     """SciPy ``nonlin``'s Armijo search on :math:`\\phi(s) = \\|r(x + s d)\\|^2` along the
     Anderson step :math:`d` = ``proposal - x``, with :math:`\\phi'(0)` taken as
     :math:`-\\phi(0)` (exact for a Newton direction), ``c1 = 1e-4`` and ``amin = 1e-2``. When
     no step length qualifies the full step is taken, as SciPy does.
 
-    Returns the new point, its step and norm, and the number of evaluations spent.
+    Returns the new point, its step, norm and :math:`\\|g\\|` (or None), and the number of
+    evaluations spent.
     """
     direction = [p - xi for p, xi in zip(proposal, x)]
-    trials: dict[float, tuple[list[Tensor], list[Tensor], Tensor]] = {}
+    trials: dict[float, tuple[list[Tensor], list[Tensor], Tensor, Tensor | None]] = {}
 
-    def point(s: float) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    def point(s: float) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor | None]:
         if s not in trials:
             xs = proposal if s == 1.0 else _axpy(s, direction, x)
             trials[s] = (xs, *problem(xs))
@@ -340,14 +381,16 @@ def _eager_loop(
     problem: _Problem, x: list[Tensor], opt: Anderson, options: _Options, spec: Any
 ) -> tuple[list[Tensor], SolverInfo]:
     """Python control flow: stops at the first iterate that meets the tolerance."""
-    step, norm_t = problem(x)
+    tol, rtol, gtol = (float(t) for t in (options.tol, options.rtol, options.gtol))
+    step, norm_t, value = problem(x)
     norm = float(norm_t)
     norms, evaluations, iterations = [norm], 1, 0
-    threshold = max(options.tol, options.rtol * norm)
+    threshold = max(tol, rtol * norm)
+    best = (norm, x, 0)  # the lowest residual so far: (norm, iterate, step)
     state = opt.init(tree.unflatten(spec, x))
     status = NONFINITE if not math.isfinite(norm) else MAX_ITER
     while status != NONFINITE:
-        if norm <= threshold:
+        if _met(norm, threshold, gtol, value):
             status = CONVERGED
             break
         if iterations == options.max_iter:
@@ -355,30 +398,45 @@ def _eager_loop(
         proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
         proposal = tree.flatten(proposal, "x")[0]
         if options.line_search:
-            new_x, new_step, new_norm_t, spent = _line_search(problem, x, proposal, norm)
+            new_x, new_step, new_norm_t, new_value, spent = _line_search(problem, x, proposal, norm)
         else:
-            (new_step, new_norm_t), new_x, spent = problem(proposal), proposal, 1
+            (new_step, new_norm_t, new_value), new_x, spent = problem(proposal), proposal, 1
         evaluations += spent
         new_norm = float(new_norm_t)
         if not math.isfinite(new_norm):
             status = NONFINITE  # the step is not taken: x stays the last finite iterate
             break
-        x, step, norm = new_x, new_step, new_norm
+        x, step, norm, value = new_x, new_step, new_norm, new_value
         iterations += 1
         norms.append(norm)
+        if norm < best[0]:
+            best = (norm, x, iterations)
         if options.callback is not None and options.callback(
             iterations, tree.unflatten(spec, x), norm
         ):
-            status = CONVERGED if norm <= threshold else CALLBACK
+            status = CONVERGED if _met(norm, threshold, gtol, value) else CALLBACK
             break
+    returned = iterations
+    if options.return_best and status != CONVERGED:
+        _, x, returned = best
     info = SolverInfo(
         iterations=torch.tensor(iterations),
         evaluations=torch.tensor(evaluations),
         residual_norms=torch.tensor(norms, dtype=torch.float64),
         converged=torch.tensor(status == CONVERGED),
         status=torch.tensor(status),
+        returned_iteration=torch.tensor(returned),
     )
     return x, info
+
+
+def _met(norm: float, threshold: float, gtol: float, value: Tensor | None) -> bool:
+    r"""The eager stopping test: :math:`\|r\| \le \max(\text{threshold},
+    \mathrm{gtol}\,\|g(x)\|)`, threshold being :math:`\max(\mathrm{tol}, \mathrm{rtol}
+    \|r_0\|)`."""
+    if norm <= threshold:
+        return True
+    return value is not None and norm <= gtol * float(value)
 
 
 def _all_stopped(done: Tensor) -> bool:
@@ -399,22 +457,32 @@ def _masked_loop(
     """A fixed budget of ``max_iter`` rounds in which every decision is a mask: a problem
     that has stopped keeps its ``x`` (its evaluations are computed and discarded), so a
     ``vmap`` batch stops problem by problem and ``torch.compile`` sees one straight graph."""
-    step, norm = problem(x)
-    threshold = torch.clamp(options.rtol * norm, min=options.tol)
+    step, norm, value = problem(x)
+    scaled, tol = options.rtol * norm, options.tol
+    threshold = (
+        torch.maximum(scaled, tol) if isinstance(tol, Tensor) else torch.clamp(scaled, min=tol)
+    )
+
+    def met(norm: Tensor, value: Tensor | None) -> Tensor:
+        if value is None:
+            return norm <= threshold
+        return norm <= torch.maximum(threshold, options.gtol * value)
+
     finite = torch.isfinite(norm)
-    met = finite & (norm <= threshold)
-    status = torch.where(met, CONVERGED, torch.where(finite, MAX_ITER, NONFINITE))
-    done = met | ~finite
+    converged = finite & met(norm, value)
+    status = torch.where(converged, CONVERGED, torch.where(finite, MAX_ITER, NONFINITE))
+    done = converged | ~finite
     iterations = torch.zeros_like(status)
     evaluations = torch.ones_like(status)
     norms = [norm]
+    best_x, best_norm, returned = x, norm, iterations
     state = opt.init(tree.unflatten(spec, x))
     for _ in range(options.max_iter):
         if _all_stopped(done):
             break
         proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
         proposal = tree.flatten(proposal, "x")[0]
-        new_step, new_norm = problem(proposal)
+        new_step, new_norm, new_value = problem(proposal)
         active = ~done
         bad = active & ~torch.isfinite(new_norm)
         accept = active & ~bad
@@ -423,18 +491,30 @@ def _masked_loop(
         norm = torch.where(accept, new_norm, norm)
         iterations = iterations + accept.to(iterations.dtype)
         evaluations = evaluations + active.to(evaluations.dtype)
-        met = accept & (norm <= threshold)
-        status = torch.where(met, CONVERGED, torch.where(bad, NONFINITE, status))
-        done = done | met | bad
+        converged = accept & met(norm, new_value)
+        status = torch.where(converged, CONVERGED, torch.where(bad, NONFINITE, status))
+        done = done | converged | bad
         norms.append(norm)
+        if options.return_best:
+            lower = accept & (norm < best_norm)
+            best_x = _where(lower, x, best_x)
+            best_norm = torch.where(lower, norm, best_norm)
+            returned = torch.where(lower, iterations, returned)
         if options.callback is not None:
             options.callback(len(norms) - 1, tree.unflatten(spec, x), norm)
+    if options.return_best:
+        # A converged problem's last iterate is its lowest (every earlier one failed the test).
+        x = _where(status == CONVERGED, x, best_x)
+        returned = torch.where(status == CONVERGED, iterations, returned)
+    else:
+        returned = iterations
     info = SolverInfo(
         iterations=iterations,
         evaluations=evaluations,
         residual_norms=torch.stack(norms),
         converged=status == CONVERGED,
         status=status,
+        returned_iteration=returned,
     )
     return x, info
 
@@ -460,8 +540,9 @@ def _solve(
         )
     with torch.no_grad():  # no graph through the iterations (nor through the window)
         x = [t.detach() if t.requires_grad else t for t in leaves]
-        problem = _Problem(owner, fn, spec, x, kind)
-        masked = _masked_wanted(options.masked, x)
+        value_norms = isinstance(options.gtol, Tensor) or options.gtol > 0
+        problem = _Problem(owner, fn, spec, x, kind, value_norms)
+        masked = _masked_wanted(options.masked, x + options.tensors())
         if masked and options.line_search:
             raise ValueError(
                 f"{owner}: `line_search` needs the eager loop; it is not available under vmap, "
@@ -498,8 +579,9 @@ def fixed_point(
     g: Callable[[PyTree], PyTree],
     x0: PyTree,
     *,
-    tol: float = 1e-6,
-    rtol: float = 0.0,
+    tol: float | Tensor = 1e-6,
+    rtol: float | Tensor = 0.0,
+    gtol: float | Tensor = 0.0,
     max_iter: int = 100,
     history_depth: int = 6,
     relaxation: float = 1.0,
@@ -509,6 +591,7 @@ def fixed_point(
     line_search: bool | str | None = None,
     callback: Callable | None = None,
     masked: bool | None = None,
+    return_best: bool = True,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
     r"""Solves :math:`x = g(x)` by Anderson acceleration; returns ``(x, info)``.
@@ -526,8 +609,15 @@ def fixed_point(
     its difference form gets the ridge :math:`\lambda \|\gamma\|^2`, :math:`\lambda` =
     ``reg`` + ``reg_relative`` times the mean squared norm of the residual differences (see
     :func:`aadl_func.anderson`). It stops at the first :math:`x_k` with
-    :math:`\|g(x_k) - x_k\| \le \max(\mathrm{tol}, \mathrm{rtol} \|g(x_0) - x_0\|)`, the
-    2-norm over all leaves of the pytree (in float64).
+
+    .. math::
+
+        \|g(x_k) - x_k\| \le \max\big(\mathrm{tol},\; \mathrm{rtol}\,\|g(x_0) - x_0\|,\;
+        \mathrm{gtol}\,\|g(x_k)\|\big),
+
+    the 2-norm over all leaves of the pytree (in float64): absolute, relative to the first
+    residual (SciPy's ``f_rtol``, in the 2-norm), relative to the map's value (torchdeq's
+    ``stop_mode="rel"``, without its :math:`10^{-9}` in the denominator).
 
     Mode ``"classic"`` is the default because it is Anderson's method for equations: the
     pairs :math:`(x_i, g(x_i))` are taken as they are, so it is a multisecant (Broyden-like)
@@ -541,9 +631,12 @@ def fixed_point(
         ``x0``.
       x0: the starting point, a pytree of real floating tensors, or (mode "classic") of
         complex ones: the norm is then that of the moduli (docs/solver.md, "Complex tensors").
-      tol: absolute tolerance (``>= 0``) on the residual norm.
-      rtol: relative tolerance (``>= 0``): the solve stops at
-        :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\, \|r_0\|)`.
+      tol: absolute tolerance (``>= 0``) on the residual norm: a real number, or a 0-d
+        tensor (under ``vmap``, a batched one gives each problem its own).
+      rtol: tolerance relative to the first residual, :math:`\mathrm{rtol}\,\|r_0\|`
+        (``>= 0``, a number or a 0-d tensor).
+      gtol: tolerance relative to the map's value, :math:`\mathrm{gtol}\,\|g(x_k)\|`
+        (``>= 0``, a number or a 0-d tensor; torchdeq's ``"rel"``); 0 (default) skips it.
       max_iter: the most steps (``>= 0``); the eager loop stops earlier.
       history_depth: pairs in the window; SciPy's ``M`` (differences) is
         ``history_depth - 1``. Mode "classic" takes ``>= 2``: ``history_depth=2`` is AA(1),
@@ -559,12 +652,16 @@ def fixed_point(
         called once per round with tensors and its return value is ignored.
       masked: None (default) picks the masked fixed-budget loop under ``vmap`` and
         ``torch.compile`` and the eager loop otherwise; True/False force one.
+      return_best: True (default): a solve that does not converge returns the iterate with
+        the lowest residual norm seen (``info.returned_iteration`` says which), not the last
+        one; a converged solve returns its last iterate either way. False: the last iterate.
       **anderson_options: any other option of :func:`aadl_func.anderson` (e.g.
         ``history_dtype``, ``compute_device``, or ``reg_column``, the per-column
         regularisation: SciPy's ``w0`` is ``reg_column = w0**2``), passed through.
 
     Returns:
-      ``(x, info)``: the last iterate (of ``x0``'s structure) and a :class:`SolverInfo`.
+      ``(x, info)``: the returned iterate (of ``x0``'s structure; see ``return_best``) and a
+      :class:`SolverInfo`.
 
     Composition. Eagerly the loop reads the residual norm on the host once per step. Under
     ``torch.func.vmap`` a batch of problems runs the masked loop: each stops on its own (its
@@ -578,7 +675,7 @@ def fixed_point(
     """
     owner = "fixed_point"
     check_callable(owner, "g", g)
-    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked)
+    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked, return_best, gtol)
     opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
     return _solve(owner, "fixed_point", g, x0, None, options, opt, mode)
 
@@ -588,8 +685,8 @@ def root(
     x0: PyTree,
     *,
     alpha: float | None = None,
-    tol: float = 1e-6,
-    rtol: float = 0.0,
+    tol: float | Tensor = 1e-6,
+    rtol: float | Tensor = 0.0,
     max_iter: int = 100,
     history_depth: int = 6,
     relaxation: float = 1.0,
@@ -599,6 +696,7 @@ def root(
     line_search: bool | str | None = None,
     callback: Callable | None = None,
     masked: bool | None = None,
+    return_best: bool = True,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
     r"""Solves :math:`F(x) = 0` by Anderson acceleration of :math:`g(x) = x + \alpha F(x)`.
@@ -619,7 +717,7 @@ def root(
       line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s default
         backtracking search on :math:`\|F\|^2` (``scipy.optimize.anderson`` uses it unless
         given ``line_search=None``).
-      tol: as :func:`fixed_point`'s, on :math:`\|F(x)\|`.
+      tol: as :func:`fixed_point`'s, on :math:`\|F(x)\|`. (``gtol`` has no meaning here.)
       rtol: as :func:`fixed_point`'s.
       max_iter: as :func:`fixed_point`'s.
       history_depth: as :func:`fixed_point`'s.
@@ -629,6 +727,7 @@ def root(
       mode: as :func:`fixed_point`'s.
       callback: as :func:`fixed_point`'s.
       masked: as :func:`fixed_point`'s.
+      return_best: as :func:`fixed_point`'s.
       **anderson_options: as :func:`fixed_point`'s.
 
     Returns:
@@ -640,7 +739,7 @@ def root(
         alpha = check_float(owner, "alpha", alpha, minimum=-math.inf)
         if alpha == 0.0:
             raise ValueError(f"{owner}: `alpha` must be non-zero (the step is x + alpha F(x))")
-    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked)
+    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked, return_best)
     opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
     return _solve(owner, "root", F, x0, alpha, options, opt, mode)
 
