@@ -594,11 +594,17 @@ def test_implicit_backward_and_vmap_of_grad():
         )
 
 
-def test_implicit_adjoint_that_does_not_converge_raises():
+def test_implicit_adjoint_that_does_not_converge_warns_or_raises():
     f, theta = deq_layer()
-    leaves = {k: v.clone().requires_grad_() for k, v in theta.items()}
-    z, _ = aa.implicit_fixed_point(
-        f, torch.zeros(6, dtype=D), leaves, adjoint_options=dict(tol=0.0, max_iter=2), **TIGHT
-    )
-    with pytest.raises(RuntimeError, match="adjoint fixed point.*did not converge"):
-        loss_of(z).backward()
+    outcomes = (("raise", pytest.raises(RuntimeError)), ("warn", pytest.warns(RuntimeWarning)))
+    for on_failure, expect in outcomes:
+        leaves = {k: v.clone().requires_grad_() for k, v in theta.items()}
+        z, _ = aa.implicit_fixed_point(
+            f, torch.zeros(6, dtype=D), leaves, adjoint_options=dict(tol=0.0, max_iter=2),
+            on_nonconvergence=on_failure, **TIGHT,
+        )  # fmt: skip
+        with expect as caught:
+            loss_of(z).backward()
+        assert "adjoint fixed point u = J^T u + dL/dz* did not converge" in str(
+            caught.value if on_failure == "raise" else caught[0].message
+        )

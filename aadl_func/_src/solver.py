@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,7 +33,13 @@ from aadl_func._src.checks import differentiating
 from aadl_func._src.inner import InnerOptimizer
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.scalars import wide
-from aadl_func._src.validation import check_bool, check_callable, check_float, check_int
+from aadl_func._src.validation import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_float,
+    check_int,
+)
 
 __all__ = ["REASONS", "SolverInfo", "fixed_point", "root", "implicit_fixed_point"]
 
@@ -538,6 +545,7 @@ def _solve(
             "its iterations, which is not supported: use aa.implicit_fixed_point for the "
             "gradient of a fixed point, or call the solver under torch.no_grad()"
         )
+    grad_on = torch.is_grad_enabled()
     with torch.no_grad():  # no graph through the iterations (nor through the window)
         x = [t.detach() if t.requires_grad else t for t in leaves]
         value_norms = isinstance(options.gtol, Tensor) or options.gtol > 0
@@ -548,11 +556,50 @@ def _solve(
                 f"{owner}: `line_search` needs the eager loop; it is not available under vmap, "
                 "torch.compile or masked=True"
             )
+        recorded = grad_on and _depends_on_grad(problem, x)
         if kind == "root":
             problem.scale = _root_alpha(problem, x, alpha, masked)
         loop = _masked_loop if masked else _eager_loop
         x, info = loop(problem, x, opt, options, spec)
+    if recorded:
+        x = list(_NoGradient.apply(owner, _ANCHOR, *x))
     return tree.unflatten(spec, x), info
+
+
+def _depends_on_grad(problem: _Problem, x: list[Tensor]) -> bool:
+    """Whether the map depends on a tensor that requires grad (a parameter it closes over),
+    from its first evaluation, made with autograd on when autograd records (and handed to
+    the loop, so it costs no evaluation); such a result is marked by :class:`_NoGradient`."""
+    if tree.tracing() or _functorch.maybe_current_level() is not None:
+        return False
+    with torch.enable_grad():
+        r = problem.residual(x)
+    problem.known = (x, [t.detach() for t in r])
+    return any(t.requires_grad for t in r)
+
+
+class _NoGradient(torch.autograd.Function):
+    """The solvers' result when the map depends on tensors that require grad: the values as
+    they are, and a backward that explains, instead of torch's "element 0 of tensors does not
+    require grad", why there is no gradient and where to get one."""
+
+    @staticmethod
+    def forward(ctx: Any, owner: str, anchor: Tensor, *leaves: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.owner = owner
+        return tuple(t.view_as(t) for t in leaves)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        raise RuntimeError(
+            f"{ctx.owner}: its result carries no gradient (the iterations are not recorded), "
+            "but the map depends on tensors that require grad: differentiate the fixed point "
+            "with aa.implicit_fixed_point(f, z0, theta) (or gradient='phantom'), or .detach() "
+            "the result if no gradient should flow through it"
+        )
+
+
+# A tensor that requires grad, the input that makes :class:`_NoGradient`'s outputs require it.
+_ANCHOR = torch.zeros((), requires_grad=True)
 
 
 def _root_alpha(problem: _Problem, x: list[Tensor], alpha: Any, masked: bool) -> Any:
@@ -760,7 +807,14 @@ class _ImplicitFixedPoint(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:  # fmt: skip
         theta = tree.unflatten(theta_spec, list(leaves[n_z:]))
         z0 = tree.unflatten(z_spec, list(leaves[:n_z]))
-        z, info = fixed_point(lambda z: f(z, theta), z0, **options)
+        options = dict(options)
+        first = [options.pop("_first", None)]  # f(z0, theta), computed by the caller
+
+        def g(z: PyTree) -> PyTree:  # the solver's first evaluation is at z0
+            known, first[0] = first[0], None
+            return f(z, theta) if known is None else known
+
+        z, info = fixed_point(g, z0, **options)
         # An input returned as is (z0 already converged, max_iter=0) cannot be saved for
         # backward by setup_context: return a copy.
         z_leaves = [
@@ -778,11 +832,13 @@ class _ImplicitFixedPoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         f, z_spec, theta_spec, n_z, adjoint = ctx.static
+        adjoint = dict(adjoint)
+        on_failure = adjoint.pop("on_nonconvergence")
         saved = ctx.saved_tensors
         z_star = tree.unflatten(z_spec, list(saved[:n_z]))
         theta = tree.unflatten(theta_spec, list(saved[n_z:]))
         cotangent = [torch.zeros_like(z) if g is None else g for g, z in zip(grads[:n_z], saved)]
-        u = _adjoint(f, z_star, theta, z_spec, cotangent, adjoint)
+        u = _adjoint(f, z_star, theta, z_spec, cotangent, adjoint, on_failure)
         _, vjp_theta = torch.func.vjp(lambda th: f(z_star, th), theta)
         (grad_theta,) = vjp_theta(u)
         theta_leaves = tree.flatten(grad_theta, "theta")[0]
@@ -790,11 +846,18 @@ class _ImplicitFixedPoint(torch.autograd.Function):
 
 
 def _adjoint(
-    f: Callable, z_star: PyTree, theta: PyTree, spec: Any, cotangent: list[Tensor], options: dict
+    f: Callable,
+    z_star: PyTree,
+    theta: PyTree,
+    spec: Any,
+    cotangent: list[Tensor],
+    options: dict,
+    on_failure: str,
 ) -> PyTree:
     r"""The adjoint fixed point :math:`u = J_z f(z^*, \theta)^\top u + \bar z` by
     :func:`fixed_point` (the map is affine, so classic Anderson acceleration is GMRES on
-    :math:`(I - J^\top) u = \bar z`); raises if it does not converge."""
+    :math:`(I - J^\top) u = \bar z`); a solve that does not converge is reported by
+    ``on_failure`` (:func:`_report`)."""
     _, vjp_z = torch.func.vjp(lambda z: f(z, theta), z_star)
     rhs = tree.unflatten(spec, cotangent)
 
@@ -804,14 +867,27 @@ def _adjoint(
 
     with torch.no_grad():  # first derivatives only: no graph through the adjoint iterations
         u, info = fixed_point(adjoint_map, rhs, **options)
-    if not _masked_wanted(options.get("masked"), cotangent) and not bool(info.converged):
-        raise RuntimeError(
-            "implicit_fixed_point: the adjoint fixed point u = J^T u + dL/dz* did not converge "
-            f"({info.reason} after {int(info.iterations)} steps, residual "
-            f"{float(info.residual_norms[-1]):.3g}); is f a contraction in z at z*? Raise "
-            "`max_iter` or loosen `tol` in `adjoint_options`"
-        )
+    if not _masked_wanted(options.get("masked"), cotangent):
+        _report(
+            on_failure, info, "the adjoint fixed point u = J^T u + dL/dz*",
+            "is f a contraction in z at z*? Raise `max_iter` or loosen `tol` in "
+            "`adjoint_options`",
+        )  # fmt: skip
     return u
+
+
+def _report(on_failure: str, info: SolverInfo, what: str, hint: str) -> None:
+    """A solve that did not converge, by ``on_nonconvergence``: a ``RuntimeWarning``
+    ("warn"), a ``RuntimeError`` ("raise"), or nothing ("ignore"; ``info`` says it)."""
+    if on_failure == "ignore" or bool(info.converged):
+        return
+    message = (
+        f"implicit_fixed_point: {what} did not converge ({info.reason} after "
+        f"{int(info.iterations)} steps, residual {float(info.residual_norms[-1]):.3g}); {hint}"
+    )
+    if on_failure == "raise":
+        raise RuntimeError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def implicit_fixed_point(
@@ -820,14 +896,19 @@ def implicit_fixed_point(
     theta: PyTree,
     *,
     adjoint_options: dict[str, Any] | None = None,
+    gradient: str = "implicit",
+    phantom_steps: int = 1,
+    phantom_damping: float = 1.0,
+    on_nonconvergence: str = "warn",
     **options: Any,
 ) -> tuple[PyTree, SolverInfo]:
-    r"""The fixed point :math:`z^* = f(z^*, \theta)`, differentiable in :math:`\theta` by the
-    implicit function theorem; returns ``(z*, info)``.
+    r"""The fixed point :math:`z^* = f(z^*, \theta)`, differentiable in :math:`\theta` (and in
+    the parameters of ``f`` when it is an :class:`torch.nn.Module`); returns ``(z*, info)``.
 
     The forward solve is :func:`fixed_point` on :math:`z \mapsto f(z, \theta)` from ``z0``
-    with ``options``; no iteration is recorded for autograd. The backward pass, given
-    :math:`\bar z = \partial L / \partial z^*`, solves the adjoint fixed point
+    with ``options``; no iteration is recorded for autograd. ``gradient="implicit"``
+    (default): the backward pass, given :math:`\bar z = \partial L / \partial z^*`, solves
+    the adjoint fixed point
 
     .. math::
 
@@ -837,23 +918,44 @@ def implicit_fixed_point(
     with the same solver (``adjoint_options``, default: ``options``), the products
     :math:`J^\top v` being :func:`torch.func.vjp` of ``f`` at :math:`(z^*, \theta)`. This is
     exact at an exact fixed point where :math:`I - J_z` is invertible (e.g. ``f`` a
-    contraction in ``z``); its error follows the two tolerances.
+    contraction in ``z``); its error follows the two tolerances. It is a
+    :class:`torch.autograd.Function` (with ``setup_context`` and a generated vmap rule), so
+    ``loss.backward()``, :func:`torch.func.grad`/``vjp`` and :func:`torch.func.vmap` of either
+    work. Only first derivatives: the backward pass is not itself differentiable.
 
-    It is a :class:`torch.autograd.Function` (with ``setup_context`` and a generated vmap
-    rule), so ``loss.backward()``, :func:`torch.func.grad`/``vjp`` and :func:`torch.func.vmap`
-    of either work. Only first derivatives: the backward pass is not itself differentiable.
+    ``gradient="phantom"``: the cheap backward of torchdeq (Geng et al., 2021), no adjoint
+    solve: from :math:`z_0 = z^*` (constant) it records ``phantom_steps`` :math:`= k` damped
+    steps :math:`z_{i+1} = (1 - \tau) z_i + \tau f(z_i, \theta)`, :math:`\tau` =
+    ``phantom_damping``, and returns :math:`z_k`, so that autograd differentiates those
+    :math:`k` steps only. With :math:`\tau = 1` its gradient is
+    :math:`J_\theta^\top \sum_{i<k} (J_z^\top)^i \bar z`, the truncated Neumann series of
+    the implicit one; :math:`k = 1` is the Jacobian-free gradient (Fung et al., 2022),
+    :math:`J_\theta^\top \bar z`. It costs :math:`k` evaluations and vjps of ``f``.
 
     Args:
-      f: ``f(z, theta) -> z``, pure in its arguments: every tensor whose gradient you want
-        must come in through ``theta`` (a tensor ``f`` closes over gets no gradient).
+      f: ``f(z, theta) -> z``. Every tensor whose gradient you want comes in through
+        ``theta``, or is a parameter of ``f`` when ``f`` is an :class:`torch.nn.Module`
+        (called through :func:`torch.func.functional_call`, so its parameters are inputs of
+        the backward pass). A tensor that requires grad and that ``f`` closes over otherwise
+        (``lambda z, x: layer(z, x)`` around a module) would get no gradient: this is
+        refused with a ``ValueError`` (checked on the first evaluation of ``f``, which the
+        solve reuses, whenever autograd records).
       z0: the starting point (no gradient flows to it: :math:`z^*` does not depend on it).
-      theta: a pytree of tensors, the parameters.
+      theta: a pytree of tensors, the parameters (or the layer's input ``x``).
       adjoint_options: :func:`fixed_point` options for the adjoint solve (default: the
-        forward's). A non-converged adjoint raises ``RuntimeError`` (eager loop).
+        forward's).
+      gradient: ``"implicit"`` (default) or ``"phantom"`` (above).
+      phantom_steps: :math:`k \ge 1`, the recorded steps of ``gradient="phantom"``.
+      phantom_damping: :math:`\tau \in (0, 1]` of ``gradient="phantom"``.
+      on_nonconvergence: a forward or adjoint solve that does not converge (eager loop):
+        ``"warn"`` (default, a ``RuntimeWarning``; ``info`` says it too), ``"raise"`` (a
+        ``RuntimeError``) or ``"ignore"``.
       **options: :func:`fixed_point` options for the forward solve.
 
     Returns:
-      ``(z*, info)``: ``z*`` like ``z0``, and the forward solve's :class:`SolverInfo`.
+      ``(z*, info)``: ``z*`` like ``z0`` (with ``"phantom"``, :math:`z_k`), and the forward
+      solve's :class:`SolverInfo` (with ``"phantom"``, its evaluations include the :math:`k`
+      recorded ones).
     """
     owner = "implicit_fixed_point"
     check_callable(owner, "f", f)
@@ -864,9 +966,87 @@ def implicit_fixed_point(
             f"{owner}: `adjoint_options` must be None or a dict of fixed_point options, "
             f"got {type(adjoint_options).__name__}"
         )
-    adjoint = dict(options if adjoint_options is None else adjoint_options)
-    out = _ImplicitFixedPoint.apply(
-        f, z_spec, theta_spec, len(z_leaves), options, adjoint, *z_leaves, *theta_leaves
+    gradient = check_choice(owner, "gradient", gradient, ("implicit", "phantom"))
+    steps = check_int(owner, "phantom_steps", phantom_steps, 1)
+    damping = check_float(owner, "phantom_damping", phantom_damping, minimum=0.0, strict=True)
+    if damping > 1.0:
+        raise ValueError(f"{owner}: `phantom_damping` must be in (0, 1], got {damping}")
+    on_failure = check_choice(
+        owner, "on_nonconvergence", on_nonconvergence, ("warn", "raise", "ignore")
     )
+    adjoint = dict(options if adjoint_options is None else adjoint_options)
+    adjoint["on_nonconvergence"] = on_failure
+    if gradient == "phantom":
+        z, info = _phantom(f, z0, theta, options, steps, damping)
+    else:
+        z, info = _implicit(f, z_spec, z_leaves, theta, options, adjoint)
+    if not _masked_wanted(options.get("masked"), z_leaves + theta_leaves):
+        hint = "raise `max_iter` or loosen `tol`; the gradient is that of the returned point"
+        _report(on_failure, info, "the forward fixed point z* = f(z*, theta)", hint)
+    return z, info
+
+
+def _implicit(
+    f: Callable, z_spec: Any, z_leaves: list[Tensor], theta: PyTree, options: dict, adjoint: dict
+) -> tuple[PyTree, SolverInfo]:
+    """The forward solve and the implicit backward (:class:`_ImplicitFixedPoint`); an
+    :class:`torch.nn.Module` ``f`` takes its parameters as inputs, through
+    :func:`torch.func.functional_call`."""
+    if isinstance(f, torch.nn.Module):
+        module = f
+        params = {k: p for k, p in module.named_parameters() if p.requires_grad}
+        theta = (theta, params)
+
+        def f(z: PyTree, both: tuple) -> PyTree:  # noqa: F811  (the module, functionally)
+            return torch.func.functional_call(module, both[1], (z, both[0]))
+
+    theta_leaves, theta_spec = tree.flatten(theta, "theta", owner="implicit_fixed_point")
+    first = _first_evaluation(f, z_spec, z_leaves, theta)
+    out = _ImplicitFixedPoint.apply(
+        f, z_spec, theta_spec, len(z_leaves), {**options, "_first": first}, adjoint,
+        *z_leaves, *theta_leaves,
+    )  # fmt: skip
     n_z = len(z_leaves)
     return tree.unflatten(z_spec, list(out[:n_z])), SolverInfo(*out[n_z:])
+
+
+def _first_evaluation(
+    f: Callable, z_spec: Any, z_leaves: list[Tensor], theta: PyTree
+) -> PyTree | None:
+    """``f(z0, theta)`` evaluated with autograd on and ``theta`` detached, when autograd
+    records (not under ``torch.func`` transforms): an output that still requires grad
+    depends on a tensor that ``f`` closes over, which would get no gradient, and is refused.
+    The value (detached) is the forward solve's first evaluation, so the check costs none."""
+    if not torch.is_grad_enabled() or _functorch.maybe_current_level() is not None:
+        return None
+    z0 = tree.unflatten(z_spec, [t.detach() for t in z_leaves])
+    leaves, spec = tree.flatten(theta, "theta")
+    out = f(z0, tree.unflatten(spec, [t.detach() for t in leaves]))
+    out_leaves, out_spec = tree.flatten(out, "f(z, theta)", owner="implicit_fixed_point")
+    if any(t.requires_grad for t in out_leaves):
+        raise ValueError(
+            "implicit_fixed_point: f(z, theta) depends on a tensor that requires grad but is "
+            "neither in `theta` nor a parameter of `f` (e.g. a module that f closes over): it "
+            "would get no gradient. Pass the nn.Module itself as `f` (its parameters are then "
+            "differentiated), or pass the tensors through `theta`"
+        )
+    return tree.unflatten(out_spec, [t.detach() for t in out_leaves])
+
+
+def _phantom(
+    f: Callable, z0: PyTree, theta: PyTree, options: dict, steps: int, damping: float
+) -> tuple[PyTree, SolverInfo]:
+    """The forward solve without a graph, then ``steps`` damped steps from :math:`z^*` with
+    one (torchdeq's phantom gradient; a module ``f`` is called as it is)."""
+    with torch.no_grad():
+        z, info = fixed_point(lambda z: f(z, theta), z0, **options)
+    leaves, spec = tree.flatten(z, "z")
+    z = tree.unflatten(spec, [t.detach() for t in leaves])
+    for _ in range(steps):
+        fz = tree.flatten(f(z, theta), "f(z, theta)", owner="implicit_fixed_point")[0]
+        zl = tree.flatten(z, "z")[0]
+        if damping == 1.0:
+            z = tree.unflatten(spec, fz)
+        else:
+            z = tree.unflatten(spec, [(1 - damping) * a + damping * b for a, b in zip(zl, fz)])
+    return z, info._replace(evaluations=info.evaluations + steps)
