@@ -128,6 +128,7 @@ def _options(
     masked: object,
     return_best: object,
     gtol: object = 0.0,
+    batch_dims: int = 0,
 ) -> _Options:
     if line_search not in (None, False, True, "armijo"):
         raise ValueError(
@@ -136,9 +137,9 @@ def _options(
     if callback is not None:
         check_callable(owner, "callback", callback)
     return _Options(
-        tol=_tolerance(owner, "tol", tol),
-        rtol=_tolerance(owner, "rtol", rtol),
-        gtol=_tolerance(owner, "gtol", gtol),
+        tol=_tolerance(owner, "tol", tol, batch_dims),
+        rtol=_tolerance(owner, "rtol", rtol, batch_dims),
+        gtol=_tolerance(owner, "gtol", gtol, batch_dims),
         max_iter=check_int(owner, "max_iter", max_iter, 0),
         line_search=line_search not in (None, False),
         callback=callback,  # type: ignore[arg-type]
@@ -147,20 +148,22 @@ def _options(
     )
 
 
-def _tolerance(owner: str, name: str, value: object) -> float | Tensor:
-    """A tolerance: a real number ``>= 0``, or a 0-d real tensor of one (a float64 copy), the
-    per-problem value under ``vmap`` (a batched 0-d tensor). Its values are checked where they
-    can be read (not under a transform or while compiling)."""
+def _tolerance(owner: str, name: str, value: object, batch_dims: int) -> float | Tensor:
+    """A tolerance: a real number ``>= 0``, or a real tensor of them (a float64 copy): 0-d,
+    the per-problem value under ``vmap`` (a batched 0-d tensor), or with ``batch_dims`` one
+    per problem of the batch (its shape checked against ``x0`` later). Its values are checked
+    where they can be read (not under a transform or while compiling)."""
     if not isinstance(value, Tensor):
         return check_float(owner, name, value, minimum=0.0)
-    if value.is_complex() or value.dtype == torch.bool or value.dim() != 0:
+    if value.is_complex() or value.dtype == torch.bool or value.dim() > batch_dims:
         raise TypeError(
-            f"{owner}: `{name}` must be a real number or a 0-d real tensor (one per problem; "
-            f"vmap a batch of them), got a {value.dtype} tensor of shape {tuple(value.shape)}"
+            f"{owner}: `{name}` must be a real number or a real tensor of one per problem "
+            f"(0-d, or the batch shape with batch_dims), got a {value.dtype} tensor of shape "
+            f"{tuple(value.shape)}"
         )
     value = value.detach().to(torch.float64)
-    if not tree.is_transformed(value) and not (value >= 0 and torch.isfinite(value)):
-        raise ValueError(f"{owner}: `{name}` must be finite and >= 0.0, got {float(value)}")
+    if not tree.is_transformed(value) and not bool(((value >= 0) & value.isfinite()).all()):
+        raise ValueError(f"{owner}: `{name}` must be finite and >= 0.0, got {value.tolist()}")
     return value
 
 
@@ -237,12 +240,26 @@ def _check_x0(
 
 
 # -- pytree arithmetic -----------------------------------------------------------------------
-def _norm(leaves: list[Tensor]) -> Tensor:
-    r"""The 2-norm over all leaves, accumulated in float64 (a 0-d tensor); of a complex leaf,
-    that of its moduli, :math:`(\sum_i |z_i|^2)^{1/2}` (accumulated in complex128, whose
-    norm is real)."""
+def _norm(leaves: list[Tensor], batch_dims: int = 0) -> Tensor:
+    r"""The 2-norm over all leaves, accumulated in float64 (a 0-d tensor; with ``batch_dims``,
+    one per problem of the batch, over the other dimensions); of a complex leaf, that of its
+    moduli, :math:`(\sum_i |z_i|^2)^{1/2}` (accumulated in complex128, whose norm is real)."""
+    if batch_dims:
+        squares = [
+            torch.linalg.vector_norm(t, dim=tuple(range(batch_dims, t.dim())), dtype=wide(t.dtype))
+            .square() for t in leaves
+        ]  # fmt: skip
+        return torch.stack(squares).sum(0).sqrt()
     squares = [torch.linalg.vector_norm(t, dtype=wide(t.dtype)).square() for t in leaves]
     return torch.stack(squares).sum().sqrt()
+
+
+def _per_problem(value: Any, t: Tensor) -> Any:
+    """``value`` (a number, or a tensor of one per problem of a batch) broadcast against the
+    leaf ``t`` whose leading dimensions are the batch's."""
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        return value
+    return value.reshape(value.shape + (1,) * (t.dim() - value.dim()))
 
 
 def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
@@ -251,7 +268,8 @@ def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
 
 
 def _where(flag: Tensor, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
-    return [torch.where(flag, ai, bi) for ai, bi in zip(a, b)]
+    """``a`` where ``flag`` (one per problem) holds, else ``b``, leaf by leaf."""
+    return [torch.where(_per_problem(flag, ai), ai, bi) for ai, bi in zip(a, b)]
 
 
 def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
@@ -278,10 +296,17 @@ class _Problem:
     """
 
     def __init__(
-        self, owner: str, fn: Callable, spec: Any, ref: list[Tensor], kind: str, value_norms: bool
+        self,
+        owner: str,
+        fn: Callable,
+        spec: Any,
+        ref: list[Tensor],
+        kind: str,
+        value_norms: bool,
+        batch_dims: int = 0,
     ):
         self.owner, self.fn, self.spec, self.ref, self.kind = owner, fn, spec, ref, kind
-        self.value_norms = value_norms
+        self.value_norms, self.batch_dims = value_norms, batch_dims
         self.scale: Any = 1.0
         # (x, residual) computed ahead of the loop (the root's alpha rule), handed to the
         # loop's first evaluation of that same x instead of calling fn again.
@@ -297,7 +322,7 @@ class _Problem:
         leaves, spec = tree.flatten(out, name, owner=self.owner)
         tree.check_like(name, leaves, spec, self.ref, self.spec, "x0", owner=self.owner)
         leaves = [o.to(r.dtype) for o, r in zip(leaves, self.ref)]
-        value = _norm(leaves) if self.value_norms else None
+        value = _norm(leaves, self.batch_dims) if self.value_norms else None
         if self.kind == "fixed_point":
             return [o - xi for o, xi in zip(leaves, x)], value
         return leaves, value
@@ -307,8 +332,11 @@ class _Problem:
 
     def __call__(self, x: list[Tensor]) -> tuple[list[Tensor], Tensor, Tensor | None]:
         r, value = self.evaluate(x)
-        step = r if _is_one(self.scale) else [(self.scale * t).to(t.dtype) for t in r]
-        return step, _norm(r), value
+        if _is_one(self.scale):
+            step = r
+        else:
+            step = [(_per_problem(self.scale, t) * t).to(t.dtype) for t in r]
+        return step, _norm(r, self.batch_dims), value
 
 
 def _is_one(value: Any) -> bool:
@@ -455,7 +483,7 @@ def _all_stopped(done: Tensor) -> bool:
         return tree.uniform_value(done) is True
     if _functorch.is_functorch_wrapped_tensor(done) or not done.is_cpu:
         return False
-    return bool(done)
+    return bool(done.all())
 
 
 def _masked_loop(
@@ -518,7 +546,7 @@ def _masked_loop(
     info = SolverInfo(
         iterations=iterations,
         evaluations=evaluations,
-        residual_norms=torch.stack(norms),
+        residual_norms=torch.stack(norms, dim=-1),  # (problems..., rounds), as vmap's
         converged=status == CONVERGED,
         status=status,
         returned_iteration=returned,
@@ -535,8 +563,12 @@ def _solve(
     options: _Options,
     opt: Anderson,
     mode: str,
+    batch_dims: int = 0,
 ) -> tuple[PyTree, SolverInfo]:
     leaves, spec = _check_x0(owner, x0, mode)
+    if batch_dims:
+        _check_batch(owner, leaves, spec, options, batch_dims)
+        opt = _per_sample(opt, batch_dims)
     if torch.is_grad_enabled() and differentiating():
         # Unrolled through the core's update the gradient is not usable (NaN where the
         # window degenerates), and torch.no_grad here would make it silently zero.
@@ -549,8 +581,8 @@ def _solve(
     with torch.no_grad():  # no graph through the iterations (nor through the window)
         x = [t.detach() if t.requires_grad else t for t in leaves]
         value_norms = isinstance(options.gtol, Tensor) or options.gtol > 0
-        problem = _Problem(owner, fn, spec, x, kind, value_norms)
-        masked = _masked_wanted(options.masked, x + options.tensors())
+        problem = _Problem(owner, fn, spec, x, kind, value_norms, batch_dims)
+        masked = batch_dims > 0 or _masked_wanted(options.masked, x + options.tensors())
         if masked and options.line_search:
             raise ValueError(
                 f"{owner}: `line_search` needs the eager loop; it is not available under vmap, "
@@ -564,6 +596,38 @@ def _solve(
     if recorded:
         x = list(_NoGradient.apply(owner, _ANCHOR, *x))
     return tree.unflatten(spec, x), info
+
+
+def _check_batch(
+    owner: str, leaves: list[Tensor], spec: Any, options: _Options, batch_dims: int
+) -> None:
+    """With ``batch_dims``: every leaf of ``x0`` starts with the same batch shape, and each
+    tolerance is one number or one per problem (the batch shape)."""
+    shape = leaves[0].shape[:batch_dims]
+    for i, leaf in enumerate(leaves):
+        if leaf.dim() < batch_dims or leaf.shape[:batch_dims] != shape:
+            raise ValueError(
+                f"{owner}: `{tree.leaf_path(spec, i, 'x0')}` has shape {tuple(leaf.shape)}; "
+                f"with batch_dims={batch_dims} every leaf of `x0` starts with the batch shape "
+                f"{tuple(shape)}"
+            )
+    for name in ("tol", "rtol", "gtol"):
+        value = getattr(options, name)
+        if isinstance(value, Tensor) and value.dim() and value.shape != shape:
+            raise ValueError(
+                f"{owner}: `{name}` has shape {tuple(value.shape)}; with batch_dims="
+                f"{batch_dims} a tolerance is one number or one per problem, shape {tuple(shape)}"
+            )
+
+
+def _per_sample(opt: Anderson, batch_dims: int) -> Anderson:
+    """The same update, one window per problem of the batch: ``init`` and ``update`` under
+    ``batch_dims`` nested ``vmap``s (each problem gets its own weights, from its own
+    :math:`m \times m` solve; no second Anderson implementation)."""
+    init, update = opt.init, opt.update
+    for _ in range(batch_dims):
+        init, update = torch.func.vmap(init), torch.func.vmap(update)
+    return Anderson(init, update)
 
 
 def _depends_on_grad(problem: _Problem, x: list[Tensor]) -> bool:
@@ -611,8 +675,8 @@ def _root_alpha(problem: _Problem, x: list[Tensor], alpha: Any, masked: bool) ->
         return alpha
     r0 = problem.residual(x)
     problem.known = (x, r0)
-    f0 = _norm(r0)
-    x0 = _norm(x)
+    f0 = _norm(r0, problem.batch_dims)
+    x0 = _norm(x, problem.batch_dims)
     if masked:
         return torch.where(f0 > 0, 0.5 * torch.clamp(x0, min=1.0) / f0, 1.0)
     f0, x0 = float(f0), float(x0)
@@ -639,6 +703,7 @@ def fixed_point(
     callback: Callable | None = None,
     masked: bool | None = None,
     return_best: bool = True,
+    batch_dims: int = 0,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
     r"""Solves :math:`x = g(x)` by Anderson acceleration; returns ``(x, info)``.
@@ -702,6 +767,11 @@ def fixed_point(
       return_best: True (default): a solve that does not converge returns the iterate with
         the lowest residual norm seen (``info.returned_iteration`` says which), not the last
         one; a converged solve returns its last iterate either way. False: the last iterate.
+      batch_dims: 0 (default): ``x0`` is one problem. ``b > 0``: the first ``b`` dimensions
+        of every leaf index independent problems (a DEQ batch), solved per problem as under
+        ``vmap`` (each its own window weights, norm, stopping test and best iterate; frozen
+        once stopped) while ``g`` is called on the whole batch; the tolerances may hold one
+        value per problem; ``info``'s fields have the batch shape in front. The masked loop.
       **anderson_options: any other option of :func:`aadl_func.anderson` (e.g.
         ``history_dtype``, ``compute_device``, or ``reg_column``, the per-column
         regularisation: SciPy's ``w0`` is ``reg_column = w0**2``), passed through.
@@ -722,9 +792,12 @@ def fixed_point(
     """
     owner = "fixed_point"
     check_callable(owner, "g", g)
-    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked, return_best, gtol)
+    batch_dims = check_int(owner, "batch_dims", batch_dims, 0)
+    options = _options(
+        owner, tol, rtol, max_iter, line_search, callback, masked, return_best, gtol, batch_dims
+    )
     opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
-    return _solve(owner, "fixed_point", g, x0, None, options, opt, mode)
+    return _solve(owner, "fixed_point", g, x0, None, options, opt, mode, batch_dims)
 
 
 def root(
@@ -744,6 +817,7 @@ def root(
     callback: Callable | None = None,
     masked: bool | None = None,
     return_best: bool = True,
+    batch_dims: int = 0,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
     r"""Solves :math:`F(x) = 0` by Anderson acceleration of :math:`g(x) = x + \alpha F(x)`.
@@ -775,6 +849,7 @@ def root(
       callback: as :func:`fixed_point`'s.
       masked: as :func:`fixed_point`'s.
       return_best: as :func:`fixed_point`'s.
+      batch_dims: as :func:`fixed_point`'s.
       **anderson_options: as :func:`fixed_point`'s.
 
     Returns:
@@ -786,9 +861,12 @@ def root(
         alpha = check_float(owner, "alpha", alpha, minimum=-math.inf)
         if alpha == 0.0:
             raise ValueError(f"{owner}: `alpha` must be non-zero (the step is x + alpha F(x))")
-    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked, return_best)
+    batch_dims = check_int(owner, "batch_dims", batch_dims, 0)
+    options = _options(
+        owner, tol, rtol, max_iter, line_search, callback, masked, return_best, 0.0, batch_dims
+    )
     opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
-    return _solve(owner, "root", F, x0, alpha, options, opt, mode)
+    return _solve(owner, "root", F, x0, alpha, options, opt, mode, batch_dims)
 
 
 # -- implicit differentiation ----------------------------------------------------------------
@@ -879,11 +957,16 @@ def _adjoint(
 def _report(on_failure: str, info: SolverInfo, what: str, hint: str) -> None:
     """A solve that did not converge, by ``on_nonconvergence``: a ``RuntimeWarning``
     ("warn"), a ``RuntimeError`` ("raise"), or nothing ("ignore"; ``info`` says it)."""
-    if on_failure == "ignore" or bool(info.converged):
+    if on_failure == "ignore" or bool(info.converged.all()):
         return
+    if info.converged.dim():  # a batch (batch_dims)
+        failed = int((~info.converged).sum())
+        outcome = f"for {failed} of {info.converged.numel()} problems"
+    else:
+        outcome = f"({info.reason} after {int(info.iterations)} steps)"
+    residual = float(info.residual_norms[..., -1].max())
     message = (
-        f"implicit_fixed_point: {what} did not converge ({info.reason} after "
-        f"{int(info.iterations)} steps, residual {float(info.residual_norms[-1]):.3g}); {hint}"
+        f"implicit_fixed_point: {what} did not converge {outcome}, residual {residual:.3g}; " + hint
     )
     if on_failure == "raise":
         raise RuntimeError(message)
