@@ -232,9 +232,9 @@ def test_tensor_tolerances_per_problem_under_vmap(name):
 def test_bad_tolerances():
     g = lambda x: 0.5 * x  # noqa: E731
     x0 = torch.ones(3, dtype=D)
-    with pytest.raises(TypeError, match="fixed_point: `tol` must be a real number or a 0-d"):
+    with pytest.raises(TypeError, match="fixed_point: `tol` must be a real number or a real tensor of one per problem"):
         aa.fixed_point(g, x0, tol=torch.ones(2))
-    with pytest.raises(TypeError, match="`gtol` must be a real number or a 0-d"):
+    with pytest.raises(TypeError, match="`gtol` must be a real number or a real tensor"):
         aa.fixed_point(g, x0, gtol=torch.tensor(1j))
     with pytest.raises(ValueError, match="root: `rtol` must be finite and >= 0.0"):
         aa.root(g, x0, rtol=torch.tensor(-1.0))

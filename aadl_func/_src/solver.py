@@ -251,6 +251,8 @@ def _norm(leaves: list[Tensor], batch_dims: int = 0) -> Tensor:
         ]  # fmt: skip
         return torch.stack(squares).sum(0).sqrt()
     squares = [torch.linalg.vector_norm(t, dtype=wide(t.dtype)).square() for t in leaves]
+    if len(squares) == 1:  # the same value without the stack and the sum (a loop's overhead)
+        return squares[0].sqrt()
     return torch.stack(squares).sum().sqrt()
 
 
@@ -321,7 +323,7 @@ class _Problem:
         name = "g(x)" if self.kind == "fixed_point" else "F(x)"
         leaves, spec = tree.flatten(out, name, owner=self.owner)
         tree.check_like(name, leaves, spec, self.ref, self.spec, "x0", owner=self.owner)
-        leaves = [o.to(r.dtype) for o, r in zip(leaves, self.ref)]
+        leaves = [o if o.dtype == r.dtype else o.to(r.dtype) for o, r in zip(leaves, self.ref)]
         value = _norm(leaves, self.batch_dims) if self.value_norms else None
         if self.kind == "fixed_point":
             return [o - xi for o, xi in zip(leaves, x)], value
@@ -335,8 +337,12 @@ class _Problem:
         if _is_one(self.scale):
             step = r
         else:
-            step = [(_per_problem(self.scale, t) * t).to(t.dtype) for t in r]
+            step = [_cast(_per_problem(self.scale, t) * t, t.dtype) for t in r]
         return step, _norm(r, self.batch_dims), value
+
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _is_one(value: Any) -> bool:
