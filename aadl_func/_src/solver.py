@@ -592,7 +592,7 @@ def _solve(
         if masked and options.line_search:
             raise ValueError(
                 f"{owner}: `line_search` needs the eager loop; it is not available under vmap, "
-                "torch.compile or masked=True"
+                "torch.compile, masked=True or batch_dims"
             )
         recorded = grad_on and _depends_on_grad(problem, x)
         if kind == "root":
