@@ -232,7 +232,10 @@ def test_tensor_tolerances_per_problem_under_vmap(name):
 def test_bad_tolerances():
     g = lambda x: 0.5 * x  # noqa: E731
     x0 = torch.ones(3, dtype=D)
-    with pytest.raises(TypeError, match="fixed_point: `tol` must be a real number or a real tensor of one per problem"):
+    with pytest.raises(
+        TypeError,
+        match="fixed_point: `tol` must be a real number or a real tensor of one",
+    ):
         aa.fixed_point(g, x0, tol=torch.ones(2))
     with pytest.raises(TypeError, match="`gtol` must be a real number or a real tensor"):
         aa.fixed_point(g, x0, gtol=torch.tensor(1j))
@@ -306,6 +309,10 @@ def test_batch_dims_best_iterate_and_bad_shapes():
         aa.fixed_point(lambda x: x, torch.zeros(3, 2), tol=torch.ones(2), batch_dims=1)
     with pytest.raises(ValueError, match="fixed_point: `batch_dims` must be >= 0"):
         aa.fixed_point(lambda x: x, torch.zeros(3, 2), batch_dims=-1)
+    with pytest.raises(ValueError, match="`batch_dims` must be 0 or 1"):
+        aa.fixed_point(lambda x: x, torch.zeros(3, 2, 2), batch_dims=2)
+    with pytest.raises(ValueError, match="`batch_dims` is not available under torch.func"):
+        vmap(lambda x0: aa.fixed_point(lambda x: x, x0, batch_dims=1))(torch.zeros(2, 3, 2))
 
 
 @pytest.mark.skipif(torch.__version__ < (2, 12), reason="compile of update needs torch 2.12+")

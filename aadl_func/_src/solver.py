@@ -607,8 +607,20 @@ def _solve(
 def _check_batch(
     owner: str, leaves: list[Tensor], spec: Any, options: _Options, batch_dims: int
 ) -> None:
-    """With ``batch_dims``: every leaf of ``x0`` starts with the same batch shape, and each
-    tolerance is one number or one per problem (the batch shape)."""
+    """With ``batch_dims`` (1, not under a transform): every leaf of ``x0`` starts with the
+    same batch shape, and each tolerance is one number or one per problem (the batch
+    shape)."""
+    if batch_dims > 1:
+        raise ValueError(
+            f"{owner}: `batch_dims` must be 0 or 1, got {batch_dims} (the core's update does "
+            "not nest vmaps: fold the batch dimensions into one)"
+        )
+    if _functorch.maybe_current_level() is not None:
+        raise ValueError(
+            f"{owner}: `batch_dims` is not available under torch.func transforms (the core's "
+            "update does not nest vmaps): fold the vmapped dimension into the batch, or vmap "
+            "the solve without batch_dims"
+        )
     shape = leaves[0].shape[:batch_dims]
     for i, leaf in enumerate(leaves):
         if leaf.dim() < batch_dims or leaf.shape[:batch_dims] != shape:
@@ -773,8 +785,8 @@ def fixed_point(
       return_best: True (default): a solve that does not converge returns the iterate with
         the lowest residual norm seen (``info.returned_iteration`` says which), not the last
         one; a converged solve returns its last iterate either way. False: the last iterate.
-      batch_dims: 0 (default): ``x0`` is one problem. ``b > 0``: the first ``b`` dimensions
-        of every leaf index independent problems (a DEQ batch), solved per problem as under
+      batch_dims: 0 (default): ``x0`` is one problem. 1: the first dimension of every leaf
+        indexes independent problems (a DEQ batch), solved per problem as under
         ``vmap`` (each its own window weights, norm, stopping test and best iterate; frozen
         once stopped) while ``g`` is called on the whole batch; the tolerances may hold one
         value per problem; ``info``'s fields have the batch shape in front. The masked loop.
