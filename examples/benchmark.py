@@ -44,6 +44,14 @@ grads from ``torch.func.grad``). There the window is tiny and a step costs what 
 does; the row reports the median time of a whole training step (``zero_grad``, forward,
 backward, ``step``) and of ``step`` alone, the contenders timed in turn step by step so that a
 change in machine load hits all of them.
+
+A third table, the **solver rows**, times ``aa.fixed_point``/``aa.root`` per evaluation of the
+map at equal evaluation counts, side by side in interleaved rounds: on a 40-dimensional map
+against ``scipy.optimize.anderson`` (``M=5``, ``w0=0``, no line search, the same recurrence)
+and on a 64 x 128 DEQ layer (float32) against torchdeq 0.1.0's ``anderson_solver`` (``m=6``;
+skipped when torchdeq is not installed: ``pip install --no-deps torchdeq``), plain
+iteration, and ``batch_dims=1``. The "loop" column is the solver loop's own time per
+evaluation (the core's ``update`` replaced by ``x + r``).
 """
 
 from __future__ import annotations
@@ -559,6 +567,7 @@ def write_markdown(
     point: dict | None,
     relative_difference: float | None,
     small: list[dict],
+    solver: list[dict] | None = None,
 ) -> None:
     """The run's tables as a Markdown page (``make bench`` writes docs/benchmark_results.md,
     which docs/performance.md quotes instead of retyping figures)."""
@@ -592,9 +601,163 @@ def write_markdown(
             "",
         ]
     parts += ["## A small model's whole step", "", "```text", small_model_table(small), "```", ""]
+    if solver:
+        parts += ["## The solvers, per evaluation", "", "```text", solver_table(solver), "```", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(parts))
     print(f"wrote {path}")
+
+
+def _map40() -> tuple:
+    """A 40-dimensional root problem F(x) = tanh(A x + c) - x (||A|| = 0.9), NumPy and torch."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((40, 40))
+    A, c = 0.9 * A / np.linalg.norm(A, 2), rng.standard_normal(40)
+    At, ct = torch.from_numpy(A), torch.from_numpy(c)
+    return (lambda x: np.tanh(A @ x + c) - x), (lambda x: torch.tanh(At @ x + ct) - x)
+
+
+def _per_evaluation(run) -> float:
+    """Seconds per evaluation of one solve; ``run(count)`` solves, ``count()`` each call."""
+    calls = [0]
+
+    def count() -> None:
+        calls[0] += 1
+
+    start = time.perf_counter()
+    run(count)
+    return (time.perf_counter() - start) / max(calls[0], 1)
+
+
+def _trivial_update(opt):
+    """The core's update replaced by ``x + r``: what is left is the solver loop's own time."""
+    from aadl_func._src import tree
+
+    def update(state, x, r):
+        xs, spec = tree.flatten(x, "x")
+        return tree.unflatten(spec, [a + b for a, b in zip(xs, tree.flatten(r, "r")[0])]), state
+
+    return type(opt)(opt.init, update)
+
+
+def _loop_alone(run):
+    """``run`` with the solvers' core update replaced by ``x + r`` (:func:`_trivial_update`)."""
+    from aadl_func._src import solver as solver_module
+
+    def alone(count):
+        accelerator = solver_module._accelerator
+        solver_module._accelerator = lambda *a, **k: _trivial_update(accelerator(*a, **k))
+        try:
+            run(count)
+        finally:
+            solver_module._accelerator = accelerator
+
+    return alone
+
+
+def solver_rows(rounds: int) -> list[dict]:
+    """Milliseconds per evaluation at equal evaluation counts (medians over interleaved
+    rounds, one thread): the 40-dimensional map against SciPy, the DEQ layer against torchdeq
+    and plain iteration (see the module docstring)."""
+    try:
+        from scipy.optimize import anderson as scipy_anderson
+    except ImportError:
+        scipy_anderson = None
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    F_np, F_t = _map40()
+    evaluations = 50
+
+    def ours40(count):
+        aa.root(lambda x: count() or F_t(x), torch.zeros(40, dtype=torch.float64), alpha=-1.0,
+                tol=0.0, max_iter=evaluations - 1)  # fmt: skip
+
+    def scipy40(count):
+        try:
+            scipy_anderson(lambda x: count() or F_np(x), [0.0] * 40, alpha=-1.0, M=5, w0=0,
+                           maxiter=evaluations, f_tol=1e-300, line_search=None)  # fmt: skip
+        except Exception:  # NoConvergence at the fixed budget: the time is what we want
+            pass
+
+    generator = torch.Generator().manual_seed(0)
+    W = torch.randn(128, 128, generator=generator)
+    W = 0.9 * W / torch.linalg.matrix_norm(W, 2)
+    injection = torch.randn(64, 128, generator=generator)
+    layer = lambda z: torch.tanh(z @ W.T + injection)  # noqa: E731
+    z0 = torch.zeros(64, 128)
+    budget = 30
+    try:
+        from torchdeq.solver.anderson import anderson_solver
+    except ImportError:
+        anderson_solver = None
+
+    def ours_deq(count, **kw):
+        with torch.no_grad():
+            aa.fixed_point(lambda z: count() or layer(z), z0, tol=0.0, max_iter=budget - 1,
+                           history_depth=6, **kw)  # fmt: skip
+
+    def torchdeq_deq(count):
+        with torch.no_grad():
+            anderson_solver(lambda z: count() or layer(z), z0, max_iter=budget, tol=0.0, m=6)
+
+    def plain_deq(count):
+        with torch.no_grad():
+            z = z0
+            for _ in range(budget):
+                count()
+                z = layer(z)
+
+    contenders = {
+        "map40": {"aadl_func": ours40, "loop": _loop_alone(ours40)},
+        "deq64x128": {
+            "aadl_func": ours_deq,
+            "plain": plain_deq,
+            "loop": _loop_alone(ours_deq),
+            "batch_dims=1": lambda count: ours_deq(count, batch_dims=1),
+        },  # fmt: skip
+    }
+    if scipy_anderson is not None:
+        contenders["map40"]["scipy"] = scipy40
+    if anderson_solver is not None:
+        contenders["deq64x128"]["torchdeq"] = torchdeq_deq
+    samples: dict = collections.defaultdict(list)
+    for _ in range(rounds + 1):  # the first round warms up
+        for problem, runs in contenders.items():
+            for name, run in runs.items():
+                samples[(problem, name)].append(_per_evaluation(run))
+    torch.set_num_threads(threads)
+    rows = []
+    for problem, runs in contenders.items():
+        row = {"problem": problem, "evaluations": evaluations if problem == "map40" else budget}
+        for name in runs:
+            row[f"{name}_ms"] = 1e3 * statistics.median(samples[(problem, name)][1:])
+        rows.append(row)
+    return rows
+
+
+def solver_table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        ours = r["aadl_func_ms"]
+        others = ", ".join(
+            f"{k[:-3]} {v:.3f} ms ({ours / v:.2f}x)"
+            for k, v in r.items()
+            if k.endswith("_ms") and k != "aadl_func_ms"
+        )
+        lines.append(
+            f"{r['problem']:>10}: aadl_func {ours:.3f} ms per evaluation; {others} "
+            f"[{r['evaluations']} evaluations; (x) = aadl_func / that]"
+        )
+    lines.append(
+        "map40: root on tanh(A x + c) - x, float64, vs scipy.optimize.anderson(M=5, w0=0); "
+        "deq64x128: fixed_point on tanh(z W^T + x), float32, vs torchdeq anderson_solver(m=6), "
+        "plain iteration and batch_dims=1; loop = the solver loop alone (update replaced by "
+        "x + r); one thread, medians of interleaved rounds"
+    )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -632,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
         help="MEMBERS,LOG2_N,M of the vmap ensemble point, or 'none'",
     )
     parser.add_argument(
+        "--solver-rounds", type=int, default=7, help="rounds of the solver rows (0: skip)"
+    )
+    parser.add_argument(
         "--no-native",
         action="store_true",
         help="use the torch Gram-row pass instead of the native kernel (for comparison)",
@@ -647,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sizes, args.depths, args.repeats, args.style_repeats = "10,12", "3,5", 5, 3
         args.small_steps = 30
+        args.solver_rounds = min(args.solver_rounds, 1)
         args.ensemble = "4,10,5" if args.ensemble == "8,17,10" else args.ensemble
     device = torch.device(args.device)
     sizes = [] if args.small_only else [1 << int(s) for s in args.sizes.split(",")]
@@ -673,6 +840,7 @@ def main(argv: list[str] | None = None) -> int:
         point = ensemble_point(members, 1 << log2_n, m, device, args)
     relative_difference = None if args.small_only else agreement(device)
     small = small_model_overhead(device, args.small_steps)
+    solver = solver_rows(args.solver_rounds) if args.solver_rounds else []
     if rows:
         print()
         print(table(rows))
@@ -694,8 +862,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(small_model_table(small))
+    if solver:
+        print()
+        print(solver_table(solver))
     if args.markdown is not None:
-        write_markdown(Path(args.markdown), info, rows, point, relative_difference, small)
+        write_markdown(Path(args.markdown), info, rows, point, relative_difference, small, solver)
     result = {
         "machine": info,
         "settings": {
@@ -711,6 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
         "small_model": small,
+        "solver": solver,
         "ensemble": point,
         "agreement_relative_difference": relative_difference,
         "seconds": time.perf_counter() - started,

@@ -36,6 +36,14 @@ Anderson update of those 8,192 numbers costs ~1.4 ms: acceleration pays when an 
 f costs more than the update and the plain iteration needs many steps (``--gamma 0.99``,
 ``--hidden 256`` change the iteration counts little: 10.6 against 16.3).
 
+With torchdeq 0.1.0 installed (``pip install --no-deps torchdeq``) a third run, ``torchdeq``,
+takes its ``anderson_solver`` (``m = depth - 1``, its ``lam = 1e-4``) as the forward solver,
+with the same implicit backward. torchdeq tests each row of the batch (its 2-norm, stopping
+when every row passes), so it is given ``rtol ||f(z_0) - z_0|| / sqrt(batch)`` per row, which
+implies our whole-batch test and is stricter; the ``evals/step`` column counts the calls of
+``f`` of each solver (``--quick``, measured: Anderson 13.6, plain 18.8, torchdeq 41.5; the
+three train the same model).
+
 Usage::
 
     python examples/deq.py            # 20 epochs, hidden 64 (about half a minute)
@@ -45,6 +53,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -60,7 +69,11 @@ import aadl_func as aa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import format_table, load_digits, write_json  # noqa: E402
 
-SOLVERS = ("anderson", "plain")
+try:  # torchdeq 0.1.0 (pip install --no-deps torchdeq): its anderson_solver as a third run
+    from torchdeq.solver.anderson import anderson_solver
+except ImportError:
+    anderson_solver = None
+SOLVERS = ("anderson", "plain") + (("torchdeq",) if anderson_solver is not None else ())
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -121,6 +134,26 @@ def plain_iteration(
     return z, max_iter
 
 
+def torchdeq_forward(
+    f: Callable[[Tensor], Tensor], z0: Tensor, rtol: float, max_iter: int, depth: int
+) -> tuple[Tensor, int, bool]:
+    """torchdeq's ``anderson_solver`` (``m = depth - 1`` differences, as ours, its default
+    ``lam = 1e-4``) stopping when every row's residual is below ``rtol ||f(z0) - z0|| /
+    sqrt(batch)``, which implies our whole-batch test; returns its point (the lowest-residual
+    iterate's ``f(z)``), the evaluations of ``f`` and whether our test holds there."""
+    calls = [0]
+
+    def counted(z: Tensor) -> Tensor:
+        calls[0] += 1
+        return f(z)
+
+    threshold = rtol * float((f(z0) - z0).norm())
+    z, _, _ = anderson_solver(
+        counted, z0, max_iter=max_iter, tol=threshold / math.sqrt(z0.shape[0]), m=depth - 1
+    )
+    return z, calls[0] + 1, float((f(z) - z).norm()) <= threshold
+
+
 def forward(
     params: dict[str, Tensor], x: Tensor, solver: str, args: argparse.Namespace, stats: dict
 ) -> Tensor:
@@ -136,6 +169,17 @@ def forward(
             layer, z0, theta, history_depth=args.depth, adjoint_options=adjoint, **tol
         )
         iterations, converged = int(info.iterations), bool(info.converged)
+        evaluations = int(info.evaluations)
+    elif solver == "torchdeq":
+        with torch.no_grad():
+            frozen = {k: v.detach() for k, v in theta.items()}
+            z0, evaluations, converged = torchdeq_forward(
+                lambda z: layer(z, frozen), z0, args.rtol, args.max_iter, args.depth
+            )
+        iterations = evaluations - 1
+        z, _ = aa.implicit_fixed_point(
+            layer, z0, theta, max_iter=0, adjoint_options=adjoint, on_nonconvergence="ignore"
+        )
     else:
         with torch.no_grad():
             frozen = {k: v.detach() for k, v in theta.items()}
@@ -143,10 +187,15 @@ def forward(
                 lambda z: layer(z, frozen), z0, args.rtol, args.max_iter
             )
         converged = iterations < args.max_iter
-        # max_iter=0: no forward step, just the implicit-function gradient at the plain z*.
-        z, _ = aa.implicit_fixed_point(layer, z0, theta, max_iter=0, adjoint_options=adjoint)
+        evaluations = iterations + 1
+        # max_iter=0: no forward step, just the implicit-function gradient at the plain z*
+        # (whose convergence the plain iteration reported).
+        z, _ = aa.implicit_fixed_point(
+            layer, z0, theta, max_iter=0, adjoint_options=adjoint, on_nonconvergence="ignore"
+        )
     stats["forward_seconds"] += time.perf_counter() - start
     stats["iterations"].append(iterations)
+    stats["evaluations"].append(evaluations)
     stats["converged"] &= converged
     return z @ params["A"].T + params["c"]
 
@@ -156,7 +205,9 @@ def train(args: argparse.Namespace, solver: str, data: Any, dtype: torch.dtype) 
     optimizer = torch.optim.Adam(params.values(), lr=args.lr)
     x_train = data.x_train.reshape(len(data.x_train), -1)
     order = torch.Generator().manual_seed(args.seed + 1)
-    stats: dict[str, Any] = {"forward_seconds": 0.0, "iterations": [], "converged": True}
+    stats: dict[str, Any] = {
+        "forward_seconds": 0.0, "iterations": [], "evaluations": [], "converged": True
+    }  # fmt: skip
     start = time.perf_counter()
     for _ in range(args.epochs):
         for batch in torch.randperm(len(x_train), generator=order).split(args.batch_size):
@@ -166,7 +217,7 @@ def train(args: argparse.Namespace, solver: str, data: Any, dtype: torch.dtype) 
             loss.backward()
             optimizer.step()
     seconds = time.perf_counter() - start
-    evaluation = {"forward_seconds": 0.0, "iterations": [], "converged": True}
+    evaluation = {"forward_seconds": 0.0, "iterations": [], "evaluations": [], "converged": True}
     with torch.no_grad():
         train_loss = F.cross_entropy(forward(params, x_train, solver, args, evaluation),
                                      data.y_train)  # fmt: skip
@@ -177,6 +228,7 @@ def train(args: argparse.Namespace, solver: str, data: Any, dtype: torch.dtype) 
     return {
         "mean_forward_iterations": sum(iterations) / len(iterations),
         "max_forward_iterations": max(iterations),
+        "mean_forward_evaluations": sum(stats["evaluations"]) / len(iterations),
         "all_converged": stats["converged"] and evaluation["converged"],
         "forward_seconds": stats["forward_seconds"],
         "train_seconds": seconds,
@@ -193,16 +245,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     data = load_digits(dtype=dtype, seed=args.seed)
     results = {solver: train(args, solver, data, dtype) for solver in SOLVERS}
     rows = [
-        [solver, r["mean_forward_iterations"], r["max_forward_iterations"], r["forward_seconds"],
-         r["train_seconds"], r["train_loss"], 100 * r["test_accuracy"]]
+        [solver, r["mean_forward_iterations"], r["max_forward_iterations"],
+         r["mean_forward_evaluations"], r["forward_seconds"], r["train_seconds"],
+         r["train_loss"], 100 * r["test_accuracy"]]
         for solver, r in results.items()
     ]  # fmt: skip
     print(
         f"DEQ on digits: hidden {args.hidden}, ||W||_2 = {args.gamma}, {args.epochs} epochs of "
         f"batch {args.batch_size}, {args.dtype}, forward/adjoint rtol {args.rtol:g}"
     )
-    header = ["forward solver", "iters/step", "max iters", "forward s", "train s", "train loss",
-              "test acc %"]  # fmt: skip
+    header = ["forward solver", "iters/step", "max iters", "evals/step", "forward s", "train s",
+              "train loss", "test acc %"]  # fmt: skip
     print(format_table(header, rows))
     summary = {"config": vars(args), **results}
     write_json(os.path.join(args.out_dir, args.run, "summary.json"), summary)

@@ -149,9 +149,7 @@ def test_history_depth_is_scipys_m_plus_one(m):
         fn, x0, nonlin.Anderson(M=m, w0=0), f_tol=1e-2, maxiter=200, line_search=None
     )
     assert ok
-    for depth in (m, m + 1, m + 2):
-        if depth < 3:
-            continue
+    for depth in (m, m + 1, m + 2):  # depth 2 (AA(1)) is the solvers' least
         ours, _ = our_iterates(fn, x0, history_depth=depth, tol=1e-2, max_iter=200)
         gap = max(np.abs(a - b).max() for a, b in zip(theirs, ours))
         assert (gap < 1e-12) == (depth == m + 1), (depth, gap)
@@ -457,7 +455,11 @@ def test_masked_loop_equals_eager_loop():
         (dict(line_search="wolfe"), ValueError, "`line_search`"),
         (dict(callback=3), TypeError, "`callback`"),
         (dict(masked="yes"), TypeError, "`masked`"),
-        (dict(history_depth=2), ValueError, "`history_depth`"),
+        (dict(history_depth=1), ValueError, "fixed_point: `history_depth` must be >= 2"),
+        (dict(history_depth=2, mode="aadl"), ValueError, "fixed_point: `history_depth`.*>= 3"),
+        (dict(reg=-1.0), ValueError, "fixed_point: `reg`"),
+        (dict(history_dtype=3), TypeError, "fixed_point: `history_dtype`"),
+        (dict(max_steps=3), TypeError, "fixed_point: unexpected keyword argument `max_steps`"),
         (dict(relaxation=0.0), ValueError, "`relaxation`"),
         (dict(mode="newton"), ValueError, "`mode`"),
         (dict(inner=aa.sgd(1.0)), TypeError, "`inner`"),
@@ -592,11 +594,17 @@ def test_implicit_backward_and_vmap_of_grad():
         )
 
 
-def test_implicit_adjoint_that_does_not_converge_raises():
+def test_implicit_adjoint_that_does_not_converge_warns_or_raises():
     f, theta = deq_layer()
-    leaves = {k: v.clone().requires_grad_() for k, v in theta.items()}
-    z, _ = aa.implicit_fixed_point(
-        f, torch.zeros(6, dtype=D), leaves, adjoint_options=dict(tol=0.0, max_iter=2), **TIGHT
-    )
-    with pytest.raises(RuntimeError, match="adjoint fixed point.*did not converge"):
-        loss_of(z).backward()
+    outcomes = (("raise", pytest.raises(RuntimeError)), ("warn", pytest.warns(RuntimeWarning)))
+    for on_failure, expect in outcomes:
+        leaves = {k: v.clone().requires_grad_() for k, v in theta.items()}
+        z, _ = aa.implicit_fixed_point(
+            f, torch.zeros(6, dtype=D), leaves, adjoint_options=dict(tol=0.0, max_iter=2),
+            on_nonconvergence=on_failure, **TIGHT,
+        )  # fmt: skip
+        with expect as caught:
+            loss_of(z).backward()
+        assert "adjoint fixed point u = J^T u + dL/dz* did not converge" in str(
+            caught.value if on_failure == "raise" else caught[0].message
+        )

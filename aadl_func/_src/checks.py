@@ -780,7 +780,7 @@ def check_no_aliasing(
     for k, (_, value) in enumerate(named):
         for i, leaf in enumerate(optree.tree_leaves(value, none_is_leaf=False)):
             if isinstance(leaf, Tensor):
-                leaves.append(leaf)
+                leaves.append(_physical(leaf))
                 owners.append((k, i))
     num_params = len(p_leaves)  # the params come first; two params leaves may share memory
     pair = _first_overlap(leaves, lambda j, k: k >= num_params)
@@ -818,6 +818,13 @@ def check_state_memory(state: AndersonState, owner: str = OWNER) -> None:
 
 
 _LAYOUT = operator.attrgetter("layout")
+def _physical(t: Tensor) -> Tensor:
+    """The tensor whose memory ``t`` is: itself, or under ``torch.func`` transforms the tensor
+    they wrap (a batched or grad-tracking tensor has no storage of its own; a ``vmap`` batch
+    of params is one physical tensor holding every member)."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
 
 
 def _leaf_name(named: list, k: int, i: int) -> str:

@@ -63,44 +63,59 @@ class AndersonOptions:
     reg_column: float = 0.0
 
     def __post_init__(self) -> None:
+        self._validate(OWNER, 3)
+
+    @classmethod
+    def for_owner(cls, owner: str, min_history_depth: int, /, **options: Any) -> AndersonOptions:
+        """The options validated in ``owner``'s name with ``history_depth >=
+        min_history_depth``: the solvers (``fixed_point``, ``root``) name themselves in their
+        errors and take mode classic's 2 pairs, AA(1), which ``anderson`` itself does not
+        (the contract's ``history_depth >= 3``). Missing options take their defaults."""
+        self = cls.__new__(cls)
+        for name, default in _DEFAULTS.items():
+            object.__setattr__(self, name, options.get(name, default))
+        self._validate(owner, min_history_depth)
+        return self
+
+    def _validate(self, owner: str, min_history_depth: int) -> None:
         inner = self.inner
         if not (
             callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))
         ):
             raise TypeError(
-                f"{OWNER}: `inner` must have callable `init` and `update` (e.g. "
+                f"{owner}: `inner` must have callable `init` and `update` (e.g. "
                 f"aadl_func.adam(...)), got {type(inner).__name__}"
             )
-        mode = check_choice(OWNER, "mode", self.mode, tuple(MODES))
+        mode = check_choice(owner, "mode", self.mode, tuple(MODES))
         if not isinstance(self.average, bool):
-            raise TypeError(f"{OWNER}: `average` must be a bool, got {type(self.average).__name__}")
+            raise TypeError(f"{owner}: `average` must be a bool, got {type(self.average).__name__}")
         if self.average and not MODES[mode].averages:
-            raise ValueError(f"{OWNER}: `average=True` is defined for mode='aadl' only")
+            raise ValueError(f"{owner}: `average=True` is defined for mode='aadl' only")
         skips = self.max_consecutive_skips
         checked = dict(
-            history_depth=check_int(OWNER, "history_depth", self.history_depth, 3),
-            relaxation=check_float(OWNER, "relaxation", self.relaxation, minimum=0.0, strict=True),
-            reg=check_float(OWNER, "reg", self.reg, minimum=0.0),
-            wait_iterations=check_int(OWNER, "wait_iterations", self.wait_iterations, 0),
-            store_each_nth=check_int(OWNER, "store_each_nth", self.store_each_nth, 1),
-            frequency=check_int(OWNER, "frequency", self.frequency, 1),
+            history_depth=check_int(owner, "history_depth", self.history_depth, min_history_depth),
+            relaxation=check_float(owner, "relaxation", self.relaxation, minimum=0.0, strict=True),
+            reg=check_float(owner, "reg", self.reg, minimum=0.0),
+            wait_iterations=check_int(owner, "wait_iterations", self.wait_iterations, 0),
+            store_each_nth=check_int(owner, "store_each_nth", self.store_each_nth, 1),
+            frequency=check_int(owner, "frequency", self.frequency, 1),
             mode=mode,
             average_tol=check_float(
-                OWNER, "average_tol", self.average_tol, minimum=0.0, strict=True
+                owner, "average_tol", self.average_tol, minimum=0.0, strict=True
             ),
-            history_device=check_device(OWNER, "history_device", self.history_device),
-            compute_device=check_device(OWNER, "compute_device", self.compute_device),
-            history_dtype=check_dtype(OWNER, "history_dtype", self.history_dtype),
-            skip_nonfinite=check_bool(OWNER, "skip_nonfinite", self.skip_nonfinite),
+            history_device=check_device(owner, "history_device", self.history_device),
+            compute_device=check_device(owner, "compute_device", self.compute_device),
+            history_dtype=check_dtype(owner, "history_dtype", self.history_dtype),
+            skip_nonfinite=check_bool(owner, "skip_nonfinite", self.skip_nonfinite),
             max_consecutive_skips=(
-                None if skips is None else check_int(OWNER, "max_consecutive_skips", skips, 0)
+                None if skips is None else check_int(owner, "max_consecutive_skips", skips, 0)
             ),
-            reg_relative=check_float(OWNER, "reg_relative", self.reg_relative, minimum=0.0),
-            restart_on_reject=check_bool(OWNER, "restart_on_reject", self.restart_on_reject),
-            reg_column=check_float(OWNER, "reg_column", self.reg_column, minimum=0.0),
+            reg_relative=check_float(owner, "reg_relative", self.reg_relative, minimum=0.0),
+            restart_on_reject=check_bool(owner, "restart_on_reject", self.restart_on_reject),
+            reg_column=check_float(owner, "reg_column", self.reg_column, minimum=0.0),
         )
         if checked["max_consecutive_skips"] is not None and not checked["skip_nonfinite"]:
-            raise ValueError(f"{OWNER}: `max_consecutive_skips` needs `skip_nonfinite=True`")
+            raise ValueError(f"{owner}: `max_consecutive_skips` needs `skip_nonfinite=True`")
         for name, value in checked.items():  # the normalised values (ints, floats, devices)
             object.__setattr__(self, name, value)
         # Derived once: every step reads them (not fields: they follow from ``mode``).
@@ -134,3 +149,7 @@ class AndersonOptions:
         if self.compute_device is not None:
             return self.compute_device
         return self.history_device_of(leaves[0])
+
+
+# The fields and their defaults, read once (torch.compile does not trace dataclasses.fields).
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(AndersonOptions)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,12 +28,19 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import tree
-from aadl_func._src.anderson import Anderson, anderson
+from aadl_func._src.anderson import Anderson, functions
 from aadl_func._src.checks import differentiating
 from aadl_func._src.inner import InnerOptimizer
+from aadl_func._src.options import AndersonOptions
 from aadl_func._src.scalars import wide
 from aadl_func._src.state import allow_weights_only
-from aadl_func._src.validation import check_bool, check_callable, check_float, check_int
+from aadl_func._src.validation import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_float,
+    check_int,
+)
 
 __all__ = ["REASONS", "SolverInfo", "fixed_point", "root", "implicit_fixed_point"]
 
@@ -55,6 +63,9 @@ class SolverInfo(NamedTuple):
       converged: 0-d bool, the tolerance was met.
       status: 0-d int64, the reason code: 0 converged, 1 ``max_iter`` reached, 2 a non-finite
         residual (the step that produced it was not taken), 3 the callback asked to stop.
+      returned_iteration: 0-d int64, the step ``k`` whose iterate :math:`x_k` was returned
+        (``residual_norms[k]`` is its residual): ``iterations`` when converged or without
+        ``return_best``, else the iterate with the lowest residual norm seen.
     """
 
     iterations: Tensor
@@ -62,6 +73,7 @@ class SolverInfo(NamedTuple):
     residual_norms: Tensor
     converged: Tensor
     status: Tensor
+    returned_iteration: Tensor
 
     @property
     def reason(self) -> str:
@@ -89,14 +101,25 @@ _IDENTITY = InnerOptimizer(_identity_init, _identity_update)
 
 
 # -- options ---------------------------------------------------------------------------------
+# The options of aadl_func.anderson that the solvers pass through (read once: torch.compile
+# does not trace dataclasses.fields of a class).
+_ANDERSON_OPTIONS = frozenset(AndersonOptions.names())
+
+
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    tol: float
-    rtol: float
+    tol: float | Tensor
+    rtol: float | Tensor
+    gtol: float | Tensor
     max_iter: int
     line_search: bool
     callback: Callable | None
     masked: bool | None
+    return_best: bool
+
+    def tensors(self) -> list[Tensor]:
+        """The tolerances given as tensors (a batched one makes the loop masked)."""
+        return [t for t in (self.tol, self.rtol, self.gtol) if isinstance(t, Tensor)]
 
 
 def _options(
@@ -107,6 +130,9 @@ def _options(
     line_search: object,
     callback: object,
     masked: object,
+    return_best: object,
+    gtol: object = 0.0,
+    batch_dims: int = 0,
 ) -> _Options:
     if line_search not in (None, False, True, "armijo"):
         raise ValueError(
@@ -115,13 +141,34 @@ def _options(
     if callback is not None:
         check_callable(owner, "callback", callback)
     return _Options(
-        tol=check_float(owner, "tol", tol, minimum=0.0),
-        rtol=check_float(owner, "rtol", rtol, minimum=0.0),
+        tol=_tolerance(owner, "tol", tol, batch_dims),
+        rtol=_tolerance(owner, "rtol", rtol, batch_dims),
+        gtol=_tolerance(owner, "gtol", gtol, batch_dims),
         max_iter=check_int(owner, "max_iter", max_iter, 0),
         line_search=line_search not in (None, False),
         callback=callback,  # type: ignore[arg-type]
         masked=None if masked is None else check_bool(owner, "masked", masked),
+        return_best=check_bool(owner, "return_best", return_best),
     )
+
+
+def _tolerance(owner: str, name: str, value: object, batch_dims: int) -> float | Tensor:
+    """A tolerance: a real number ``>= 0``, or a real tensor of them (a float64 copy): 0-d,
+    the per-problem value under ``vmap`` (a batched 0-d tensor), or with ``batch_dims`` one
+    per problem of the batch (its shape checked against ``x0`` later). Its values are checked
+    where they can be read (not under a transform or while compiling)."""
+    if not isinstance(value, Tensor):
+        return check_float(owner, name, value, minimum=0.0)
+    if value.is_complex() or value.dtype == torch.bool or value.dim() > batch_dims:
+        raise TypeError(
+            f"{owner}: `{name}` must be a real number or a real tensor of one per problem "
+            f"(0-d, or the batch shape with batch_dims), got a {value.dtype} tensor of shape "
+            f"{tuple(value.shape)}"
+        )
+    value = value.detach().to(torch.float64)
+    if not tree.is_transformed(value) and not bool(((value >= 0) & value.isfinite()).all()):
+        raise ValueError(f"{owner}: `{name}` must be finite and >= 0.0, got {value.tolist()}")
+    return value
 
 
 def _accelerator(
@@ -133,10 +180,21 @@ def _accelerator(
     mode: str,
     anderson_options: dict[str, Any],
 ) -> Anderson:
+    """The :func:`aadl_func.anderson` update around the identity map, its options validated
+    in the solver's name. Mode "classic" takes ``history_depth=2`` here (AA(1), SciPy's
+    ``M=1``: one difference), which ``anderson`` itself does not."""
     if "inner" in anderson_options:
         raise TypeError(f"{owner}: `inner` is set by the solver (the identity map), not by you")
-    return anderson(
-        _IDENTITY,
+    unknown = sorted(set(anderson_options) - _ANDERSON_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{owner}: unexpected keyword argument `{unknown[0]}` (neither a solver option nor "
+            "one of aadl_func.anderson's)"
+        )
+    options = AndersonOptions.for_owner(
+        owner,
+        2 if mode == "classic" else 3,
+        inner=_IDENTITY,
         history_depth=history_depth,
         relaxation=relaxation,
         reg=reg,
@@ -144,6 +202,7 @@ def _accelerator(
         mode=mode,
         **anderson_options,
     )
+    return Anderson(*functions(options))
 
 
 def _check_x0(
@@ -185,12 +244,28 @@ def _check_x0(
 
 
 # -- pytree arithmetic -----------------------------------------------------------------------
-def _norm(leaves: list[Tensor]) -> Tensor:
-    r"""The 2-norm over all leaves, accumulated in float64 (a 0-d tensor); of a complex leaf,
-    that of its moduli, :math:`(\sum_i |z_i|^2)^{1/2}` (accumulated in complex128, whose
-    norm is real)."""
+def _norm(leaves: list[Tensor], batch_dims: int = 0) -> Tensor:
+    r"""The 2-norm over all leaves, accumulated in float64 (a 0-d tensor; with ``batch_dims``,
+    one per problem of the batch, over the other dimensions); of a complex leaf, that of its
+    moduli, :math:`(\sum_i |z_i|^2)^{1/2}` (accumulated in complex128, whose norm is real)."""
+    if batch_dims:
+        squares = [
+            torch.linalg.vector_norm(t, dim=tuple(range(batch_dims, t.dim())), dtype=wide(t.dtype))
+            .square() for t in leaves
+        ]  # fmt: skip
+        return torch.stack(squares).sum(0).sqrt()
     squares = [torch.linalg.vector_norm(t, dtype=wide(t.dtype)).square() for t in leaves]
+    if len(squares) == 1:  # the same value without the stack and the sum (a loop's overhead)
+        return squares[0].sqrt()
     return torch.stack(squares).sum().sqrt()
+
+
+def _per_problem(value: Any, t: Tensor) -> Any:
+    """``value`` (a number, or a tensor of one per problem of a batch) broadcast against the
+    leaf ``t`` whose leading dimensions are the batch's."""
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        return value
+    return value.reshape(value.shape + (1,) * (t.dim() - value.dim()))
 
 
 def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
@@ -199,7 +274,8 @@ def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
 
 
 def _where(flag: Tensor, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
-    return [torch.where(flag, ai, bi) for ai, bi in zip(a, b)]
+    """``a`` where ``flag`` (one per problem) holds, else ``b``, leaf by leaf."""
+    return [torch.where(_per_problem(flag, ai), ai, bi) for ai, bi in zip(a, b)]
 
 
 def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
@@ -218,30 +294,59 @@ def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
 
 # -- the residual of a problem ---------------------------------------------------------------
 class _Problem:
-    """Evaluates a problem's residual at ``x``: the step handed to ``update`` and its norm.
+    r"""Evaluates a problem's residual at ``x``: the step handed to ``update`` and its norm.
 
     ``residual(x)`` is :math:`g(x) - x` or :math:`F(x)`; the step is ``scale`` times it (the
-    root's :math:`\\alpha`, fixed once from the first evaluation); the norm is the residual's.
+    root's :math:`\alpha`, fixed once from the first evaluation); the norm is the residual's.
+    With ``value_norms`` a call also returns :math:`\|g(x)\|` (``gtol``'s scale), else None.
     """
 
-    def __init__(self, owner: str, fn: Callable, spec: Any, ref: list[Tensor], kind: str):
+    def __init__(
+        self,
+        owner: str,
+        fn: Callable,
+        spec: Any,
+        ref: list[Tensor],
+        kind: str,
+        value_norms: bool,
+        batch_dims: int = 0,
+    ):
         self.owner, self.fn, self.spec, self.ref, self.kind = owner, fn, spec, ref, kind
+        self.value_norms, self.batch_dims = value_norms, batch_dims
         self.scale: Any = 1.0
+        # (x, residual) computed ahead of the loop (the root's alpha rule), handed to the
+        # loop's first evaluation of that same x instead of calling fn again.
+        self.known: tuple[list[Tensor], list[Tensor]] | None = None
 
-    def residual(self, x: list[Tensor]) -> list[Tensor]:
+    def evaluate(self, x: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
+        r"""The residual at ``x`` and, with ``value_norms``, :math:`\|g(x)\|`."""
+        if self.known is not None and self.known[0] is x:
+            r, self.known = self.known[1], None
+            return r, None
         out = self.fn(tree.unflatten(self.spec, x))
         name = "g(x)" if self.kind == "fixed_point" else "F(x)"
         leaves, spec = tree.flatten(out, name, owner=self.owner)
         tree.check_like(name, leaves, spec, self.ref, self.spec, "x0", owner=self.owner)
-        leaves = [o.to(r.dtype) for o, r in zip(leaves, self.ref)]
+        leaves = [o if o.dtype == r.dtype else o.to(r.dtype) for o, r in zip(leaves, self.ref)]
+        value = _norm(leaves, self.batch_dims) if self.value_norms else None
         if self.kind == "fixed_point":
-            return [o - xi for o, xi in zip(leaves, x)]
-        return leaves
+            return [o - xi for o, xi in zip(leaves, x)], value
+        return leaves, value
 
-    def __call__(self, x: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-        r = self.residual(x)
-        step = r if _is_one(self.scale) else [(self.scale * t).to(t.dtype) for t in r]
-        return step, _norm(r)
+    def residual(self, x: list[Tensor]) -> list[Tensor]:
+        return self.evaluate(x)[0]
+
+    def __call__(self, x: list[Tensor]) -> tuple[list[Tensor], Tensor, Tensor | None]:
+        r, value = self.evaluate(x)
+        if _is_one(self.scale):
+            step = r
+        else:
+            step = [_cast(_per_problem(self.scale, t) * t, t.dtype) for t in r]
+        return step, _norm(r, self.batch_dims), value
+
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _is_one(value: Any) -> bool:
@@ -289,18 +394,19 @@ def _armijo(
 
 def _line_search(
     problem: _Problem, x: list[Tensor], proposal: list[Tensor], norm: float
-) -> tuple[list[Tensor], list[Tensor], Tensor, int]:
+) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor | None, int]:
     """SciPy ``nonlin``'s Armijo search on :math:`\\phi(s) = \\|r(x + s d)\\|^2` along the
     Anderson step :math:`d` = ``proposal - x``, with :math:`\\phi'(0)` taken as
     :math:`-\\phi(0)` (exact for a Newton direction), ``c1 = 1e-4`` and ``amin = 1e-2``. When
     no step length qualifies the full step is taken, as SciPy does.
 
-    Returns the new point, its step and norm, and the number of evaluations spent.
+    Returns the new point, its step, norm and :math:`\\|g\\|` (or None), and the number of
+    evaluations spent.
     """
     direction = [p - xi for p, xi in zip(proposal, x)]
-    trials: dict[float, tuple[list[Tensor], list[Tensor], Tensor]] = {}
+    trials: dict[float, tuple[list[Tensor], list[Tensor], Tensor, Tensor | None]] = {}
 
-    def point(s: float) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    def point(s: float) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor | None]:
         if s not in trials:
             xs = proposal if s == 1.0 else _axpy(s, direction, x)
             trials[s] = (xs, *problem(xs))
@@ -320,14 +426,16 @@ def _eager_loop(
     problem: _Problem, x: list[Tensor], opt: Anderson, options: _Options, spec: Any
 ) -> tuple[list[Tensor], SolverInfo]:
     """Python control flow: stops at the first iterate that meets the tolerance."""
-    step, norm_t = problem(x)
+    tol, rtol, gtol = (float(t) for t in (options.tol, options.rtol, options.gtol))
+    step, norm_t, value = problem(x)
     norm = float(norm_t)
     norms, evaluations, iterations = [norm], 1, 0
-    threshold = max(options.tol, options.rtol * norm)
+    threshold = max(tol, rtol * norm)
+    best = (norm, x, 0)  # the lowest residual so far: (norm, iterate, step)
     state = opt.init(tree.unflatten(spec, x))
     status = NONFINITE if not math.isfinite(norm) else MAX_ITER
     while status != NONFINITE:
-        if norm <= threshold:
+        if _met(norm, threshold, gtol, value):
             status = CONVERGED
             break
         if iterations == options.max_iter:
@@ -335,30 +443,45 @@ def _eager_loop(
         proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
         proposal = tree.flatten(proposal, "x")[0]
         if options.line_search:
-            new_x, new_step, new_norm_t, spent = _line_search(problem, x, proposal, norm)
+            new_x, new_step, new_norm_t, new_value, spent = _line_search(problem, x, proposal, norm)
         else:
-            (new_step, new_norm_t), new_x, spent = problem(proposal), proposal, 1
+            (new_step, new_norm_t, new_value), new_x, spent = problem(proposal), proposal, 1
         evaluations += spent
         new_norm = float(new_norm_t)
         if not math.isfinite(new_norm):
             status = NONFINITE  # the step is not taken: x stays the last finite iterate
             break
-        x, step, norm = new_x, new_step, new_norm
+        x, step, norm, value = new_x, new_step, new_norm, new_value
         iterations += 1
         norms.append(norm)
+        if norm < best[0]:
+            best = (norm, x, iterations)
         if options.callback is not None and options.callback(
             iterations, tree.unflatten(spec, x), norm
         ):
-            status = CONVERGED if norm <= threshold else CALLBACK
+            status = CONVERGED if _met(norm, threshold, gtol, value) else CALLBACK
             break
+    returned = iterations
+    if options.return_best and status != CONVERGED:
+        _, x, returned = best
     info = SolverInfo(
         iterations=torch.tensor(iterations),
         evaluations=torch.tensor(evaluations),
         residual_norms=torch.tensor(norms, dtype=torch.float64),
         converged=torch.tensor(status == CONVERGED),
         status=torch.tensor(status),
+        returned_iteration=torch.tensor(returned),
     )
     return x, info
+
+
+def _met(norm: float, threshold: float, gtol: float, value: Tensor | None) -> bool:
+    r"""The eager stopping test: :math:`\|r\| \le \max(\text{threshold},
+    \mathrm{gtol}\,\|g(x)\|)`, threshold being :math:`\max(\mathrm{tol}, \mathrm{rtol}
+    \|r_0\|)`."""
+    if norm <= threshold:
+        return True
+    return value is not None and norm <= gtol * float(value)
 
 
 def _all_stopped(done: Tensor) -> bool:
@@ -370,7 +493,7 @@ def _all_stopped(done: Tensor) -> bool:
         return tree.uniform_value(done) is True
     if _functorch.is_functorch_wrapped_tensor(done) or not done.is_cpu:
         return False
-    return bool(done)
+    return bool(done.all())
 
 
 def _masked_loop(
@@ -379,22 +502,32 @@ def _masked_loop(
     """A fixed budget of ``max_iter`` rounds in which every decision is a mask: a problem
     that has stopped keeps its ``x`` (its evaluations are computed and discarded), so a
     ``vmap`` batch stops problem by problem and ``torch.compile`` sees one straight graph."""
-    step, norm = problem(x)
-    threshold = torch.clamp(options.rtol * norm, min=options.tol)
+    step, norm, value = problem(x)
+    scaled, tol = options.rtol * norm, options.tol
+    threshold = (
+        torch.maximum(scaled, tol) if isinstance(tol, Tensor) else torch.clamp(scaled, min=tol)
+    )
+
+    def met(norm: Tensor, value: Tensor | None) -> Tensor:
+        if value is None:
+            return norm <= threshold
+        return norm <= torch.maximum(threshold, options.gtol * value)
+
     finite = torch.isfinite(norm)
-    met = finite & (norm <= threshold)
-    status = torch.where(met, CONVERGED, torch.where(finite, MAX_ITER, NONFINITE))
-    done = met | ~finite
+    converged = finite & met(norm, value)
+    status = torch.where(converged, CONVERGED, torch.where(finite, MAX_ITER, NONFINITE))
+    done = converged | ~finite
     iterations = torch.zeros_like(status)
     evaluations = torch.ones_like(status)
     norms = [norm]
+    best_x, best_norm, returned = x, norm, iterations
     state = opt.init(tree.unflatten(spec, x))
     for _ in range(options.max_iter):
         if _all_stopped(done):
             break
         proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
         proposal = tree.flatten(proposal, "x")[0]
-        new_step, new_norm = problem(proposal)
+        new_step, new_norm, new_value = problem(proposal)
         active = ~done
         bad = active & ~torch.isfinite(new_norm)
         accept = active & ~bad
@@ -403,18 +536,30 @@ def _masked_loop(
         norm = torch.where(accept, new_norm, norm)
         iterations = iterations + accept.to(iterations.dtype)
         evaluations = evaluations + active.to(evaluations.dtype)
-        met = accept & (norm <= threshold)
-        status = torch.where(met, CONVERGED, torch.where(bad, NONFINITE, status))
-        done = done | met | bad
+        converged = accept & met(norm, new_value)
+        status = torch.where(converged, CONVERGED, torch.where(bad, NONFINITE, status))
+        done = done | converged | bad
         norms.append(norm)
+        if options.return_best:
+            lower = accept & (norm < best_norm)
+            best_x = _where(lower, x, best_x)
+            best_norm = torch.where(lower, norm, best_norm)
+            returned = torch.where(lower, iterations, returned)
         if options.callback is not None:
             options.callback(len(norms) - 1, tree.unflatten(spec, x), norm)
+    if options.return_best:
+        # A converged problem's last iterate is its lowest (every earlier one failed the test).
+        x = _where(status == CONVERGED, x, best_x)
+        returned = torch.where(status == CONVERGED, iterations, returned)
+    else:
+        returned = iterations
     info = SolverInfo(
         iterations=iterations,
         evaluations=evaluations,
-        residual_norms=torch.stack(norms),
+        residual_norms=torch.stack(norms, dim=-1),  # (problems..., rounds), as vmap's
         converged=status == CONVERGED,
         status=status,
+        returned_iteration=returned,
     )
     return x, info
 
@@ -428,8 +573,12 @@ def _solve(
     options: _Options,
     opt: Anderson,
     mode: str,
+    batch_dims: int = 0,
 ) -> tuple[PyTree, SolverInfo]:
     leaves, spec = _check_x0(owner, x0, mode)
+    if batch_dims:
+        _check_batch(owner, leaves, spec, options, batch_dims)
+        opt = _per_sample(opt, batch_dims)
     if torch.is_grad_enabled() and differentiating():
         # Unrolled through the core's update the gradient is not usable (NaN where the
         # window degenerates), and torch.no_grad here would make it silently zero.
@@ -438,30 +587,118 @@ def _solve(
             "its iterations, which is not supported: use aa.implicit_fixed_point for the "
             "gradient of a fixed point, or call the solver under torch.no_grad()"
         )
+    grad_on = torch.is_grad_enabled()
     with torch.no_grad():  # no graph through the iterations (nor through the window)
         x = [t.detach() if t.requires_grad else t for t in leaves]
-        problem = _Problem(owner, fn, spec, x, kind)
-        masked = _masked_wanted(options.masked, x)
+        value_norms = isinstance(options.gtol, Tensor) or options.gtol > 0
+        problem = _Problem(owner, fn, spec, x, kind, value_norms, batch_dims)
+        masked = batch_dims > 0 or _masked_wanted(options.masked, x + options.tensors())
         if masked and options.line_search:
             raise ValueError(
                 f"{owner}: `line_search` needs the eager loop; it is not available under vmap, "
-                "torch.compile or masked=True"
+                "torch.compile, masked=True or batch_dims"
             )
+        recorded = grad_on and _depends_on_grad(problem, x)
         if kind == "root":
             problem.scale = _root_alpha(problem, x, alpha, masked)
         loop = _masked_loop if masked else _eager_loop
         x, info = loop(problem, x, opt, options, spec)
+    if recorded:
+        x = list(_NoGradient.apply(owner, _ANCHOR, *x))
     return tree.unflatten(spec, x), info
+
+
+def _check_batch(
+    owner: str, leaves: list[Tensor], spec: Any, options: _Options, batch_dims: int
+) -> None:
+    """With ``batch_dims`` (1, not under a transform): every leaf of ``x0`` starts with the
+    same batch shape, and each tolerance is one number or one per problem (the batch
+    shape)."""
+    if batch_dims > 1:
+        raise ValueError(
+            f"{owner}: `batch_dims` must be 0 or 1, got {batch_dims} (the core's update does "
+            "not nest vmaps: fold the batch dimensions into one)"
+        )
+    if _functorch.maybe_current_level() is not None:
+        raise ValueError(
+            f"{owner}: `batch_dims` is not available under torch.func transforms (the core's "
+            "update does not nest vmaps): fold the vmapped dimension into the batch, or vmap "
+            "the solve without batch_dims"
+        )
+    shape = leaves[0].shape[:batch_dims]
+    for i, leaf in enumerate(leaves):
+        if leaf.dim() < batch_dims or leaf.shape[:batch_dims] != shape:
+            raise ValueError(
+                f"{owner}: `{tree.leaf_path(spec, i, 'x0')}` has shape {tuple(leaf.shape)}; "
+                f"with batch_dims={batch_dims} every leaf of `x0` starts with the batch shape "
+                f"{tuple(shape)}"
+            )
+    for name in ("tol", "rtol", "gtol"):
+        value = getattr(options, name)
+        if isinstance(value, Tensor) and value.dim() and value.shape != shape:
+            raise ValueError(
+                f"{owner}: `{name}` has shape {tuple(value.shape)}; with batch_dims="
+                f"{batch_dims} a tolerance is one number or one per problem, shape {tuple(shape)}"
+            )
+
+
+def _per_sample(opt: Anderson, batch_dims: int) -> Anderson:
+    """The same update, one window per problem of the batch: ``init`` and ``update`` under
+    ``batch_dims`` nested ``vmap``s (each problem gets its own weights, from its own
+    :math:`m \times m` solve; no second Anderson implementation)."""
+    init, update = opt.init, opt.update
+    for _ in range(batch_dims):
+        init, update = torch.func.vmap(init), torch.func.vmap(update)
+    return Anderson(init, update)
+
+
+def _depends_on_grad(problem: _Problem, x: list[Tensor]) -> bool:
+    """Whether the map depends on a tensor that requires grad (a parameter it closes over),
+    from its first evaluation, made with autograd on when autograd records (and handed to
+    the loop, so it costs no evaluation); such a result is marked by :class:`_NoGradient`."""
+    if tree.tracing() or _functorch.maybe_current_level() is not None:
+        return False
+    with torch.enable_grad():
+        r = problem.residual(x)
+    problem.known = (x, [t.detach() for t in r])
+    return any(t.requires_grad for t in r)
+
+
+class _NoGradient(torch.autograd.Function):
+    """The solvers' result when the map depends on tensors that require grad: the values as
+    they are, and a backward that explains, instead of torch's "element 0 of tensors does not
+    require grad", why there is no gradient and where to get one."""
+
+    @staticmethod
+    def forward(ctx: Any, owner: str, anchor: Tensor, *leaves: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.owner = owner
+        return tuple(t.view_as(t) for t in leaves)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        raise RuntimeError(
+            f"{ctx.owner}: its result carries no gradient (the iterations are not recorded), "
+            "but the map depends on tensors that require grad: differentiate the fixed point "
+            "with aa.implicit_fixed_point(f, z0, theta) (or gradient='phantom'), or .detach() "
+            "the result if no gradient should flow through it"
+        )
+
+
+# A tensor that requires grad, the input that makes :class:`_NoGradient`'s outputs require it.
+_ANCHOR = torch.zeros((), requires_grad=True)
 
 
 def _root_alpha(problem: _Problem, x: list[Tensor], alpha: Any, masked: bool) -> Any:
     r"""The root solver's :math:`\alpha` (the map is :math:`x + \alpha F(x)`): as given, or
     SciPy's rule :math:`\alpha = \tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|` (1 when
-    :math:`F(x_0) = 0`). The extra evaluation of :math:`F(x_0)` is not counted."""
+    :math:`F(x_0) = 0`). The loop's first evaluation reuses this :math:`F(x_0)`: every call
+    of :math:`F` is one of ``info.evaluations``."""
     if alpha is not None:
         return alpha
-    f0 = _norm(problem.residual(x))
-    x0 = _norm(x)
+    r0 = problem.residual(x)
+    problem.known = (x, r0)
+    f0 = _norm(r0, problem.batch_dims)
+    x0 = _norm(x, problem.batch_dims)
     if masked:
         return torch.where(f0 > 0, 0.5 * torch.clamp(x0, min=1.0) / f0, 1.0)
     f0, x0 = float(f0), float(x0)
@@ -475,8 +712,9 @@ def fixed_point(
     g: Callable[[PyTree], PyTree],
     x0: PyTree,
     *,
-    tol: float = 1e-6,
-    rtol: float = 0.0,
+    tol: float | Tensor = 1e-6,
+    rtol: float | Tensor = 0.0,
+    gtol: float | Tensor = 0.0,
     max_iter: int = 100,
     history_depth: int = 6,
     relaxation: float = 1.0,
@@ -486,6 +724,8 @@ def fixed_point(
     line_search: bool | str | None = None,
     callback: Callable | None = None,
     masked: bool | None = None,
+    return_best: bool = True,
+    batch_dims: int = 0,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
     r"""Solves :math:`x = g(x)` by Anderson acceleration; returns ``(x, info)``.
@@ -503,8 +743,15 @@ def fixed_point(
     its difference form gets the ridge :math:`\lambda \|\gamma\|^2`, :math:`\lambda` =
     ``reg`` + ``reg_relative`` times the mean squared norm of the residual differences (see
     :func:`aadl_func.anderson`). It stops at the first :math:`x_k` with
-    :math:`\|g(x_k) - x_k\| \le \max(\mathrm{tol}, \mathrm{rtol} \|g(x_0) - x_0\|)`, the
-    2-norm over all leaves of the pytree (in float64).
+
+    .. math::
+
+        \|g(x_k) - x_k\| \le \max\big(\mathrm{tol},\; \mathrm{rtol}\,\|g(x_0) - x_0\|,\;
+        \mathrm{gtol}\,\|g(x_k)\|\big),
+
+    the 2-norm over all leaves of the pytree (in float64): absolute, relative to the first
+    residual (SciPy's ``f_rtol``, in the 2-norm), relative to the map's value (torchdeq's
+    ``stop_mode="rel"``, without its :math:`10^{-9}` in the denominator).
 
     Mode ``"classic"`` is the default because it is Anderson's method for equations: the
     pairs :math:`(x_i, g(x_i))` are taken as they are, so it is a multisecant (Broyden-like)
@@ -518,11 +765,16 @@ def fixed_point(
         ``x0``.
       x0: the starting point, a pytree of real floating tensors, or (mode "classic") of
         complex ones: the norm is then that of the moduli (docs/solver.md, "Complex tensors").
-      tol: absolute tolerance (``>= 0``) on the residual norm.
-      rtol: relative tolerance (``>= 0``): the solve stops at
-        :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\, \|r_0\|)`.
+      tol: absolute tolerance (``>= 0``) on the residual norm: a real number, or a 0-d
+        tensor (under ``vmap``, a batched one gives each problem its own).
+      rtol: tolerance relative to the first residual, :math:`\mathrm{rtol}\,\|r_0\|`
+        (``>= 0``, a number or a 0-d tensor).
+      gtol: tolerance relative to the map's value, :math:`\mathrm{gtol}\,\|g(x_k)\|`
+        (``>= 0``, a number or a 0-d tensor; torchdeq's ``"rel"``); 0 (default) skips it.
       max_iter: the most steps (``>= 0``); the eager loop stops earlier.
-      history_depth: pairs in the window (``>= 3``); SciPy's ``M`` is ``history_depth - 1``.
+      history_depth: pairs in the window; SciPy's ``M`` (differences) is
+        ``history_depth - 1``. Mode "classic" takes ``>= 2``: ``history_depth=2`` is AA(1),
+        SciPy's ``M=1`` (the same iterates), often the best depth; mode "aadl" ``>= 3``.
       relaxation: :math:`\beta > 0`, 1 undamped.
       reg: absolute Tikhonov weight, ``>= 0``.
       reg_relative: Tikhonov weight relative to the window, ``>= 0``.
@@ -534,12 +786,21 @@ def fixed_point(
         called once per round with tensors and its return value is ignored.
       masked: None (default) picks the masked fixed-budget loop under ``vmap`` and
         ``torch.compile`` and the eager loop otherwise; True/False force one.
+      return_best: True (default): a solve that does not converge returns the iterate with
+        the lowest residual norm seen (``info.returned_iteration`` says which), not the last
+        one; a converged solve returns its last iterate either way. False: the last iterate.
+      batch_dims: 0 (default): ``x0`` is one problem. 1: the first dimension of every leaf
+        indexes independent problems (a DEQ batch), solved per problem as under
+        ``vmap`` (each its own window weights, norm, stopping test and best iterate; frozen
+        once stopped) while ``g`` is called on the whole batch; the tolerances may hold one
+        value per problem; ``info``'s fields have the batch shape in front. The masked loop.
       **anderson_options: any other option of :func:`aadl_func.anderson` (e.g.
         ``history_dtype``, ``compute_device``, or ``reg_column``, the per-column
         regularisation: SciPy's ``w0`` is ``reg_column = w0**2``), passed through.
 
     Returns:
-      ``(x, info)``: the last iterate (of ``x0``'s structure) and a :class:`SolverInfo`.
+      ``(x, info)``: the returned iterate (of ``x0``'s structure; see ``return_best``) and a
+      :class:`SolverInfo`.
 
     Composition. Eagerly the loop reads the residual norm on the host once per step. Under
     ``torch.func.vmap`` a batch of problems runs the masked loop: each stops on its own (its
@@ -553,9 +814,12 @@ def fixed_point(
     """
     owner = "fixed_point"
     check_callable(owner, "g", g)
-    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked)
+    batch_dims = check_int(owner, "batch_dims", batch_dims, 0)
+    options = _options(
+        owner, tol, rtol, max_iter, line_search, callback, masked, return_best, gtol, batch_dims
+    )
     opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
-    return _solve(owner, "fixed_point", g, x0, None, options, opt, mode)
+    return _solve(owner, "fixed_point", g, x0, None, options, opt, mode, batch_dims)
 
 
 def root(
@@ -563,8 +827,8 @@ def root(
     x0: PyTree,
     *,
     alpha: float | None = None,
-    tol: float = 1e-6,
-    rtol: float = 0.0,
+    tol: float | Tensor = 1e-6,
+    rtol: float | Tensor = 0.0,
     max_iter: int = 100,
     history_depth: int = 6,
     relaxation: float = 1.0,
@@ -574,6 +838,8 @@ def root(
     line_search: bool | str | None = None,
     callback: Callable | None = None,
     masked: bool | None = None,
+    return_best: bool = True,
+    batch_dims: int = 0,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
     r"""Solves :math:`F(x) = 0` by Anderson acceleration of :math:`g(x) = x + \alpha F(x)`.
@@ -594,7 +860,7 @@ def root(
       line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s default
         backtracking search on :math:`\|F\|^2` (``scipy.optimize.anderson`` uses it unless
         given ``line_search=None``).
-      tol: as :func:`fixed_point`'s, on :math:`\|F(x)\|`.
+      tol: as :func:`fixed_point`'s, on :math:`\|F(x)\|`. (``gtol`` has no meaning here.)
       rtol: as :func:`fixed_point`'s.
       max_iter: as :func:`fixed_point`'s.
       history_depth: as :func:`fixed_point`'s.
@@ -604,6 +870,8 @@ def root(
       mode: as :func:`fixed_point`'s.
       callback: as :func:`fixed_point`'s.
       masked: as :func:`fixed_point`'s.
+      return_best: as :func:`fixed_point`'s.
+      batch_dims: as :func:`fixed_point`'s.
       **anderson_options: as :func:`fixed_point`'s.
 
     Returns:
@@ -615,9 +883,12 @@ def root(
         alpha = check_float(owner, "alpha", alpha, minimum=-math.inf)
         if alpha == 0.0:
             raise ValueError(f"{owner}: `alpha` must be non-zero (the step is x + alpha F(x))")
-    options = _options(owner, tol, rtol, max_iter, line_search, callback, masked)
+    batch_dims = check_int(owner, "batch_dims", batch_dims, 0)
+    options = _options(
+        owner, tol, rtol, max_iter, line_search, callback, masked, return_best, 0.0, batch_dims
+    )
     opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
-    return _solve(owner, "root", F, x0, alpha, options, opt, mode)
+    return _solve(owner, "root", F, x0, alpha, options, opt, mode, batch_dims)
 
 
 # -- implicit differentiation ----------------------------------------------------------------
@@ -636,7 +907,14 @@ class _ImplicitFixedPoint(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:  # fmt: skip
         theta = tree.unflatten(theta_spec, list(leaves[n_z:]))
         z0 = tree.unflatten(z_spec, list(leaves[:n_z]))
-        z, info = fixed_point(lambda z: f(z, theta), z0, **options)
+        options = dict(options)
+        first = [options.pop("_first", None)]  # f(z0, theta), computed by the caller
+
+        def g(z: PyTree) -> PyTree:  # the solver's first evaluation is at z0
+            known, first[0] = first[0], None
+            return f(z, theta) if known is None else known
+
+        z, info = fixed_point(g, z0, **options)
         # An input returned as is (z0 already converged, max_iter=0) cannot be saved for
         # backward by setup_context: return a copy.
         z_leaves = [
@@ -654,11 +932,13 @@ class _ImplicitFixedPoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         f, z_spec, theta_spec, n_z, adjoint = ctx.static
+        adjoint = dict(adjoint)
+        on_failure = adjoint.pop("on_nonconvergence")
         saved = ctx.saved_tensors
         z_star = tree.unflatten(z_spec, list(saved[:n_z]))
         theta = tree.unflatten(theta_spec, list(saved[n_z:]))
         cotangent = [torch.zeros_like(z) if g is None else g for g, z in zip(grads[:n_z], saved)]
-        u = _adjoint(f, z_star, theta, z_spec, cotangent, adjoint)
+        u = _adjoint(f, z_star, theta, z_spec, cotangent, adjoint, on_failure)
         _, vjp_theta = torch.func.vjp(lambda th: f(z_star, th), theta)
         (grad_theta,) = vjp_theta(u)
         theta_leaves = tree.flatten(grad_theta, "theta")[0]
@@ -666,11 +946,18 @@ class _ImplicitFixedPoint(torch.autograd.Function):
 
 
 def _adjoint(
-    f: Callable, z_star: PyTree, theta: PyTree, spec: Any, cotangent: list[Tensor], options: dict
+    f: Callable,
+    z_star: PyTree,
+    theta: PyTree,
+    spec: Any,
+    cotangent: list[Tensor],
+    options: dict,
+    on_failure: str,
 ) -> PyTree:
     r"""The adjoint fixed point :math:`u = J_z f(z^*, \theta)^\top u + \bar z` by
     :func:`fixed_point` (the map is affine, so classic Anderson acceleration is GMRES on
-    :math:`(I - J^\top) u = \bar z`); raises if it does not converge."""
+    :math:`(I - J^\top) u = \bar z`); a solve that does not converge is reported by
+    ``on_failure`` (:func:`_report`)."""
     _, vjp_z = torch.func.vjp(lambda z: f(z, theta), z_star)
     rhs = tree.unflatten(spec, cotangent)
 
@@ -680,14 +967,32 @@ def _adjoint(
 
     with torch.no_grad():  # first derivatives only: no graph through the adjoint iterations
         u, info = fixed_point(adjoint_map, rhs, **options)
-    if not _masked_wanted(options.get("masked"), cotangent) and not bool(info.converged):
-        raise RuntimeError(
-            "implicit_fixed_point: the adjoint fixed point u = J^T u + dL/dz* did not converge "
-            f"({info.reason} after {int(info.iterations)} steps, residual "
-            f"{float(info.residual_norms[-1]):.3g}); is f a contraction in z at z*? Raise "
-            "`max_iter` or loosen `tol` in `adjoint_options`"
-        )
+    if not _masked_wanted(options.get("masked"), cotangent):
+        _report(
+            on_failure, info, "the adjoint fixed point u = J^T u + dL/dz*",
+            "is f a contraction in z at z*? Raise `max_iter` or loosen `tol` in "
+            "`adjoint_options`",
+        )  # fmt: skip
     return u
+
+
+def _report(on_failure: str, info: SolverInfo, what: str, hint: str) -> None:
+    """A solve that did not converge, by ``on_nonconvergence``: a ``RuntimeWarning``
+    ("warn"), a ``RuntimeError`` ("raise"), or nothing ("ignore"; ``info`` says it)."""
+    if on_failure == "ignore" or bool(info.converged.all()):
+        return
+    if info.converged.dim():  # a batch (batch_dims)
+        failed = int((~info.converged).sum())
+        outcome = f"for {failed} of {info.converged.numel()} problems"
+    else:
+        outcome = f"({info.reason} after {int(info.iterations)} steps)"
+    residual = float(info.residual_norms[..., -1].max())
+    message = (
+        f"implicit_fixed_point: {what} did not converge {outcome}, residual {residual:.3g}; " + hint
+    )
+    if on_failure == "raise":
+        raise RuntimeError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def implicit_fixed_point(
@@ -696,14 +1001,19 @@ def implicit_fixed_point(
     theta: PyTree,
     *,
     adjoint_options: dict[str, Any] | None = None,
+    gradient: str = "implicit",
+    phantom_steps: int = 1,
+    phantom_damping: float = 1.0,
+    on_nonconvergence: str = "warn",
     **options: Any,
 ) -> tuple[PyTree, SolverInfo]:
-    r"""The fixed point :math:`z^* = f(z^*, \theta)`, differentiable in :math:`\theta` by the
-    implicit function theorem; returns ``(z*, info)``.
+    r"""The fixed point :math:`z^* = f(z^*, \theta)`, differentiable in :math:`\theta` (and in
+    the parameters of ``f`` when it is an :class:`torch.nn.Module`); returns ``(z*, info)``.
 
     The forward solve is :func:`fixed_point` on :math:`z \mapsto f(z, \theta)` from ``z0``
-    with ``options``; no iteration is recorded for autograd. The backward pass, given
-    :math:`\bar z = \partial L / \partial z^*`, solves the adjoint fixed point
+    with ``options``; no iteration is recorded for autograd. ``gradient="implicit"``
+    (default): the backward pass, given :math:`\bar z = \partial L / \partial z^*`, solves
+    the adjoint fixed point
 
     .. math::
 
@@ -713,23 +1023,44 @@ def implicit_fixed_point(
     with the same solver (``adjoint_options``, default: ``options``), the products
     :math:`J^\top v` being :func:`torch.func.vjp` of ``f`` at :math:`(z^*, \theta)`. This is
     exact at an exact fixed point where :math:`I - J_z` is invertible (e.g. ``f`` a
-    contraction in ``z``); its error follows the two tolerances.
+    contraction in ``z``); its error follows the two tolerances. It is a
+    :class:`torch.autograd.Function` (with ``setup_context`` and a generated vmap rule), so
+    ``loss.backward()``, :func:`torch.func.grad`/``vjp`` and :func:`torch.func.vmap` of either
+    work. Only first derivatives: the backward pass is not itself differentiable.
 
-    It is a :class:`torch.autograd.Function` (with ``setup_context`` and a generated vmap
-    rule), so ``loss.backward()``, :func:`torch.func.grad`/``vjp`` and :func:`torch.func.vmap`
-    of either work. Only first derivatives: the backward pass is not itself differentiable.
+    ``gradient="phantom"``: the cheap backward of torchdeq (Geng et al., 2021), no adjoint
+    solve: from :math:`z_0 = z^*` (constant) it records ``phantom_steps`` :math:`= k` damped
+    steps :math:`z_{i+1} = (1 - \tau) z_i + \tau f(z_i, \theta)`, :math:`\tau` =
+    ``phantom_damping``, and returns :math:`z_k`, so that autograd differentiates those
+    :math:`k` steps only. With :math:`\tau = 1` its gradient is
+    :math:`J_\theta^\top \sum_{i<k} (J_z^\top)^i \bar z`, the truncated Neumann series of
+    the implicit one; :math:`k = 1` is the Jacobian-free gradient (Fung et al., 2022),
+    :math:`J_\theta^\top \bar z`. It costs :math:`k` evaluations and vjps of ``f``.
 
     Args:
-      f: ``f(z, theta) -> z``, pure in its arguments: every tensor whose gradient you want
-        must come in through ``theta`` (a tensor ``f`` closes over gets no gradient).
+      f: ``f(z, theta) -> z``. Every tensor whose gradient you want comes in through
+        ``theta``, or is a parameter of ``f`` when ``f`` is an :class:`torch.nn.Module`
+        (called through :func:`torch.func.functional_call`, so its parameters are inputs of
+        the backward pass). A tensor that requires grad and that ``f`` closes over otherwise
+        (``lambda z, x: layer(z, x)`` around a module) would get no gradient: this is
+        refused with a ``ValueError`` (checked on the first evaluation of ``f``, which the
+        solve reuses, whenever autograd records).
       z0: the starting point (no gradient flows to it: :math:`z^*` does not depend on it).
-      theta: a pytree of tensors, the parameters.
+      theta: a pytree of tensors, the parameters (or the layer's input ``x``).
       adjoint_options: :func:`fixed_point` options for the adjoint solve (default: the
-        forward's). A non-converged adjoint raises ``RuntimeError`` (eager loop).
+        forward's).
+      gradient: ``"implicit"`` (default) or ``"phantom"`` (above).
+      phantom_steps: :math:`k \ge 1`, the recorded steps of ``gradient="phantom"``.
+      phantom_damping: :math:`\tau \in (0, 1]` of ``gradient="phantom"``.
+      on_nonconvergence: a forward or adjoint solve that does not converge (eager loop):
+        ``"warn"`` (default, a ``RuntimeWarning``; ``info`` says it too), ``"raise"`` (a
+        ``RuntimeError``) or ``"ignore"``.
       **options: :func:`fixed_point` options for the forward solve.
 
     Returns:
-      ``(z*, info)``: ``z*`` like ``z0``, and the forward solve's :class:`SolverInfo`.
+      ``(z*, info)``: ``z*`` like ``z0`` (with ``"phantom"``, :math:`z_k`), and the forward
+      solve's :class:`SolverInfo` (with ``"phantom"``, its evaluations include the :math:`k`
+      recorded ones).
     """
     owner = "implicit_fixed_point"
     check_callable(owner, "f", f)
@@ -740,9 +1071,87 @@ def implicit_fixed_point(
             f"{owner}: `adjoint_options` must be None or a dict of fixed_point options, "
             f"got {type(adjoint_options).__name__}"
         )
-    adjoint = dict(options if adjoint_options is None else adjoint_options)
-    out = _ImplicitFixedPoint.apply(
-        f, z_spec, theta_spec, len(z_leaves), options, adjoint, *z_leaves, *theta_leaves
+    gradient = check_choice(owner, "gradient", gradient, ("implicit", "phantom"))
+    steps = check_int(owner, "phantom_steps", phantom_steps, 1)
+    damping = check_float(owner, "phantom_damping", phantom_damping, minimum=0.0, strict=True)
+    if damping > 1.0:
+        raise ValueError(f"{owner}: `phantom_damping` must be in (0, 1], got {damping}")
+    on_failure = check_choice(
+        owner, "on_nonconvergence", on_nonconvergence, ("warn", "raise", "ignore")
     )
+    adjoint = dict(options if adjoint_options is None else adjoint_options)
+    adjoint["on_nonconvergence"] = on_failure
+    if gradient == "phantom":
+        z, info = _phantom(f, z0, theta, options, steps, damping)
+    else:
+        z, info = _implicit(f, z_spec, z_leaves, theta, options, adjoint)
+    if not _masked_wanted(options.get("masked"), z_leaves + theta_leaves):
+        hint = "raise `max_iter` or loosen `tol`; the gradient is that of the returned point"
+        _report(on_failure, info, "the forward fixed point z* = f(z*, theta)", hint)
+    return z, info
+
+
+def _implicit(
+    f: Callable, z_spec: Any, z_leaves: list[Tensor], theta: PyTree, options: dict, adjoint: dict
+) -> tuple[PyTree, SolverInfo]:
+    """The forward solve and the implicit backward (:class:`_ImplicitFixedPoint`); an
+    :class:`torch.nn.Module` ``f`` takes its parameters as inputs, through
+    :func:`torch.func.functional_call`."""
+    if isinstance(f, torch.nn.Module):
+        module = f
+        params = {k: p for k, p in module.named_parameters() if p.requires_grad}
+        theta = (theta, params)
+
+        def f(z: PyTree, both: tuple) -> PyTree:  # noqa: F811  (the module, functionally)
+            return torch.func.functional_call(module, both[1], (z, both[0]))
+
+    theta_leaves, theta_spec = tree.flatten(theta, "theta", owner="implicit_fixed_point")
+    first = _first_evaluation(f, z_spec, z_leaves, theta)
+    out = _ImplicitFixedPoint.apply(
+        f, z_spec, theta_spec, len(z_leaves), {**options, "_first": first}, adjoint,
+        *z_leaves, *theta_leaves,
+    )  # fmt: skip
     n_z = len(z_leaves)
     return tree.unflatten(z_spec, list(out[:n_z])), SolverInfo(*out[n_z:])
+
+
+def _first_evaluation(
+    f: Callable, z_spec: Any, z_leaves: list[Tensor], theta: PyTree
+) -> PyTree | None:
+    """``f(z0, theta)`` evaluated with autograd on and ``theta`` detached, when autograd
+    records (not under ``torch.func`` transforms): an output that still requires grad
+    depends on a tensor that ``f`` closes over, which would get no gradient, and is refused.
+    The value (detached) is the forward solve's first evaluation, so the check costs none."""
+    if not torch.is_grad_enabled() or _functorch.maybe_current_level() is not None:
+        return None
+    z0 = tree.unflatten(z_spec, [t.detach() for t in z_leaves])
+    leaves, spec = tree.flatten(theta, "theta")
+    out = f(z0, tree.unflatten(spec, [t.detach() for t in leaves]))
+    out_leaves, out_spec = tree.flatten(out, "f(z, theta)", owner="implicit_fixed_point")
+    if any(t.requires_grad for t in out_leaves):
+        raise ValueError(
+            "implicit_fixed_point: f(z, theta) depends on a tensor that requires grad but is "
+            "neither in `theta` nor a parameter of `f` (e.g. a module that f closes over): it "
+            "would get no gradient. Pass the nn.Module itself as `f` (its parameters are then "
+            "differentiated), or pass the tensors through `theta`"
+        )
+    return tree.unflatten(out_spec, [t.detach() for t in out_leaves])
+
+
+def _phantom(
+    f: Callable, z0: PyTree, theta: PyTree, options: dict, steps: int, damping: float
+) -> tuple[PyTree, SolverInfo]:
+    """The forward solve without a graph, then ``steps`` damped steps from :math:`z^*` with
+    one (torchdeq's phantom gradient; a module ``f`` is called as it is)."""
+    with torch.no_grad():
+        z, info = fixed_point(lambda z: f(z, theta), z0, **options)
+    leaves, spec = tree.flatten(z, "z")
+    z = tree.unflatten(spec, [t.detach() for t in leaves])
+    for _ in range(steps):
+        fz = tree.flatten(f(z, theta), "f(z, theta)", owner="implicit_fixed_point")[0]
+        zl = tree.flatten(z, "z")[0]
+        if damping == 1.0:
+            z = tree.unflatten(spec, fz)
+        else:
+            z = tree.unflatten(spec, [(1 - damping) * a + damping * b for a, b in zip(zl, fz)])
+    return z, info._replace(evaluations=info.evaluations + steps)
