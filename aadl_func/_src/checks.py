@@ -818,6 +818,8 @@ def check_state_memory(state: AndersonState, owner: str = OWNER) -> None:
 
 
 _LAYOUT = operator.attrgetter("layout")
+
+
 def _physical(t: Tensor) -> Tensor:
     """The tensor whose memory ``t`` is: itself, or under ``torch.func`` transforms the tensor
     they wrap (a batched or grad-tracking tensor has no storage of its own; a ``vmap`` batch
