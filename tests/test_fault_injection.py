@@ -242,13 +242,15 @@ def test_an_exception_at_any_line_leaves_one_complete_outcome(name, error):
 # -- the torch.optim wrapper ---------------------------------------------------------------
 
 
-def _wrapped(seed=0, warm=WARM):
+def _wrapped(seed=0, warm=WARM, safeguard="loss_fn"):
     """Two param groups under SGD with momentum, wrapped, warmed up with the safeguard."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
     model.double()
     groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.05}]
-    opt = aa.AcceleratedOptimizer(torch.optim.SGD(groups, lr=0.1, momentum=0.9), history_depth=4)
+    opt = aa.AcceleratedOptimizer(
+        torch.optim.SGD(groups, lr=0.1, momentum=0.9), history_depth=4, safeguard=safeguard
+    )
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(30, 4, generator=gen, dtype=torch.float64)
     y = torch.randn(30, 2, generator=gen, dtype=torch.float64)
@@ -312,6 +314,75 @@ def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error):
         for _ in range(2):  # and the run goes on
             assert torch.isfinite(opt.step(closure))
     assert seen["stepped"] > 0, seen
+
+
+# Warm-up steps after which the deferred wrapper has a mix pending in both groups (every
+# other step of this problem rejects the previous mix).
+DEFERRED_WARM = 5
+
+
+def _marks(opt):
+    return [(int(w.count), int(w.num_rejected)) for w in opt.anderson_states]
+
+
+@pytest.mark.parametrize("verdict", ["kept", "rejected"])
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: e.__name__)
+@pytest.mark.usefixtures("default_sigint")
+def test_wrapper_deferred_step_ends_consistent_whatever_is_raised_in_its_code(error, verdict):
+    """``safeguard="deferred"``, a mix pending in both groups, ``step(loss=value)`` with a
+    loss below it (kept: the torch optimizer steps both groups) or above it (rejected: it
+    steps neither, and both go back to their previous plain step). After a fault: nothing
+    changed, or every group ended recorded, with its params at the uninterrupted step's or at
+    its window's newest entry, the torch state stepped exactly where the mix was kept, and
+    the run goes on."""
+    from window_invariant import state_gram_errors
+
+    model, opt, closure = _wrapped(warm=DEFERRED_WARM, safeguard="deferred")
+    pending = [float(w.pending_loss) for w in opt.anderson_states]
+    assert all(p < float("inf") for p in pending), pending  # a mix pending in each group
+    loss = min(pending) * 0.5 if verdict == "kept" else max(pending) * 2.0 + 1.0
+    before = ([p.clone() for p in model.parameters()], _momenta(opt), _marks(opt))
+    closure()  # the grads at the params, as the loop computes them with its loss
+    reference_model, reference, reference_closure = _wrapped(
+        warm=DEFERRED_WARM, safeguard="deferred"
+    )
+    reference_closure()
+    reference.step(loss=loss)
+    stepped, recorded = _momenta(reference), _marks(reference)
+    finals = [[p.detach().clone() for p in g["params"]] for g in reference.param_groups]
+    assert recorded != before[2]
+    del reference_model
+    counter = LineFaults(_in_package)
+    counter.run(lambda: opt.step(loss=loss))
+    lines = counter.count
+    stride = int(os.environ.get("AADL_FAULT_STRIDE", "0")) or max(1, lines // SAMPLES)
+    seen = {"before": 0, "recorded": 0}
+    for at in range(ERRORS.index(error) * stride // len(ERRORS), lines, stride):
+        model, opt, closure = _wrapped(warm=DEFERRED_WARM, safeguard="deferred")
+        closure()
+        LineFaults(_in_package, error, at).run(lambda: opt.step(loss=loss))  # noqa: B023
+        assert_ctrl_c_works()
+        params = [p.detach() for p in model.parameters()]
+        if _marks(opt) == before[2]:
+            seen["before"] += 1
+            assert _equal(params, before[0]), f"line event {at}: params moved, windows did not"
+            assert _equal(_momenta(opt), before[1]), f"line event {at}: torch stepped"
+            continue
+        seen["recorded"] += 1
+        assert _marks(opt) == recorded, f"line event {at}: {_marks(opt)} != {recorded}"
+        assert _equal(_momenta(opt), stepped), f"line event {at}: torch's state torn"
+        for group, window, final in zip(opt.param_groups, opt.anderson_states, finals):
+            # The uninterrupted step's params (a kept mix's new mix is not in the window in
+            # the deferred mode), or the window's newest entry (a plain or reverted step).
+            group_params = [p.detach() for p in group["params"]]
+            assert _equal(group_params, final) or _equal(group_params, window.anchor), (
+                f"line event {at}: params are neither the step's nor the window's newest entry"
+            )
+            errors = state_gram_errors(window, "aadl")
+            assert max(errors.values()) < 1e-12, f"line event {at}: Gram off the ring {errors}"
+        for _ in range(2):  # and the run goes on
+            assert torch.isfinite(opt.step(closure))
+    assert seen["recorded"] > 0, seen
 
 
 # -- what a call leaves in the process: grad mode, the SIGINT handler ------------------------
