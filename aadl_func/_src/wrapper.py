@@ -300,6 +300,15 @@ class AcceleratedOptimizer(Optimizer):
           ValueError: ``loss`` without ``safeguard="deferred"``, or with ``closure``.
         """
         loss = self._check_loss_argument(closure, loss)
+        if self._safeguard == "deferred" and closure is not None:
+            # The closure's loss, at the params the step starts from, judges the last mix;
+            # the torch step then gets it back without a second evaluation. Evaluated here,
+            # before anything is written (an exception or Ctrl-C in it changes nothing), and
+            # outside ``_step``: compiled, its ``backward`` breaks this frame, not that one.
+            closure = _returns_a_loss(closure)
+            with torch.enable_grad():
+                loss = closure()
+            closure = _returning(loss, closure)
         if torch.compiler.is_compiling():
             # Under torch.compile: no Ctrl-C guard (dynamo cannot trace signal handlers, and
             # a graph is not interruptible between its kernels anyway; docs/compiling.md).
@@ -336,12 +345,6 @@ class AcceleratedOptimizer(Optimizer):
     def _step(self, closure: Callable[[], Any] | None, loss: Tensor | float | None) -> Any:
         groups = self.param_groups
         windows = self._sync_windows()
-        if self._safeguard == "deferred" and closure is not None:
-            # The closure's loss, at the params the step starts from, judges the last mix;
-            # the torch step then gets it back without a second evaluation.
-            with torch.enable_grad():
-                loss = closure()
-            closure = _returning(loss, closure)
         if self._config.skip_nonfinite:
             returned, skipped = self._skip_if_nonfinite(closure)
             if skipped:
