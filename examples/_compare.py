@@ -105,8 +105,11 @@ class Method:
     """A row of the comparison. ``kind``: ``"functional"`` (``make()`` returns an object with
     ``init``/``update(state, params, grads, inplace=..., loss_fn=...)``; ``safeguard`` passes
     the forward-only loss as ``loss_fn``, ``deferred`` the loss computed with the gradient as
-    ``loss=``, the deferred safeguard), ``"lbfgs"`` (``options`` for ``torch.optim.LBFGS``:
-    ``lr``, ``history_size``, ``max_iter`` per ``step`` call), or ``"then-lbfgs"`` (``make()``
+    ``loss=``, the deferred safeguard), ``"wrapper"`` (``make(params)`` returns a
+    ``torch.optim``-style optimizer over the params' tensors, stepped as
+    ``step(loss=value)`` after the gradients are written into ``.grad``), ``"lbfgs"``
+    (``options`` for ``torch.optim.LBFGS``: ``lr``, ``history_size``, ``max_iter`` per
+    ``step`` call), or ``"then-lbfgs"`` (``make()``
     for ``options["first_steps"]`` updates, then L-BFGS with ``options["lbfgs"]``)."""
 
     label: str
@@ -204,6 +207,39 @@ def run_functional(
     return trace, params, counters
 
 
+def run_wrapper(
+    problem: Problem, make: Callable[[list[Tensor]], Any], budget: float
+) -> tuple[Trace, dict[str, Tensor], dict[str, int]]:
+    """Full-batch steps of a ``torch.optim``-style optimizer (``aa.AcceleratedOptimizer``
+    with ``safeguard="deferred"``) from the problem's initial weights until ``budget``
+    gradient evaluations are spent: the gradients are written into ``.grad`` and the loss
+    computed with them is passed as ``step(loss=value)``, as a training loop would."""
+    params = problem.params()
+    leaves = list(params.values())
+    optimizer = make(leaves)
+    trace = Trace(problem.forward_cost)
+    clock = problem.clock
+    k = 0
+    while True:
+        start = clock()
+        grads, loss = problem.loss_and_grad(params)
+        value = loss.item()
+        trace.elapsed += clock() - start
+        trace.append(k, k + 1, 0, trace.elapsed, value, _track(problem, params))
+        if trace.equivalents(-1) >= budget or not math.isfinite(value):
+            break
+        start = clock()
+        for p, g in zip(leaves, grads.values()):
+            p.grad = g
+        optimizer.step(loss=loss)
+        trace.elapsed += clock() - start
+        k += 1
+    names = ("num_mixed", "num_rejected", "num_nonfinite")
+    states = [s for s in optimizer.anderson_states if s is not None]
+    counters = {name: sum(int(getattr(s, name)) for s in states) for name in names}
+    return trace, params, counters
+
+
 def run_lbfgs(
     problem: Problem,
     budget: float,
@@ -269,6 +305,8 @@ def run_method(method: Method, problem: Problem, budget: float):
         return run_functional(
             problem, method.make(), budget, safeguard=method.safeguard, deferred=method.deferred
         )
+    if method.kind == "wrapper":
+        return run_wrapper(problem, method.make, budget)
     if method.kind == "lbfgs":
         return run_lbfgs(problem, budget, **method.options)
     if method.kind == "then-lbfgs":

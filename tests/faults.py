@@ -7,8 +7,6 @@ import sys
 from collections.abc import Callable
 from types import FrameType
 
-import torch
-
 
 class LineFaults:
     """A trace function that raises ``error`` at line event number ``at`` (0-based) of the
@@ -33,13 +31,8 @@ class LineFaults:
     def run(self, fn: Callable[[], object]) -> None:
         """``fn()`` traced; the injected exception is swallowed, any other propagates.
 
-        torch's grad mode is put back as it was afterwards: CPython (3.11) emits a line event
-        for a ``with`` statement's line again when its block ends, *before* it calls
-        ``__exit__``, and an exception raised at that event skips ``__exit__`` (the exit
-        sequence lies outside the block's exception handler). Injected at ``update``'s
-        ``with autograd_policy():`` that would leave ``torch.no_grad`` on for every later
-        test of the session. The outcome checks (params and state) are unaffected."""
-        grad_enabled = torch.is_grad_enabled()
+        Nothing of the process is repaired afterwards (torch's grad mode, the SIGINT handler):
+        the library must leave them as they were, and the tests check it."""
         sys.settrace(self.global_trace)
         try:
             fn()
@@ -49,4 +42,3 @@ class LineFaults:
                 raise
         finally:
             sys.settrace(None)
-            torch.set_grad_enabled(grad_enabled)

@@ -158,7 +158,9 @@ def test_digits_demo(examples, tmp_path, capsys):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     output = capsys.readouterr().out
     assert "loss<0.01: grad-eq" in output and "best baseline" in output
-    assert set(summary["runs"]) == {"gd", "adam", "lbfgs", "aa", "aa_deferred", "aa_safeguard"}
+    assert set(summary["runs"]) == {
+        "gd", "adam", "lbfgs", "aa", "aa_deferred", "aa_wrapper", "aa_safeguard"
+    }  # fmt: skip
     assert summary["config"]["seeds"] == [0] and summary["config"]["budget"] == budget
     _check_runs(summary, budget, demo.FORWARD_COST)
     runs = {key: rs[0] for key, rs in summary["runs"].items()}
@@ -191,6 +193,13 @@ def test_digits_demo(examples, tmp_path, capsys):
     deferred = runs["aa_deferred"]
     assert deferred["forwards"] == 0 and deferred["equivalents"] == deferred["grads"]
     assert deferred["num_mixed"] > 0
+    # The wrapper row is the same algorithm through the torch.optim face: the same decisions,
+    # and the loss curve within the bound the Adam row is held to against torch.optim above
+    # (torch.optim.Adam's rounding against aa.adam's, float32).
+    wrapper = runs["aa_wrapper"]
+    for name in ("num_mixed", "num_rejected", "grads", "forwards"):
+        assert wrapper[name] == deferred[name], name
+    assert wrapper["curve"]["loss"] == pytest.approx(deferred["curve"]["loss"], rel=1e-4)
 
 
 def test_digits_demo_tune(examples, tmp_path, capsys):

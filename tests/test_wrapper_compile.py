@@ -164,6 +164,8 @@ def run(
     for _ in range(STEPS):
         if with_closure:
             step(closure)
+        elif options.get("safeguard") == "deferred":
+            step(loss=closure().detach())
         else:
             closure()
             step()
@@ -249,3 +251,24 @@ def test_skip_nonfinite_breaks_once_at_the_finiteness_check() -> None:
     }, ours
     assert all("item()" in reason or "bool" in reason for _, _, reason in ours), ours
     assert_same_run(compiled, run("sgd", compiled=None, with_closure=False, skip_nonfinite=True))
+
+
+@pytest.mark.parametrize("with_closure", [False, True], ids=["loss", "closure"])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_deferred_safeguard_adds_no_break_of_ours(kind: str, with_closure: bool) -> None:
+    """``safeguard="deferred"``: the verdict has no value while tracing, so every group is
+    stepped and a rejected group's torch state is blended back (no host read); the core runs
+    compiled (no closure inside it), and the only breaks are torch.optim's and the user's
+    ``backward``. Two groups; the same params and counters as the eager wrapper."""
+    options = dict(safeguard="deferred", mode="classic", groups=2)
+    with recording() as record:
+        compiled = run(kind, compiled=record.backend, with_closure=with_closure, **options)
+    assert record.breaks_in(PACKAGE) == []
+    users = [b for b in record.breaks if b[0] == __file__]
+    assert all("backward" in reason for _, _, reason in users), users
+    others = [b for b in record.breaks if b not in users]
+    assert all(b[0].startswith(TORCH) for b in others), others
+    assert_ours_compiled(record)
+    reference = run(kind, compiled=None, with_closure=with_closure, **options)
+    assert_same_run(compiled, reference)
+    assert compiled[1][0][2] > 0, "no mix was rejected: the verdict was not exercised"

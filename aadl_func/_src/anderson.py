@@ -10,7 +10,6 @@ entry point for other front ends (:class:`aadl_func.AcceleratedOptimizer`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -19,7 +18,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import deferred, distributed, flags, tree
-from aadl_func._src.atomic import InterruptGuard
+from aadl_func._src.atomic import InterruptGuard, guarded
 from aadl_func._src.checks import (
     MISSING,
     autograd_policy,
@@ -205,8 +204,8 @@ def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
     """The ``init`` and ``update`` functions of :class:`Anderson` for ``options``."""
 
     def init(params: Params) -> AndersonState:
-        with autograd_policy():  # no graph through the state (see checks.autograd_policy)
-            return _init(options, params)
+        # No graph through the state (see checks.autograd_policy).
+        return _without_graph(functools.partial(_init, options, params))
 
     def update(
         state: AndersonState,
@@ -225,13 +224,33 @@ def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
         # MISSING``) costs a compiled step one more parameter-sized buffer (torch 2.13).
         if misplaced:
             grads = check_call(state, params, grads, misplaced)
-        with autograd_policy():  # no graph through the window (see checks.autograd_policy)
-            out, new_state = step(
-                options, state, params, grads, inplace=inplace, loss_fn=loss_fn, loss=loss
+        # No graph through the window (see checks.autograd_policy).
+        out, new_state = _without_graph(
+            functools.partial(
+                step, options, state, params, grads, inplace=inplace, loss_fn=loss_fn, loss=loss
             )
+        )
         return keep_requires_grad(out, params, inplace), new_state
 
     return init, update
+
+
+def _without_graph(run: Callable[[], Any]) -> Any:
+    """``run()`` under :func:`~aadl_func._src.checks.autograd_policy`, torch's grad mode put
+    back as it was however it ends.
+
+    The ``finally`` is there for what ``with`` alone misses: CPython (3.11) emits a line event
+    for a ``with`` statement's line as its block ends, *before* it calls ``__exit__`` and
+    outside the block's exception handler, so an exception raised there (by a signal's
+    handler, a trace function) skips ``torch.no_grad().__exit__`` and grad mode would stay
+    off for the rest of the process. On the normal path ``__exit__`` has restored it already.
+    """
+    enabled = torch.is_grad_enabled()
+    try:
+        with autograd_policy():
+            return run()
+    finally:
+        torch.set_grad_enabled(enabled)
 
 
 def _counter() -> Tensor:
@@ -358,11 +377,12 @@ def step(
     # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
     # written back: the transformed call returns its state.
     guard = InterruptGuard() if inplace and not transformed else None
-    with guard if guard is not None else contextlib.nullcontext():
+    if loss is not None and shards is not None:
+        loss = shards.mean_loss(loss)  # every rank judges the same loss
+
+    def call_guarded() -> tuple[Params, AndersonState]:
         # The deferred safeguard's verdict on the mix the previous call returned, before
         # any inner step: a known rejection (eager) goes back without one.
-        if loss is not None and shards is not None:
-            loss = shards.mean_loss(loss)  # every rank judges the same loss
         rejected = deferred.rejects(state, loss)
         reject_known = flags.value(rejected)
         if reject_known:
@@ -423,7 +443,10 @@ def step(
             out, new_state = _blend_verdict(call, rejected, run)
         else:
             out, new_state = _finish(call, lambda: run(call))
-    return _returned(call, out, new_state, transformed)
+        return _returned(call, out, new_state, transformed)
+
+    # ``guarded``: the guard's handler is taken out however the call ends (atomic.py).
+    return guarded(guard, call_guarded)
 
 
 def _finish(call: Call, run: Callable[[], tuple[Any, AndersonState]]) -> tuple[Any, Any]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from aadl_func._src import tree
 
-__all__ = ["InterruptGuard", "Progress", "write_back"]
+__all__ = ["InterruptGuard", "Progress", "guarded", "write_back"]
 
 # The C functions behind ``signal.signal`` / ``signal.getsignal``: their wrappers in signal.py
 # convert to and from enums, ~12 us of a small model's step for the three calls a guarded step
@@ -115,19 +115,22 @@ class InterruptGuard:
     :meth:`callbacks` block, or when the guard exits; inside :meth:`callbacks` (the user's
     ``loss_fn``) Ctrl-C acts at once.
 
-    The guard never leaves Ctrl-C swallowed, whatever is raised where:
+    Held through :func:`guarded`, the guard's handler is never left installed after the
+    guarded call, and Ctrl-C never swallowed, whatever one exception is raised where:
 
     * ``__enter__`` installs its handler as its last step and takes it out again if anything
-      is raised after;
+      is raised after (its ``return`` included);
     * ``__exit__`` puts the default handler back first, and only if its own handler is still
       the installed one (a handler the user installed meanwhile, e.g. in ``loss_fn``, stays);
-    * if an exception still ends the guarded call before ``__exit__`` could run (raised
-      by another signal's handler at the very first line of ``__exit__``), the recording
-      handler notices on the next SIGINT that the call that installed it has returned (its
-      frame is no longer on the stack): it puts the default handler back and raises
-      ``KeyboardInterrupt`` at once, as the default handler would. The next guard also
-      takes such a stale handler for the default one (while a live one, an outer guard's,
-      is left in place: the outer guard then defers Ctrl-C for both).
+    * :func:`guarded` does that again when an exception skipped ``__exit__`` (raised at the
+      line event of the ``with`` statement's end) or cut it short.
+
+    A second line of defence, for a second exception during that clean-up: a handler left
+    behind notices on the next SIGINT that the call that installed it has returned (its
+    frame is no longer on the stack): it puts the default handler back and raises
+    ``KeyboardInterrupt`` at once, as the default handler would. The next guard also takes
+    such a stale handler for the default one (while a live one, an outer guard's, is left in
+    place: the outer guard then defers Ctrl-C for both).
     """
 
     def __init__(self) -> None:
@@ -154,25 +157,33 @@ class InterruptGuard:
         return False
 
     def __enter__(self) -> InterruptGuard:
-        if threading.current_thread() is threading.main_thread() and _is_default(
-            _get_handler(_SIGINT)
-        ):
-            self._frame = sys._getframe(1)  # the guarded call's frame (see _record)
-            try:
+        # ``return self`` inside the ``try``: its line event can raise (another signal's
+        # handler, a trace function) after the handler is in, and __exit__ would not run.
+        try:
+            if threading.current_thread() is threading.main_thread() and _is_default(
+                _get_handler(_SIGINT)
+            ):
+                self._frame = sys._getframe(1)  # the guarded call's frame (see _record)
                 _set_handler(_SIGINT, self._handler)
                 self._active = True
-            except BaseException:
-                _set_handler(_SIGINT, signal.default_int_handler)
-                raise
-        return self
+            return self
+        except BaseException:
+            self.release()
+            raise
 
     def __exit__(self, *exc_info: Any) -> None:
-        if _get_handler(_SIGINT) is self._handler:
-            _set_handler(_SIGINT, signal.default_int_handler)
-        self._active, self._frame = False, None
+        self.release()
         if self.pending and exc_info[0] is None:
             self.pending = False
             raise KeyboardInterrupt
+
+    def release(self) -> None:
+        """Puts the default handler back if the guard's own is installed; nothing else (a
+        deferred Ctrl-C stays pending). Idempotent: :func:`guarded` calls it again when an
+        exception may have skipped ``__exit__`` or cut it short."""
+        if _get_handler(_SIGINT) is self._handler:
+            _set_handler(_SIGINT, signal.default_int_handler)
+        self._active, self._frame = False, None
 
     def checkpoint(self) -> None:
         """Raises a deferred Ctrl-C now (the caller is at a consistent point)."""
@@ -194,6 +205,26 @@ class InterruptGuard:
             # Back to recording, unless the user's code installed a handler of its own.
             if _get_handler(_SIGINT) is signal.default_int_handler:
                 _set_handler(_SIGINT, self._handler)
+
+
+def guarded(guard: InterruptGuard | None, run: Callable[[], Any]) -> Any:
+    """``run()`` with ``guard`` held (None: unguarded), its handler taken out however it ends.
+
+    The ``except`` is there for what ``with`` alone misses. CPython (3.11) emits a line event
+    for a ``with`` statement's line as its block ends, *before* it calls ``__exit__`` and
+    outside the block's exception handler, so an exception raised there (by another signal's
+    handler, a trace function) skips ``__exit__``; one raised inside ``__exit__`` before it
+    put the default handler back cuts it short. Either way :meth:`InterruptGuard.release`
+    runs here. (A deferred Ctrl-C raised by ``__exit__`` passes through: released already.)
+    """
+    if guard is None:
+        return run()
+    try:
+        with guard:
+            return run()
+    except BaseException:
+        guard.release()
+        raise
 
 
 def _is_default(handler: Any) -> bool:

@@ -10,6 +10,7 @@ AADL, and the result is written back into the params in place.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections import OrderedDict
 from collections.abc import Callable
@@ -21,8 +22,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from aadl_func._src import deferred, flags
 from aadl_func._src.anderson import Anderson, check_skip_allowed, count_skip, functions, step
-from aadl_func._src.atomic import InterruptGuard
+from aadl_func._src.atomic import InterruptGuard, guarded
 from aadl_func._src.checks import check_state_values
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
@@ -35,6 +37,9 @@ _FORMAT = 2  # 2: AndersonState gained num_skipped and skip_streak
 _LAYOUT_OPTIONS = ("history_depth", "mode", "history_dtype")
 # Attribute through which a torch optimizer patched by ``accelerate`` reaches its accelerator.
 _ACCELERATOR_ATTRIBUTE = "_aadl_func_accelerator"
+# The wrapper's safeguards: the closure evaluated at each mix (the core's ``loss_fn``), or the
+# loss of the next step judging the previous mix (the core's ``loss=``).
+_SAFEGUARDS = ("loss_fn", "deferred")
 
 
 # A dtype in which the difference of two values of the key dtype is exact (up to exponent gaps
@@ -96,6 +101,17 @@ class AcceleratedOptimizer(Optimizer):
     Groups are decided one after the other, each with the groups before it at their kept
     values and the ones after it at :math:`y`, as in AADL.
 
+    With ``safeguard="deferred"`` a mix costs no closure call: the loss at the params a step
+    starts from, :math:`L(x_{k+1})` (``step(closure)`` evaluates the closure once, first, as
+    ``torch.optim`` does; or ``step(loss=value)``, the value the loop computed with the
+    gradients), judges the mix :math:`x_{k+1}` the previous step returned, against the
+    loss :math:`L(x_k)` of the point it was made from (the functional core's
+    ``update(..., loss=value)``, :mod:`aadl_func._src.deferred`). Per group: if
+    :math:`L(x_{k+1}) < L(x_k)` fails, the group's params go back to its previous plain step
+    :math:`y_k` (read from its window), the torch optimizer does not step that group (its
+    grads, taken at the rejected point, are hidden from it; its state stays that of
+    :math:`y_k`) and the step is not counted; the other groups step as usual.
+
     Attributes:
       optimizer: the wrapped ``torch.optim`` optimizer; ``param_groups``, ``state`` and
         ``defaults`` are its own, so LR schedulers, gradient clipping and ``GradScaler`` work on
@@ -111,6 +127,9 @@ class AcceleratedOptimizer(Optimizer):
     Args:
       optimizer: a ``torch.optim.Optimizer``; its ``step``, ``state_dict`` and
         ``load_state_dict`` are captured now.
+      safeguard: ``"loss_fn"`` (default: a ``closure`` passed to :meth:`step` safeguards each
+        mix with two more closure calls; without one, no safeguard) or ``"deferred"`` (one
+        closure call or a ``loss=`` per step, above; needs ``store_each_nth=1``).
     """
 
     def __init__(
@@ -134,9 +153,11 @@ class AcceleratedOptimizer(Optimizer):
         reg_relative: float = 0.0,
         restart_on_reject: bool = False,
         reg_column: float = 0.0,
+        safeguard: str = "loss_fn",
     ) -> None:
         given = locals()
         resolved = {name: given[name] for name in AndersonOptions.names()}
+        _check_safeguard("AcceleratedOptimizer", safeguard, store_each_nth)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 "AcceleratedOptimizer: `optimizer` must be a torch.optim.Optimizer, got "
@@ -149,6 +170,7 @@ class AcceleratedOptimizer(Optimizer):
         self._config = AndersonOptions(_TakenStep(), **resolved)
         self._anderson = Anderson(*functions(self._config))
         self._options = _plain_values(resolved)
+        self._safeguard = safeguard
         self.optimizer = optimizer
         self._windows: list[AndersonState | None] = [None] * len(optimizer.param_groups)
         # The torch optimizer's own methods, captured before ``accelerate`` patches them.
@@ -206,9 +228,16 @@ class AcceleratedOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
+    @property
+    def safeguard(self) -> str:
+        """``"loss_fn"`` (a closure safeguards each mix) or ``"deferred"``."""
+        return self._safeguard
+
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
-        return f"{type(self).__name__}({self.optimizer!r}, {options})"
+        return (
+            f"{type(self).__name__}({self.optimizer!r}, {options}, safeguard={self._safeguard!r})"
+        )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group to the wrapped optimizer; its window starts empty at the next step."""
@@ -228,8 +257,15 @@ class AcceleratedOptimizer(Optimizer):
 
     # -- step --------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None
+    ) -> Any:
         """One accelerated step; see the class docstring.
+
+        With ``safeguard="deferred"`` the step needs the loss at the params it starts from:
+        ``closure`` (evaluated once, first, as ``torch.optim`` does) or ``loss``, the value the
+        training loop computed with the gradients (as ``ReduceLROnPlateau.step(metrics)``
+        takes its metric; ``GradScaler.step(optimizer, loss=value)`` passes it through).
 
         Exception safety (docs/reliability.md, "The exception guarantee"). Ctrl-C (Python's
         default handler, main thread) is deferred over the whole step except inside
@@ -243,7 +279,8 @@ class AcceleratedOptimizer(Optimizer):
           decisions; the group in progress ends at one outcome of the core (its plain step,
           its finished step, or its plain step with the window restarted), written into its
           params; every later group ends at the wrapped optimizer's plain step, recorded in
-          its window (no mix, no moving average). Params, the torch optimizer's state and
+          its window (no mix, no moving average), or, when the deferred safeguard rejected
+          its mix, at its previous plain step. Params, the torch optimizer's state and
           the windows then agree, and the next step continues from there;
         * inside the wrapped optimizer's own step (its loop over the params, e.g. an
           out-of-memory error or an exception from another signal's handler): not
@@ -258,63 +295,148 @@ class AcceleratedOptimizer(Optimizer):
         Raises:
           TypeError: ``closure`` returned something other than a loss (a tensor of one
             element or a real number), raised at its first evaluation, before the wrapped
-            optimizer writes anything.
+            optimizer writes anything; or ``loss`` is not one; or ``safeguard="deferred"``
+            got neither ``closure`` nor ``loss``.
+          ValueError: ``loss`` without ``safeguard="deferred"``, or with ``closure``.
         """
+        loss = self._check_loss_argument(closure, loss)
+        if self._safeguard == "deferred" and closure is not None:
+            # The closure's loss, at the params the step starts from, judges the last mix;
+            # the torch step then gets it back without a second evaluation. Evaluated here,
+            # before anything is written (an exception or Ctrl-C in it changes nothing), and
+            # outside ``_step``: compiled, its ``backward`` breaks this frame, not that one.
+            closure = _returns_a_loss(closure)
+            with torch.enable_grad():
+                loss = closure()
+            closure = _returning(loss, closure)
         if torch.compiler.is_compiling():
             # Under torch.compile: no Ctrl-C guard (dynamo cannot trace signal handlers, and
             # a graph is not interruptible between its kernels anyway; docs/compiling.md).
-            return self._step(None if closure is None else _returns_a_loss(closure))
+            return self._step(None if closure is None else _returns_a_loss(closure), loss)
         guard = InterruptGuard()
-        with guard:
-            if closure is not None:
-                closure = _interruptible(_returns_a_loss(closure), guard)
-            return self._step(closure)
+        if closure is not None:
+            closure = _interruptible(_returns_a_loss(closure), guard)
+        # ``guarded``: the guard's handler is taken out however the step ends (atomic.py).
+        return guarded(guard, functools.partial(self._step, closure, loss))
 
-    def _step(self, closure: Callable[[], Any] | None) -> Any:
+    def _check_loss_argument(
+        self, closure: Callable[[], Any] | None, loss: Tensor | float | None
+    ) -> Tensor | float | None:
+        """``loss`` checked against the safeguard and ``closure``, before anything runs."""
+        owner = "AcceleratedOptimizer.step"
+        if self._safeguard != "deferred":
+            if loss is not None:
+                raise ValueError(
+                    f"{owner}: `loss` is the deferred safeguard's; make the optimizer with "
+                    "safeguard='deferred' to pass it"
+                )
+            return None
+        if closure is not None and loss is not None:
+            raise ValueError(f"{owner}: pass `closure` or `loss`, not both")
+        if closure is None and loss is None:
+            raise TypeError(
+                f"{owner}: safeguard='deferred' judges the previous mix by the loss at the "
+                "params: call step(closure) or step(loss=value)"
+            )
+        if loss is not None:
+            _check_is_a_loss(loss, "`loss` must be")
+        return loss
+
+    def _step(self, closure: Callable[[], Any] | None, loss: Tensor | float | None) -> Any:
         groups = self.param_groups
         windows = self._sync_windows()
         if self._config.skip_nonfinite:
-            loss, skipped = self._skip_if_nonfinite(closure)
+            returned, skipped = self._skip_if_nonfinite(closure)
             if skipped:
-                return loss
-            closure = None if closure is None else _returning(loss, closure)
+                return returned
+            closure = None if closure is None else _returning(returned, closure)
         # ``clone`` keeps the memory format (channels_last) by default. Spelled out
         # (``memory_format=torch.preserve_format``), it makes dynamo (torch 2.13) give up on
         # this frame where the torch step below breaks the graph.
         starts = [[p.detach().clone() for p in group["params"]] for group in groups]
+        verdicts = self._verdicts(windows, loss)
         if torch.compiler.is_compiling():
             # Compiled (docs/compiling.md): no recovery, so no count to read and no try
             # block, which dynamo cannot resume in after torch.optim's own graph break.
             # ``torch`` is named in this frame (and ``step``) on purpose: dynamo only traces
             # frames that name it or hold a tensor.
-            loss = self._torch_step(closure)
+            returned = self._torch_step_unless_rejected(closure, verdicts)
             for index, (group, start) in enumerate(zip(groups, starts)):
                 if not group["params"]:
                     continue
-                if closure is None:
-                    self._update_group(windows, index, group["params"], start, closure)
+                if closure is None or loss is not None:
+                    self._update_group(windows, index, group["params"], start, None, loss)
                 else:  # the safeguard calls the closure inside the core: see _eagerly
-                    _eagerly(self._update_group, windows, index, group["params"], start, closure)
-            return loss
+                    _eagerly(
+                        self._update_group, windows, index, group["params"], start, closure, None
+                    )
+            return returned
         # Once the torch optimizer has stepped, every group must end recorded. ``position``:
-        # the first group not finished; ``count_before``: its window's count before its
-        # update (-1 until read).
-        position, count_before, torch_stepped = 0, -1, False
+        # the first group not finished; ``mark``: its window's marks before its update (None
+        # until read).
+        position, mark, torch_stepped = 0, None, False
         try:
             # One statement: no line runs between the torch step and its record.
-            loss, torch_stepped = self._torch_step(closure), True
+            returned, torch_stepped = self._torch_step_unless_rejected(closure, verdicts), True
             for index, (group, start) in enumerate(zip(groups, starts)):
-                position, count_before = index, -1
+                position, mark = index, None
                 params = group["params"]
                 if params:
-                    count_before = int(self._window(windows, index, start).count)
-                    self._update_group(windows, index, params, start, closure)
-                position, count_before = index + 1, -1
+                    mark = _marks(self._window(windows, index, start))
+                    guarded_closure = None if loss is not None else closure
+                    self._update_group(windows, index, params, start, guarded_closure, loss)
+                position, mark = index + 1, None
         except BaseException:
             if torch_stepped:
-                self._recover(groups, starts, windows, position, count_before)
+                self._recover(groups, starts, windows, position, mark, loss)
             raise
-        return loss
+        return returned
+
+    def _verdicts(self, windows: list[AndersonState | None], loss: Any) -> list[Tensor]:
+        """Per group, whether the deferred safeguard rejects its pending mix (the core's own
+        decision, :func:`aadl_func._src.deferred.rejects`, read before the torch step)."""
+        if loss is None:
+            return [flags.FALSE] * len(windows)
+        value = deferred.check_loss(self._config, loss, None)
+        return [flags.FALSE if w is None else deferred.rejects(w, value) for w in windows]
+
+    def _torch_step_unless_rejected(
+        self, closure: Callable[[], Any] | None, verdicts: list[Tensor]
+    ) -> Any:
+        """The wrapped optimizer's step for every group but those whose pending mix the
+        deferred safeguard rejects: their params go back to the previous plain step (in
+        the core), so the torch optimizer must not step them from the rejected point.
+
+        Eagerly their grads are hidden (``None``: torch.optim skips such params, state and
+        all) and put back after. Compiled, where the verdicts have no value, the torch
+        optimizer steps every group and a rejected group's tensor state is blended back."""
+        known = [flags.value(verdict) for verdict in verdicts]
+        if all(value is False for value in known):
+            return self._torch_step(closure)
+        if any(value is None for value in known):
+            # No try block here: dynamo cannot resume in one after torch.optim's own break.
+            kept = [
+                entry
+                for group, verdict in zip(self.param_groups, verdicts)
+                for entry in _torch_state(self.state, group["params"], verdict)
+            ]
+            returned = self._torch_step(closure)
+            for tensor, before, verdict in kept:
+                tensor.copy_(torch.where(verdict.to(tensor.device), before, tensor))
+            return returned
+        hidden = [
+            (p, p.grad)
+            for group, value in zip(self.param_groups, known)
+            if value
+            for p in group["params"]
+        ]
+        try:
+            for p, _ in hidden:
+                p.grad = None
+            return self._torch_step(closure)
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
 
     def _window(
         self, windows: list[AndersonState | None], index: int, start: list[Tensor]
@@ -332,14 +454,21 @@ class AcceleratedOptimizer(Optimizer):
         params: list[Tensor],
         start: list[Tensor],
         closure: Callable[[], Any] | None,
+        loss: Any = None,
     ) -> None:
         """Group ``index``'s call of the core: from ``start`` (its params before the torch
         step) and its params now (after it), the outcome written into the params and the
-        returned state kept (compiled, its counters are new tensors)."""
+        returned state kept (compiled, its counters are new tensors). ``closure``: the
+        ``loss_fn`` safeguard; ``loss``: the deferred one."""
         loss_fn = None if closure is None else _closure_loss(params, closure)
         stepped = [p.detach() for p in params]
         out, windows[index] = self._anderson.update(
-            self._window(windows, index, start), start, stepped, inplace=True, loss_fn=loss_fn
+            self._window(windows, index, start),
+            start,
+            stepped,
+            inplace=True,
+            loss_fn=loss_fn,
+            loss=loss,
         )
         for p, value in zip(params, out):
             p.copy_(value)
@@ -355,23 +484,25 @@ class AcceleratedOptimizer(Optimizer):
         starts: list[list[Tensor]],
         windows: list[AndersonState | None],
         position: int,
-        count_before: int,
+        mark: tuple[int, int] | None,
+        loss: Any,
     ) -> None:
         """After an exception past the torch optimizer's step: group ``position`` (the first
         one not finished) ends at the core's outcome, the later groups at the plain step.
 
         The core wrote its outcome in place into ``starts[position]`` and the window
-        (:func:`aadl_func._src.stages.recover`), and counted the call; a window whose count
-        did not move (or was not reached) never saw the step, so that group is finished as a
-        plain step too, from its params, which still hold the torch step."""
+        (:func:`aadl_func._src.stages.recover`), and counted the call (``count``, or
+        ``num_rejected`` for a call that reverted a mix); a window whose marks did not move
+        (or were not read) never saw the step, so that group is finished like the later
+        ones, from its params."""
         first = position
-        if position < len(groups) and count_before >= 0:
+        if position < len(groups) and mark is not None:
             window = windows[position]
-            if window is not None and int(window.count) != count_before:
+            if window is not None and _marks(window) != mark:
                 for p, value in zip(groups[position]["params"], starts[position]):
                     p.copy_(value)
                 first = position + 1
-        self._finish_plain(groups, starts, windows, first)
+        self._finish_plain(groups, starts, windows, first, loss)
 
     def _finish_plain(
         self,
@@ -379,9 +510,12 @@ class AcceleratedOptimizer(Optimizer):
         starts: list[list[Tensor]],
         windows: list[AndersonState | None],
         first: int,
+        loss: Any = None,
     ) -> None:
         """Records the plain step (already in the params) in the windows of groups ``first``
-        onwards, without mixing: the recovery after an interrupted safeguard."""
+        onwards, without mixing: the recovery after an interrupted safeguard. With the
+        deferred safeguard's ``loss`` a group whose mix it rejects (not stepped by the torch
+        optimizer) goes back to its previous plain step instead, as the core decides."""
         for index in range(first, len(groups)):
             params = groups[index]["params"]
             if not params:
@@ -394,6 +528,7 @@ class AcceleratedOptimizer(Optimizer):
                 start,
                 stepped,
                 inplace=True,
+                loss=loss,
                 mix=False,
             )
             for p, value in zip(params, out):
@@ -596,18 +731,59 @@ def _returns_a_loss(closure: Callable[[], Any]) -> Callable[[], Any]:
     """``closure``, checked to return a loss: the safeguard compares two of them."""
 
     def checked() -> Any:
-        loss = closure()
-        if isinstance(loss, Tensor) and loss.numel() == 1:
-            return loss
-        if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
-            return loss
-        raise TypeError(
-            "AcceleratedOptimizer.step: `closure` must return the loss (a tensor of one "
-            f"element or a real number), got {type(loss).__name__}"
-            + (" of shape " + str(tuple(loss.shape)) if isinstance(loss, Tensor) else "")
-        )
+        return _check_is_a_loss(closure(), "`closure` must return the loss:")
 
     return checked
+
+
+def _check_is_a_loss(loss: Any, what: str) -> Any:
+    """``loss`` if it is a loss (a real tensor of one element or a real number), else a
+    TypeError that says ``what`` should have been."""
+    if isinstance(loss, Tensor) and loss.numel() == 1 and not loss.is_complex():
+        if loss.dtype != torch.bool:
+            return loss
+    elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        return loss
+    raise TypeError(
+        f"AcceleratedOptimizer.step: {what} a real tensor of one element or a real number, "
+        f"got {type(loss).__name__}"
+        + (f" of shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, Tensor) else "")
+    )
+
+
+def _check_safeguard(owner: str, safeguard: Any, store_each_nth: Any) -> None:
+    """``safeguard`` is one of the wrapper's; the deferred one reads the previous plain step
+    from the window, so it needs every step stored."""
+    if not isinstance(safeguard, str) or safeguard not in _SAFEGUARDS:
+        raise ValueError(
+            f"{owner}: `safeguard` must be 'loss_fn' (a closure safeguards each mix) or "
+            f"'deferred' (the next step's loss judges the mix), got {safeguard!r}"
+        )
+    if safeguard == "deferred" and store_each_nth != 1:
+        raise ValueError(
+            f"{owner}: safeguard='deferred' needs store_each_nth=1 (got {store_each_nth!r}): "
+            "a rejected mix goes back to the previous plain step, read from the window"
+        )
+
+
+def _marks(window: AndersonState) -> tuple[int, int]:
+    """What a call of the core moves when it records an outcome: ``count`` (a step) or
+    ``num_rejected`` (a reverted mix, which is not counted in ``count``)."""
+    return int(window.count), int(window.num_rejected)
+
+
+def _torch_state(
+    state: Any, params: list[Tensor], verdict: Tensor
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``(tensor, copy, verdict)`` for the wrapped optimizer's state tensors of ``params``
+    (momentum, moments, step counts): what a compiled step blends back where ``verdict``
+    rejects. Params without state have never been stepped, so no mix of theirs is pending."""
+    return [
+        (value, value.clone(), verdict)
+        for p in params
+        for value in state.get(p, {}).values()
+        if isinstance(value, Tensor)
+    ]
 
 
 def _closure_loss(
@@ -650,6 +826,7 @@ def accelerate(
     reg_relative: float = 0.0,
     restart_on_reject: bool = False,
     reg_column: float = 0.0,
+    safeguard: str = "loss_fn",
 ) -> AcceleratedOptimizer:
     r"""AADL's ``accelerate``: Anderson-accelerates ``optimizer`` in place.
 
@@ -685,6 +862,8 @@ def accelerate(
         defaulted to ``"cpu"``; pass it to keep the windows off the accelerator).
       compute_device: where the small least-squares problem is solved (default: the history
         device).
+      safeguard: ``"loss_fn"`` or ``"deferred"``, as :class:`AcceleratedOptimizer`'s; the
+        patched ``optimizer.step`` then takes ``step(closure)`` or ``step(loss=value)``.
 
     Returns:
       The :class:`AcceleratedOptimizer` now behind ``optimizer.step``.
@@ -706,7 +885,7 @@ def accelerate(
         )
     # Every option under its own name but ``reg`` (AADL's ``reg_acc``).
     options = {name: given[name] for name in AndersonOptions.names() if name != "reg"}
-    accelerator = AcceleratedOptimizer(optimizer, reg=reg_acc, **options)
+    accelerator = AcceleratedOptimizer(optimizer, reg=reg_acc, safeguard=safeguard, **options)
     setattr(optimizer, _ACCELERATOR_ATTRIBUTE, accelerator)
     # Bound to ``optimizer`` itself (as AADL's MethodType): LR schedulers re-bind
     # ``optimizer.step.__func__`` to the optimizer when they wrap it.
@@ -716,8 +895,13 @@ def accelerate(
     return accelerator
 
 
-def _accelerated_step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    return getattr(optimizer, _ACCELERATOR_ATTRIBUTE).step(closure)
+def _accelerated_step(
+    optimizer: Optimizer,
+    closure: Callable[[], Any] | None = None,
+    *,
+    loss: Tensor | float | None = None,
+) -> Any:
+    return getattr(optimizer, _ACCELERATOR_ATTRIBUTE).step(closure, loss=loss)
 
 
 def _accelerated_state_dict(optimizer: Optimizer) -> dict[str, Any]:
