@@ -581,10 +581,7 @@ def check_state_values(
     ``count`` equal to the state's, Adam's ``exp_avg_sq >= 0``).
     """
     counters = {name: getattr(state, name) for name in COUNTERS}
-    if any(
-        not isinstance(t, Tensor) or tree.is_transformed(t) or t.ndim or not t.is_cpu
-        for t in counters.values()
-    ):
+    if not _concrete_counters(list(counters.values())):
         return  # counters on an accelerator or transformed: nothing to read cheaply
     check_state_memory(state, owner)
     value = {name: int(t.item()) for name, t in counters.items()}
@@ -794,6 +791,20 @@ def check_no_aliasing(
             "must own its memory (was the state built from shared tensors, or the params "
             "from the state's?)"
         )
+
+
+def _concrete_counters(counters: list) -> bool:
+    """Whether every counter is a plain 0-d CPU tensor whose value can be read (C-level maps:
+    the check of a state from outside stays a few Python steps)."""
+    return (
+        all(map(isinstance, counters, itertools.repeat(Tensor)))
+        and not any(map(_functorch.is_functorch_wrapped_tensor, counters))
+        and not any(map(_NDIM, counters))
+        and all(map(_IS_CPU, counters))
+    )
+
+
+_NDIM, _IS_CPU = operator.attrgetter("ndim"), operator.attrgetter("is_cpu")
 
 
 def check_state_memory(state: AndersonState, owner: str = OWNER) -> None:
