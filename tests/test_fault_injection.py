@@ -42,6 +42,7 @@ from aadl_func._src.options import AndersonOptions
 PACKAGE = str(Path(aa.__file__).resolve().parent)
 WARM = 6
 SAMPLES = 16  # injection points per (option set, exception type); AADL_FAULT_STRIDE overrides
+TAIL = 8  # and the last line events of the call, where its writes are
 
 
 CONFIGS = {
@@ -220,8 +221,12 @@ def test_an_exception_at_any_line_leaves_one_complete_outcome(name, error):
     assert lines > 200  # the call ran through the package's code
     stride = int(os.environ.get("AADL_FAULT_STRIDE", "0")) or max(1, lines // SAMPLES)
     offset = ERRORS.index(error) * stride // len(ERRORS)  # each type hits other lines
+    # The strided sample, plus the call's last line events: its writes come last, after the
+    # checks, and a call whose checks are most of its lines could otherwise be sampled only
+    # before its first write.
+    points = sorted({*range(offset, lines, stride), *range(max(0, lines - TAIL), lines)})
     seen = {}
-    for at in range(offset, lines, stride):
+    for at in points:
         result = _run_traced(setup, LineFaults(_in_package, error, at))
         outcome = setup.outcome(result)
         assert outcome is not None, f"line event {at} of {lines}: a torn state"
