@@ -6,6 +6,7 @@ from aadl_func._src.compose import ChainState, add_decayed_weights, chain, clip_
 from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
 from aadl_func._src.mix import mix, mixing_weights
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
+from aadl_func._src.rna import RNA, RNAAverager, RNAChoice, RNAState, recompute_bn, rna
 from aadl_func._src.solve import MixingWeights, solve_weights
 from aadl_func._src.solver import SolverInfo, fixed_point, implicit_fixed_point, root
 from aadl_func._src.state import AndersonState
@@ -25,6 +26,10 @@ __all__ = [
     "ChainState",
     "InnerOptimizer",
     "MixingWeights",
+    "RNA",
+    "RNAAverager",
+    "RNAChoice",
+    "RNAState",
     "SgdState",
     "SolverInfo",
     "accelerate",
@@ -39,6 +44,8 @@ __all__ = [
     "implicit_fixed_point",
     "mix",
     "mixing_weights",
+    "recompute_bn",
+    "rna",
     "root",
     "sgd",
     "solve_weights",

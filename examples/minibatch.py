@@ -139,31 +139,41 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--datasets", default=",".join(DATASETS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    add_run_arguments(parser)
+    parser.add_argument(
+        "--settings", default=TUNED_FILE, help="the tuned settings the default run uses"
+    )
+    parser.add_argument("--run", default=None, help="default: minibatch or minibatch-tune")
+    args = parser.parse_args(argv)
+    check_run_arguments(parser, args)
+    args.variants = _names(parser, "--variants", args.variants, VARIANTS)
+    if args.run is None:
+        args.run = "minibatch-tune" if args.tune else "minibatch"
+    return args
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a run, shared with ``minibatch_averaging.py``."""
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--tune", action="store_true", help="tune on the validation split")
     parser.add_argument("--tune-seeds", type=int, default=3)
-    parser.add_argument(
-        "--settings", default=TUNED_FILE, help="the tuned settings the default run uses"
-    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="3 epochs, 2 seeds")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out-dir", default="runs")
-    parser.add_argument("--run", default=None, help="default: minibatch or minibatch-tune")
-    args = parser.parse_args(argv)
+
+
+def check_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--quick``, ``--datasets`` and the counts of :func:`add_run_arguments`."""
     if args.quick:
         args.epochs, args.seeds, args.tune_seeds = 3, 2, 1
     args.datasets = _names(parser, "--datasets", args.datasets, DATASETS)
-    args.variants = _names(parser, "--variants", args.variants, VARIANTS)
     for name in ("seeds", "epochs", "batch_size", "hidden", "threads", "tune_seeds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.run is None:
-        args.run = "minibatch-tune" if args.tune else "minibatch"
-    return args
 
 
 def _names(parser: argparse.ArgumentParser, flag: str, text: str, known: tuple) -> list[str]:
@@ -395,11 +405,20 @@ def make_variant(name: str, lr: float, extra: float | None) -> Variant:
 
 # -- one run ----------------------------------------------------------------------------------
 def train_run(
-    data: Dataset, variant: Variant, seed: int, epochs: int, split: str, args: argparse.Namespace
+    data: Dataset,
+    variant: Variant,
+    seed: int,
+    epochs: int,
+    split: str,
+    args: argparse.Namespace,
+    observers: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Trains one seed; returns per-epoch curves (index 0: before training). Seconds: the
     process's CPU time in training (evaluation excluded), which other jobs on a shared
-    machine do not inflate (one thread)."""
+    machine do not inflate (one thread). ``observers`` (e.g. the averaging of
+    ``minibatch_averaging.py``) watch the run without changing it: ``observer.step(params,
+    grads)`` after every update and ``observer.epoch(params)`` at epoch 0 and after every
+    epoch; their time is not counted in the seconds."""
     evaluation = getattr(data, split)
     model = make_model(data, args.hidden, seed)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -428,6 +447,8 @@ def train_run(
     order = torch.Generator().manual_seed(10_000 + seed)
     n = len(data.train.y)
     record()
+    for observer in observers:
+        observer.epoch(params)
     seconds = 0.0
     elapsed = [0.0]  # training seconds after each epoch
     steps = 0
@@ -445,9 +466,16 @@ def train_run(
                     state, params, grads, inplace=True, loss_fn=loss_fn
                 )
             steps += 1
+            if observers:
+                watching = time.process_time()
+                for observer in observers:
+                    observer.step(params, grads)
+                start += time.process_time() - watching
         seconds += time.process_time() - start
         elapsed.append(seconds)
         record()
+        for observer in observers:
+            observer.epoch(params)
         if not math.isfinite(train_loss[-1]):  # diverged: the rest of the curve is chance
             break
     while len(accuracy) < epochs + 1:
@@ -719,16 +747,22 @@ def markdown(summary: dict[str, Any]) -> str:
                 _pm(s["final_train_loss"], digits=3), _pm(s["seconds_per_epoch"], digits=3),
             ]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
-        lines += ["", "| variant | " + " | ".join(f"seed {i}" for i in range(seeds)) + " |"]
-        lines.append("|---|" + "---|" * seeds)
-        for variant, runs in data["runs"].items():
-            cells = []
-            for r in runs:
-                e = epochs_to(r["accuracy"], data["target"])
-                cells.append(f"{'-' if e is None else e} / {100 * r['accuracy'][-1]:.1f}")
-            lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-        lines.append("\n(per seed: epochs to the target / final test accuracy %)")
+        lines += per_seed_table(data["runs"], data["target"], seeds, "variant")
     return "\n".join(lines) + "\n"
+
+
+def per_seed_table(runs: dict[str, list], target: float, seeds: int, first: str) -> list[str]:
+    """Markdown lines: per row and seed, the epochs to the target / final accuracy %."""
+    lines = ["", f"| {first} | " + " | ".join(f"seed {i}" for i in range(seeds)) + " |"]
+    lines.append("|---|" + "---|" * seeds)
+    for name, row in runs.items():
+        cells = []
+        for r in row:
+            e = epochs_to(r["accuracy"], target)
+            cells.append(f"{'-' if e is None else e} / {100 * r['accuracy'][-1]:.1f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("\n(per seed: epochs to the target / final test accuracy %)")
+    return lines
 
 
 def tuning_markdown(tuning: dict[str, Any]) -> str:

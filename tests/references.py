@@ -12,6 +12,8 @@ dense matrices, so that agreement with the library is evidence, not the same cod
   and one textbook type-II Anderson step (:func:`type2_anderson`), which on a linear map with
   full history equals GMRES (:func:`gmres`, Saad's, with Givens rotations; Walker & Ni 2011).
 * The inner optimizers of torch.optim (:class:`Sgd`, :class:`Adam`), float64.
+* Regularized nonlinear acceleration (:func:`rna_weights`, :func:`rna_extrapolate`; Scieur,
+  d'Aspremont & Bach 2016), as a constrained quadratic program solved through its KKT system.
 * :class:`Recurrence`: the numbered semantics of ``update`` in both modes, with every option,
   on an explicit window.
 
@@ -41,6 +43,8 @@ __all__ = [
     "gmres_iterate",
     "householder_lstsq",
     "minimal_residual_iterate",
+    "rna_extrapolate",
+    "rna_weights",
     "svd_lstsq",
     "type2_anderson",
 ]
@@ -154,6 +158,42 @@ def aadl_extrapolate(
 ) -> np.ndarray:
     """``aadl_point(X, aadl_gamma(X, ...))``: the mix of one window."""
     return aadl_point(X, aadl_gamma(X, reg, reg_relative, solve), relaxation)
+
+
+def rna_weights(R: np.ndarray, lam: float) -> np.ndarray:
+    r"""RNA's weights for the residual columns ``R`` (``(n, p)``, oldest first):
+
+    .. math::
+
+        c = \arg\min_{\mathbf{1}^\top c = 1} c^\top H c, \qquad
+        H = \frac{R^\top R}{\|R^\top R\|_2} + \lambda I,
+
+    from the KKT system :math:`\begin{bmatrix} 2H & \mathbf{1} \\ \mathbf{1}^\top & 0
+    \end{bmatrix} \begin{bmatrix} c \\ \nu \end{bmatrix} = \begin{bmatrix} 0 \\ 1
+    \end{bmatrix}` (the same :math:`c` as :math:`H^{-1}\mathbf{1}` normalised, reached
+    another way); ``lam = inf``: the uniform :math:`\mathbf{1}/p`."""
+    R = np.asarray(R, dtype=np.float64)
+    p = R.shape[1]
+    if np.isinf(lam):
+        return np.full(p, 1.0 / p)
+    G = R.T @ R
+    H = G / np.linalg.norm(G, 2) + lam * np.eye(p)
+    kkt = np.zeros((p + 1, p + 1))
+    kkt[:p, :p] = 2.0 * H
+    kkt[:p, p] = kkt[p, :p] = 1.0
+    rhs = np.zeros(p + 1)
+    rhs[p] = 1.0
+    return np.linalg.solve(kkt, rhs)[:p]
+
+
+def rna_extrapolate(X: np.ndarray, lam: float, R: np.ndarray | None = None) -> np.ndarray:
+    r"""RNA's extrapolation :math:`\sum_i c_i x_i` of the snapshots ``X`` (``(n, k)``, oldest
+    first). Residuals: ``R`` if given (one column per column of ``X``, e.g. mean gradients),
+    else the differences :math:`x_{i+1} - x_i`, which combine the first ``k - 1`` columns."""
+    X = np.asarray(X, dtype=np.float64)
+    if R is None:
+        R, X = np.diff(X, axis=1), X[:, :-1]
+    return X @ rna_weights(R, lam)
 
 
 def type2_anderson(

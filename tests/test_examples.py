@@ -30,8 +30,11 @@ def examples():
     try:
         yield {
             name: importlib.import_module(name)
-            for name in ("_common", "digits_demo", "pinn", "ensemble", "fixed_point", "minibatch")
-        }
+            for name in (
+                "_common", "digits_demo", "pinn", "ensemble", "fixed_point", "minibatch",
+                "minibatch_averaging",
+            )
+        }  # fmt: skip
     finally:
         sys.path.remove(str(EXAMPLES))
 
@@ -381,6 +384,81 @@ def test_minibatch(examples, tmp_path, capsys):
         reference = _torch_adam_losses(minibatch, name, epochs, seed=0, lr=lr, batch_size=256)
         actual = data["runs"]["adam"][0]["train_loss"]
         assert actual == pytest.approx(reference, rel=1e-4, abs=1e-6)
+
+
+def test_minibatch_averaging_quick(examples, tmp_path):
+    """The --quick report: every row, the goal, and the base rows are the plain runs (the
+    averaging only watches them)."""
+    averaging, minibatch = examples["minibatch_averaging"], examples["minibatch"]
+    summary = averaging.main(
+        ["--quick", "--no-progress", "--datasets", "digits", "--out-dir", str(tmp_path)]
+    )
+    assert json.loads((tmp_path / "averaging" / "summary.json").read_text()) == summary
+    data = summary["datasets"]["digits"]
+    expected_rows = set(averaging.ROWS) - (set() if averaging.schedulefree else {"sf-adamw"})
+    assert set(data["runs"]) == expected_rows
+    assert set(summary["goal"]["per_dataset"]["digits"]) >= {"rna", "swa", "ema", "spread"}
+    args = averaging.parse_args(["--quick"])
+    plain = minibatch.train_run(
+        minibatch.load_dataset("digits"), minibatch.make_variant("adam", 0.03, None), 0, 3,
+        "test", args,
+    )  # fmt: skip
+    assert data["runs"]["adam"][0]["accuracy"] == plain["accuracy"]
+    for run in data["runs"]["rna-adam"]:
+        assert len(run["lambda"]) == len(run["accuracy"]) == 4 and run["lambda"][0] is None
+
+
+class _Recorder:
+    """Copies of the params after every step and at every epoch end."""
+
+    def __init__(self):
+        self.steps, self.epochs = [], []
+
+    def step(self, params, grads):
+        self.steps.append({k: v.clone() for k, v in params.items()})
+
+    def epoch(self, params):
+        self.epochs.append({k: v.clone() for k, v in params.items()})
+
+
+def test_minibatch_averaging_rows_against_hand_written_averages(examples):
+    """SWA, EMA and RNA rows against the averages written out from recorded snapshots: the
+    mean of the epoch-end params from ``start``, the EMA recursion (first step copied), and
+    the NumPy RNA reference at the lambda the row chose."""
+    from references import rna_extrapolate
+
+    averaging, mb = examples["minibatch_averaging"], examples["minibatch"]
+    args = averaging.parse_args(["--quick", "--epochs", "4"])
+    data = mb.load_dataset("digits")
+    evaluator = averaging.Evaluator(data, args.hidden, "test")
+    host = mb.make_model(data, args.hidden, 0)
+    swa = averaging.Averaged("swa", [2], evaluator, host)
+    ema = averaging.Averaged("ema", [0.8], evaluator, host)
+    rna = averaging.Extrapolated([3], evaluator)
+    recorder = _Recorder()
+    mb.train_run(data, mb.make_variant("adam", 0.03, None), 0, 4, "test", args,
+                 observers=(recorder, swa, ema, rna))  # fmt: skip
+
+    def mean(snaps, weights):
+        return {k: sum(w * s[k].double() for w, s in zip(weights, snaps)).float() for k in snaps[0]}
+
+    snaps = recorder.epochs[2:]
+    expected = evaluator.accuracy(mean(snaps, [1 / len(snaps)] * len(snaps)))
+    assert swa.curves[2][-1] == expected
+    assert swa.curves[2][:2] == [evaluator.accuracy(s) for s in recorder.epochs[:2]]
+    average = recorder.steps[0]
+    for p in recorder.steps[1:]:
+        average = {k: 0.8 * average[k] + 0.2 * p[k] for k in p}
+    assert ema.curves[0.8][-1] == pytest.approx(evaluator.accuracy(average), abs=1 / 360)
+    lam = rna.lambdas[3][-1]
+    lam = float("inf") if lam == "inf" else lam
+    names = list(recorder.epochs[0])
+    flat = [torch.cat([s[k].double().reshape(-1) for k in names]) for s in recorder.epochs[-4:]]
+    point = rna_extrapolate(torch.stack(flat, 1).numpy(), lam)
+    sizes = [recorder.epochs[0][k].numel() for k in names]
+    pieces = torch.split(torch.tensor(point, dtype=torch.float32), sizes)
+    reference = {k: v.reshape(recorder.epochs[0][k].shape) for k, v in zip(names, pieces)}
+    assert rna.curves[3][-1] == pytest.approx(evaluator.accuracy(reference), abs=1 / 360)
 
 
 def test_minibatch_control_keeps_the_long_step_only_when_it_is_better(examples):

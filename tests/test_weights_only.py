@@ -76,6 +76,17 @@ def test_mixing_weights():
     _weights_only_round_trip(weights)
 
 
+def test_rna_state():
+    opt = aa.rna(history_depth=3)
+    params = {"w": torch.linspace(-1.0, 1.0, 5, dtype=torch.float64)}
+    state = opt.init(params)
+    for _ in range(5):
+        params = {"w": params["w"] - 0.1 * _quadratic_grads(params)["w"]}
+        state = opt.snapshot(state, params)
+    assert int(state.num_snapshots) == 5
+    _weights_only_round_trip(state)
+
+
 def test_solver_info():
     x, info = aa.fixed_point(lambda x: 0.5 * x + 1.0, torch.zeros(3, dtype=torch.float64))
     assert isinstance(info, aa.SolverInfo)

@@ -68,7 +68,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src.state import allow_weights_only
-from aadl_func._src.validation import check_float, check_int
+from aadl_func._src.validation import check_float, check_int, float_leaves
 
 __all__ = ["AdaSAM", "AdaSAMState", "adasam"]
 
@@ -163,7 +163,7 @@ def adasam(
     weight_decay = check_float(_OWNER, "weight_decay", weight_decay, minimum=0.0)
 
     def init(params: Params) -> AdaSAMState:
-        leaves, spec = _flatten(params, "params")
+        leaves, spec = float_leaves(_OWNER, "params", params)
         zeros = [torch.zeros_like(p) for p in leaves]
 
         def like() -> Any:
@@ -184,8 +184,8 @@ def adasam(
         )
 
     def update(state: AdaSAMState, params: Params, grads: Params) -> tuple[Params, AdaSAMState]:
-        x, spec = _flatten(params, "params")
-        g, _ = _flatten(grads, "grads")
+        x, spec = float_leaves(_OWNER, "params", params)
+        g, _ = float_leaves(_OWNER, "grads", grads)
         _check(state, x, g, spec, m)
         s = [optree.tree_leaves(t) for t in state[1:7]]
         x_prev, r_prev, dx_avg, dr_avg, dxs, drs = s
@@ -241,16 +241,6 @@ def adasam(
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _flatten(tree: Any, name: str) -> tuple[list[Tensor], Any]:
-    leaves, spec = optree.tree_flatten(tree)
-    if not leaves:
-        raise ValueError(f"{_OWNER}: `{name}` has no tensor leaves")
-    for leaf in leaves:
-        if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
-            raise TypeError(f"{_OWNER}: `{name}` must be a pytree of floating-point tensors")
-    return leaves, spec
-
-
 def _check(state: Any, x: list[Tensor], g: list[Tensor], spec: Any, m: int) -> None:
     """Metadata checks, before any arithmetic: ``state`` and ``grads`` fit the params."""
     if not isinstance(state, AdaSAMState):

@@ -313,3 +313,14 @@ def flatten_like(owner: str, what: str, value: Any, spec: Any) -> list[Any]:
             + tree.structure_difference(value_spec, spec, what, "updates")
         )
     return leaves
+
+
+def float_leaves(owner: str, name: str, value: Any) -> tuple[list[Tensor], Any]:
+    """The leaves and tree spec of ``value``, a non-empty pytree of floating-point tensors."""
+    leaves, spec = optree.tree_flatten(value)
+    if not leaves:
+        raise ValueError(f"{owner}: `{name}` has no tensor leaves")
+    for leaf in leaves:
+        if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+            raise TypeError(f"{owner}: `{name}` must be a pytree of floating-point tensors")
+    return leaves, spec

@@ -1,0 +1,601 @@
+r"""Extrapolated averaging: Regularized Nonlinear Acceleration (RNA) of training snapshots.
+
+Damien Scieur, Alexandre d'Aspremont and Francis Bach, "Regularized Nonlinear Acceleration",
+NeurIPS 2016 (arXiv:1606.04133); applied to the snapshots of SGD on deep networks by Scieur,
+Oyallon, d'Aspremont and Bach, "Nonlinear Acceleration of Deep Neural Networks" (2018,
+arXiv:1805.09639). The base run is untouched: the method only reads snapshots of it.
+
+**The window.** Snapshots :math:`x_0, x_1, \dots` are taken every ``every`` optimizer steps
+(or whenever :func:`RNA.snapshot` is called, e.g. at the end of each epoch). The window holds
+the last :math:`p \le m` (``history_depth``) pairs :math:`(x_i, r_i)`, oldest first, where the
+residual :math:`r_i` of snapshot :math:`x_i` is, as in the papers, either
+
+* ``residual="difference"``: :math:`r_i = x_{i+1} - x_i` (the fixed-point residual of the
+  map "train for one period"), or
+* ``residual="gradient"``: the mean of the gradients passed to ``update`` between snapshots
+  :math:`x_i` and :math:`x_{i+1}` (for SGD without momentum the same direction as the
+  difference; the 2018 paper's choice for momentum methods is the difference).
+
+The newest snapshot waits in ``state.last`` until the next one gives it a residual.
+
+**The extrapolation**, on demand, for a regularisation :math:`\lambda \ge 0`: with
+:math:`R = [r_0, \dots, r_{p-1}]` and the float64 Gram :math:`G = R^\top R`,
+
+.. math::
+
+    z = \left(\frac{G}{\|G\|_2} + \lambda I\right)^{-1} \mathbf{1}, \qquad
+    c = \frac{z}{\mathbf{1}^\top z}, \qquad
+    \hat x_\lambda = \sum_{i=0}^{p-1} c_i\, x_i .
+
+:math:`c` minimises :math:`\|R c\|^2 / \|G\|_2 + \lambda \|c\|^2` over :math:`\mathbf{1}^\top c
+= 1`. The small solve is a symmetric eigen-decomposition of :math:`G / \|G\|_2` in float64
+on the CPU (``eigh``); at :math:`\lambda = 0`,
+where :math:`G` may be singular, :math:`c` is the package's unregularised Anderson weights
+(:func:`aadl_func.solve_weights`' ``alpha``, the same minimiser, defined for any window).
+As :math:`\lambda \to \infty`, :math:`c \to \mathbf{1}/p`: the uniform average of the window,
+which is stochastic weight averaging (SWA) over it; ``lam=math.inf`` gives it exactly.
+:func:`RNA.select` chooses :math:`\lambda` from a grid (:data:`LAMBDAS`, ``inf`` included)
+by a held-out loss the caller supplies, so on that loss the choice is never worse than SWA
+over the same window.
+
+**Online variant** (the 2016 paper's online scheme): continue training *from*
+:math:`\hat x_\lambda` and call :func:`RNA.restart_at` with it, so that the next residual is
+measured from the extrapolated point (:math:`r = g(\hat x) - \hat x`, the next snapshot minus
+the point training restarted from) instead of across the jump. The window keeps its pairs.
+The offline use (extrapolate, evaluate, keep training the base run) is the 2018 paper's for
+deep networks: it never changes the base run.
+
+**BatchNorm**: running statistics are not parameters and are not extrapolated; recompute
+them for the extrapolated weights with :func:`recompute_bn` (``torch.optim.swa_utils.update_bn``
+on a module loaded with them), as SWA does.
+
+Memory: the window holds :math:`2m + 1` parameter-sized buffers (:math:`2m + 2` with
+gradient residuals), in ``dtype`` on ``device`` (default: the params'); the Gram and the
+combination accumulate in float64, a block of columns at a time. ``update`` and
+``snapshot`` are pure unless ``inplace=True`` (then they write one ring slot in place and
+cost :math:`O(n)`); neither branches in Python on tensor values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from aadl_func._src.solve import solve_weights
+from aadl_func._src.state import allow_weights_only
+from aadl_func._src.validation import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_device,
+    check_dtype,
+    check_int,
+    check_state_type,
+    float_leaves,
+)
+
+__all__ = ["LAMBDAS", "RNA", "RNAAverager", "RNAChoice", "RNAState", "recompute_bn", "rna"]
+
+_OWNER = "rna"
+Params = Any
+
+#: The default grid of :math:`\lambda` for :func:`RNA.select` (relative to
+#: :math:`\|G\|_2`), ``inf`` being the uniform average (SWA over the window).
+LAMBDAS = (1e-8, 1e-6, 1e-4, 1e-2, 1.0, math.inf)
+_RESIDUALS = ("difference", "gradient")
+_BLOCK = 1 << 18  # columns per float64 block of the Gram and the combination
+
+
+class RNAState(NamedTuple):
+    """State of :func:`rna`: tensors only (``torch.save`` works on it).
+
+    Attributes:
+        count: 0-d int64, ``update`` calls so far.
+        num_snapshots: 0-d int64, snapshots taken so far.
+        points: pytree like the params, each leaf with a leading dimension ``history_depth``:
+            the ring of snapshots :math:`x_i` whose residual is known.
+        residuals: the same for their residuals :math:`r_i`.
+        last: pytree like the params, the newest snapshot (its residual not known yet).
+        grad_sum: pytree like the params, the gradients summed since ``last`` (gradient
+            residuals only; ``()`` otherwise).
+        grad_count: 0-d int64, how many gradients ``grad_sum`` holds.
+    """
+
+    count: Tensor
+    num_snapshots: Tensor
+    points: Any
+    residuals: Any
+    last: Any
+    grad_sum: Any
+    grad_count: Tensor
+
+
+allow_weights_only(RNAState)
+
+
+class RNAChoice(NamedTuple):
+    """What :func:`RNA.select` chose: ``lam`` (a float, ``inf`` for the uniform average),
+    ``weights`` (``(p,)`` float64, oldest first), ``losses`` (``{lam: held-out loss}``, one
+    float per candidate; ``nan`` where the loss was not finite)."""
+
+    lam: float
+    weights: Tensor
+    losses: dict[float, float]
+
+
+class RNA(NamedTuple):
+    """``state = init(params)``; ``state = update(state, params, grads)`` after each optimizer
+    step; ``state = snapshot(state, params)``; ``weights(state, lam)``,
+    ``extrapolate(state, lam)``, ``select(state, loss_fn, lambdas)``,
+    ``restart_at(state, params)`` (the online variant)."""
+
+    init: Callable[[Params], RNAState]
+    update: Callable[..., RNAState]
+    snapshot: Callable[..., RNAState]
+    weights: Callable[[RNAState, float], Tensor]
+    extrapolate: Callable[[RNAState, float], Params]
+    select: Callable[..., tuple[Params, RNAChoice]]
+    restart_at: Callable[..., RNAState]
+
+
+def rna(
+    history_depth: int = 10,
+    *,
+    every: int | None = None,
+    residual: str = "difference",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> RNA:
+    r"""Regularized Nonlinear Acceleration of a run's snapshots; see the module docstring for
+    the equations.
+
+    Args:
+        history_depth: :math:`m \ge 2`, the most snapshot pairs the window keeps.
+        every: take a snapshot in ``update`` every ``every`` calls (``None``: only when
+            ``snapshot`` is called, e.g. once per epoch).
+        residual: ``"difference"`` (:math:`x_{i+1} - x_i`) or ``"gradient"`` (the mean of the
+            gradients given to ``update`` between two snapshots).
+        device: where the window lives (``None``: the params' device); a GPU run can keep it
+            on the CPU.
+        dtype: the window's floating dtype (``None``: each leaf's own).
+
+    Returns:
+        :class:`RNA`, the functions over an :class:`RNAState`.
+    """
+    m = check_int(_OWNER, "history_depth", history_depth, 2)
+    if every is not None:
+        every = check_int(_OWNER, "every", every, 1)
+    residual = check_choice(_OWNER, "residual", residual, _RESIDUALS)
+    device = check_device(_OWNER, "device", device)
+    dtype = check_dtype(_OWNER, "dtype", dtype)
+    use_grads = residual == "gradient"
+
+    def store(leaf: Tensor) -> Tensor:
+        return leaf.detach().to(device=device or leaf.device, dtype=dtype or leaf.dtype)
+
+    def init(params: Params) -> RNAState:
+        leaves, spec = float_leaves(_OWNER, "params", params)
+        last = [store(x).clone() for x in leaves]
+        rings = [[x.new_zeros((m, *x.shape)) for x in last] for _ in range(2)]
+        grad_sum = optree.tree_unflatten(spec, [torch.zeros_like(x) for x in last])
+        zero = torch.zeros((), dtype=torch.int64, device=last[0].device)
+        return RNAState(
+            count=zero,
+            num_snapshots=zero.clone(),
+            points=optree.tree_unflatten(spec, rings[0]),
+            residuals=optree.tree_unflatten(spec, rings[1]),
+            last=optree.tree_unflatten(spec, last),
+            grad_sum=grad_sum if use_grads else (),
+            grad_count=zero.clone(),
+        )
+
+    def update(
+        state: RNAState, params: Params, grads: Params = None, *, inplace: bool = False
+    ) -> RNAState:
+        """One optimizer step was taken (``params``: after it; ``grads``: the gradient it
+        used, required with gradient residuals). Takes a snapshot of ``params`` when the
+        count reaches a multiple of ``every``."""
+        _check_state(state, m, use_grads)
+        check_bool(_OWNER, "inplace", inplace)
+        leaves = _check_like(state, params, "params")
+        if use_grads:
+            if grads is None:
+                raise ValueError(f"{_OWNER}: `grads` is required with residual='gradient'")
+            g = _check_like(state, grads, "grads")
+            sums = _leaves(state.grad_sum)
+            add = (lambda s, x: s.add_(store(x))) if inplace else (lambda s, x: s + store(x))
+            state = state._replace(
+                grad_sum=_like(state.last, [add(s, x) for s, x in zip(sums, g)]),
+                grad_count=state.grad_count + 1,
+            )
+        state = state._replace(count=state.count + 1)
+        if every is None:
+            return state
+        take = torch.remainder(state.count, every) == 0
+        return _take(state, leaves, take, inplace)
+
+    def snapshot(state: RNAState, params: Params, *, inplace: bool = False) -> RNAState:
+        """Takes a snapshot of ``params`` now."""
+        _check_state(state, m, use_grads)
+        check_bool(_OWNER, "inplace", inplace)
+        leaves = _check_like(state, params, "params")
+        return _take(state, leaves, torch.ones((), dtype=torch.bool), inplace)
+
+    def _take(state: RNAState, leaves: list[Tensor], take: Tensor, inplace: bool) -> RNAState:
+        """The snapshot ``x`` (written only where ``take``): the pair (``last``, its
+        residual) enters the ring slot ``(num_snapshots - 1) mod m``; ``x`` becomes
+        ``last``."""
+        x = [store(leaf) for leaf in leaves]
+        last = _leaves(state.last)
+        if use_grads:
+            n = state.grad_count.clamp(min=1).to(x[0].dtype)
+            r = [s / n.to(s.device) for s in _leaves(state.grad_sum)]
+        else:
+            r = [a - b for a, b in zip(x, last)]
+        take = take.to(last[0].device)
+        pair = take & (state.num_snapshots > 0)
+        slot = torch.remainder(state.num_snapshots - 1, m).view(1)
+        points = _write_slot(_leaves(state.points), slot, last, pair, inplace)
+        residuals = _write_slot(_leaves(state.residuals), slot, r, pair, inplace)
+        new_last = _select(take, x, last, inplace)
+        grad_sum = state.grad_sum
+        if use_grads:
+            zeros = [torch.zeros_like(s) for s in _leaves(grad_sum)]
+            grad_sum = _like(state.last, _select(take, zeros, _leaves(grad_sum), inplace))
+        return state._replace(
+            num_snapshots=state.num_snapshots + take.long(),
+            points=_like(state.points, points),
+            residuals=_like(state.residuals, residuals),
+            last=_like(state.last, new_last),
+            grad_sum=grad_sum,
+            grad_count=torch.where(take, torch.zeros_like(state.grad_count), state.grad_count),
+        )
+
+    def restart_at(state: RNAState, params: Params) -> RNAState:
+        """The online variant: training continues from ``params`` (an extrapolation), so the
+        next residual is measured from it: ``last`` becomes ``params`` and the gradient sum
+        restarts. The ring keeps its pairs."""
+        _check_state(state, m, use_grads)
+        leaves = _check_like(state, params, "params")
+        grad_sum = state.grad_sum
+        if use_grads:
+            grad_sum = _like(state.last, [torch.zeros_like(s) for s in _leaves(grad_sum)])
+        last = _like(state.last, [store(x).clone() for x in leaves])
+        return state._replace(
+            last=last, grad_sum=grad_sum, grad_count=torch.zeros_like(state.grad_count)
+        )
+
+    def weights(state: RNAState, lam: float) -> Tensor:
+        """The coefficients :math:`c` (``(p,)`` float64 on the CPU, oldest first)."""
+        _check_state(state, m, use_grads)
+        lam = _check_lambda("lam", lam)
+        order = _order(state, m)
+        return _coefficients(_gram(_leaves(state.residuals), order), lam)
+
+    def extrapolate(state: RNAState, lam: float) -> Params:
+        r""":math:`\hat x_\lambda = \sum_i c_i x_i`, a pytree like the params (leaves in the
+        window's dtype and on its device)."""
+        c = weights(state, lam)
+        return _like(state.points, _combine(_leaves(state.points), _order(state, m), c))
+
+    def select(
+        state: RNAState, loss_fn: Callable[[Params], Any], lambdas: Sequence[float] = LAMBDAS
+    ) -> tuple[Params, RNAChoice]:
+        r"""The extrapolation with the lowest ``loss_fn`` over ``lambdas`` (ties: the first
+        in the grid); ``loss_fn(params)`` returns a held-out loss (a number or a 0-d tensor).
+        The window's Gram is computed once for the whole grid. Raises if no
+        candidate's loss is finite."""
+        _check_state(state, m, use_grads)
+        check_callable(_OWNER, "loss_fn", loss_fn)
+        grid = _check_lambdas(lambdas)
+        order = _order(state, m)
+        gram = _gram(_leaves(state.residuals), order)
+        points = _leaves(state.points)
+        best, losses = None, {}
+        for lam in grid:
+            c = _coefficients(gram, lam)
+            candidate = _like(state.points, _combine(points, order, c))
+            value = float(loss_fn(candidate))
+            losses[lam] = value if math.isfinite(value) else math.nan
+            if math.isfinite(value) and (best is None or value < best[0]):
+                best = (value, lam, c, candidate)
+        if best is None:
+            raise FloatingPointError(
+                f"{_OWNER}: `loss_fn` was not finite at any extrapolation (lambdas {grid})"
+            )
+        return best[3], RNAChoice(best[1], best[2], losses)
+
+    return RNA(init, update, snapshot, weights, extrapolate, select, restart_at)
+
+
+# -- the solve -------------------------------------------------------------------------------
+def _coefficients(gram: Tensor, lam: float) -> Tensor:
+    r"""``c`` from the float64 Gram ``G`` (``p x p``) and ``lam``.
+
+    * ``lam > 0``: the eigen-decomposition :math:`G / \|G\|_2 = V \operatorname{diag}(w)
+      V^\top` gives :math:`z = V \operatorname{diag}(1 / (w + \lambda)) V^\top \mathbf{1}`,
+      normalised to sum to one (:math:`w + \lambda \ge \lambda > 0`: nothing to drop);
+    * ``lam = 0``: the minimiser of :math:`\|R c\|` over :math:`\mathbf{1}^\top c = 1`, the
+      package's unregularised Anderson weights (:func:`aadl_func.solve_weights`' ``alpha``),
+      which stays defined when :math:`G` is singular (where :math:`G^{-1}\mathbf{1}` is not);
+    * ``lam = inf``, a zero or non-finite window, or a degenerate sum: the uniform
+      :math:`\mathbf{1} / p`.
+    """
+    p = gram.shape[0]
+    uniform = torch.full((p,), 1.0 / p, dtype=torch.float64)
+    if math.isinf(lam) or p == 1 or not torch.isfinite(gram).all():
+        return uniform
+    if lam == 0:
+        weights = solve_weights(gram, p)
+        return weights.alpha if bool(weights.ok) else uniform
+    w, v = torch.linalg.eigh(gram)
+    top = w.max()
+    if not top > 0:
+        return uniform
+    # G / ||G||_2: the Gram is positive semidefinite, its 2-norm its largest eigenvalue.
+    shifted = (w / top).clamp(min=0.0) + lam
+    z = v @ ((v.T @ torch.ones(p, dtype=torch.float64)) / shifted)
+    total = z.sum()
+    if not (torch.isfinite(total) and total.abs() > 0):
+        return uniform
+    return z / total
+
+
+def _gram(residuals: list[Tensor], order: list[int]) -> Tensor:
+    """``R^T R`` (``p x p``, float64 on the CPU) of the ring rows ``order``, a block of
+    columns at a time."""
+    index = torch.tensor(order, dtype=torch.long)
+    total = torch.zeros(len(order), len(order), dtype=torch.float64)
+    for leaf in residuals:
+        rows = leaf.index_select(0, index.to(leaf.device)).reshape(len(order), -1)
+        for start in range(0, rows.shape[1], _BLOCK):
+            block = rows[:, start : start + _BLOCK].to(torch.float64)
+            total += (block @ block.T).cpu()
+    return total
+
+
+def _combine(points: list[Tensor], order: list[int], c: Tensor) -> list[Tensor]:
+    """``sum_i c_i points[order[i]]`` per leaf, accumulated in float64 a block at a time,
+    returned in the window's dtype."""
+    index = torch.tensor(order, dtype=torch.long)
+    out = []
+    for leaf in points:
+        rows = leaf.index_select(0, index.to(leaf.device)).reshape(len(order), -1)
+        coeffs = c.to(device=leaf.device)
+        flat = torch.empty(rows.shape[1], dtype=leaf.dtype, device=leaf.device)
+        for start in range(0, rows.shape[1], _BLOCK):
+            block = rows[:, start : start + _BLOCK].to(torch.float64)
+            flat[start : start + _BLOCK] = (coeffs @ block).to(leaf.dtype)
+        out.append(flat.reshape(leaf.shape[1:]))
+    return out
+
+
+def _order(state: RNAState, m: int) -> list[int]:
+    """Ring slots of the valid pairs, oldest first. Raises if there is none yet."""
+    taken = int(state.num_snapshots)
+    pairs = min(taken - 1, m)
+    if pairs < 1:
+        raise ValueError(
+            f"{_OWNER}: the window holds no snapshot pair yet ({taken} snapshot(s) taken; "
+            "an extrapolation needs at least 2)"
+        )
+    newest = taken - 2
+    return [(newest - pairs + 1 + j) % m for j in range(pairs)]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _leaves(tree: Any) -> list[Tensor]:
+    return optree.tree_leaves(tree)
+
+
+def _like(tree: Any, leaves: list[Tensor]) -> Any:
+    return optree.tree_unflatten(optree.tree_structure(tree), leaves)
+
+
+def _write_slot(
+    ring: list[Tensor], slot: Tensor, rows: list[Tensor], mask: Tensor, inplace: bool
+) -> list[Tensor]:
+    """Ring row ``slot`` set to ``rows`` where ``mask`` (one row read and written)."""
+    out = []
+    for leaf, row in zip(ring, rows):
+        index = slot.to(leaf.device)
+        old = leaf.index_select(0, index)
+        new = torch.where(mask.to(leaf.device), row.unsqueeze(0).to(leaf.dtype), old)
+        out.append(leaf.index_copy_(0, index, new) if inplace else leaf.index_copy(0, index, new))
+    return out
+
+
+def _select(mask: Tensor, new: list[Tensor], old: list[Tensor], inplace: bool) -> list[Tensor]:
+    if inplace:
+        return [o.copy_(torch.where(mask.to(o.device), n, o)) for n, o in zip(new, old)]
+    return [torch.where(mask.to(o.device), n, o) for n, o in zip(new, old)]
+
+
+def _check_state(state: Any, m: int, use_grads: bool) -> None:
+    check_state_type("rna", state, RNAState, "state", _OWNER)
+    ring = _leaves(state.points)
+    if not ring or ring[0].shape[0] != m:
+        raise ValueError(
+            f"{_OWNER}: `state` was made with another history_depth (expected {m} slots)"
+        )
+    if use_grads != (state.grad_sum != ()):
+        raise ValueError(f"{_OWNER}: `state` was made with another `residual`")
+
+
+def _check_like(state: RNAState, tree: Any, name: str) -> list[Tensor]:
+    """``tree``'s leaves, checked against the window's structure and shapes before any
+    arithmetic."""
+    leaves, spec = float_leaves(_OWNER, name, tree)
+    last = _leaves(state.last)
+    if spec.num_leaves != len(last) or any(a.shape != b.shape for a, b in zip(leaves, last)):
+        raise ValueError(
+            f"{_OWNER}: `{name}` must have the structure and shapes of the params given to init"
+        )
+    return leaves
+
+
+def _check_lambda(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{_OWNER}: `{name}` must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{_OWNER}: `{name}` must be >= 0 (inf allowed), got {value}")
+    return value
+
+
+def _check_lambdas(values: Any) -> tuple[float, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{_OWNER}: `lambdas` must be a sequence of numbers >= 0")
+    grid = tuple(_check_lambda("lambdas", v) for v in values)
+    if not grid:
+        raise ValueError(f"{_OWNER}: `lambdas` must not be empty")
+    return grid
+
+
+# -- BatchNorm and the torch.optim face -------------------------------------------------------
+def recompute_bn(
+    loader: Iterable[Any],
+    module: nn.Module,
+    params: dict[str, Tensor] | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, Tensor]:
+    """BatchNorm running statistics for ``params`` (``{name: tensor}`` as
+    :meth:`nn.Module.named_parameters` names them; ``None``: the module's own), computed by
+    ``torch.optim.swa_utils.update_bn(loader, module, device)`` after copying ``params`` into
+    ``module`` (which must hold real tensors, not ``meta`` ones). Returns the module's buffers
+    (``{name: tensor}``), ready for ``torch.func.functional_call(module, (params, buffers),
+    ...)``."""
+    from torch.optim.swa_utils import update_bn
+
+    if params is not None:
+        own = dict(module.named_parameters())
+        unknown = sorted(set(params) - set(own))
+        if unknown:
+            raise ValueError(f"recompute_bn: `params` has names the module lacks: {unknown}")
+        with torch.no_grad():
+            for name, value in params.items():
+                own[name].copy_(value)
+    update_bn(loader, module, device=device)
+    return dict(module.named_buffers())
+
+
+class RNAAverager:
+    """RNA for ``torch.optim`` users: the window of :func:`rna` over a module's (or a list
+    of) parameters.
+
+    ``snapshot()`` after an epoch (or ``step()`` after each ``optimizer.step()`` with
+    ``every``); ``extrapolate(held_out_loss)`` loads the extrapolation with the lowest
+    ``held_out_loss()`` (called with the candidate loaded) over ``lambdas`` and returns the
+    :class:`RNAChoice`; ``load=False`` puts the parameters (and buffers) back afterwards.
+    ``bn_loader``: recompute BatchNorm statistics (:func:`recompute_bn`) for every candidate
+    before its loss. ``online=True``: training continues from the extrapolation (the online
+    variant; see :func:`rna`).
+    """
+
+    def __init__(
+        self,
+        params: nn.Module | Iterable[Tensor],
+        history_depth: int = 10,
+        *,
+        every: int | None = None,
+        residual: str = "difference",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.module = params if isinstance(params, nn.Module) else None
+        self.params = list(params.parameters() if self.module is not None else params)
+        if not self.params:
+            raise ValueError("RNAAverager: `params` is empty")
+        self.rna = rna(history_depth, every=every, residual=residual, device=device, dtype=dtype)
+        self.gradient = residual == "gradient"
+        self.state = self.rna.init(self._values())
+
+    def _values(self) -> list[Tensor]:
+        return [p.detach() for p in self.params]
+
+    def step(self) -> None:
+        """After ``optimizer.step()``: counts the step (snapshot every ``every``) and, with
+        gradient residuals, adds the parameters' ``.grad``."""
+        grads = None
+        if self.gradient:
+            missing = [i for i, p in enumerate(self.params) if p.grad is None]
+            if missing:
+                raise ValueError(f"RNAAverager.step: parameters {missing} have no .grad")
+            grads = [p.grad.detach() for p in self.params]
+        self.state = self.rna.update(self.state, self._values(), grads, inplace=True)
+
+    def snapshot(self) -> None:
+        """Takes a snapshot of the parameters now."""
+        self.state = self.rna.snapshot(self.state, self._values(), inplace=True)
+
+    def _load(self, values: Sequence[Tensor]) -> None:
+        with torch.no_grad():
+            for p, v in zip(self.params, values):
+                p.copy_(v)
+
+    def extrapolate(
+        self,
+        held_out_loss: Callable[[], Any] | None = None,
+        lambdas: Sequence[float] = LAMBDAS,
+        *,
+        load: bool = True,
+        bn_loader: Iterable[Any] | None = None,
+        online: bool = False,
+    ) -> RNAChoice:
+        """Chooses :math:`\\lambda` by ``held_out_loss()`` (``None``: the first of
+        ``lambdas``, no evaluation) and loads the extrapolation (``load``)."""
+        check_bool("RNAAverager", "load", load)
+        check_bool("RNAAverager", "online", online)
+        if bn_loader is not None and self.module is None:
+            raise ValueError("RNAAverager: `bn_loader` needs the averager built on a module")
+        if online and not load:
+            raise ValueError("RNAAverager: `online=True` continues from the extrapolation, so "
+                             "it needs `load=True`")  # fmt: skip
+        if held_out_loss is not None:
+            check_callable("RNAAverager", "held_out_loss", held_out_loss)
+        saved = [p.detach().clone() for p in self.params]
+        buffers = self._buffers()
+
+        def loss_fn(candidate: list[Tensor]) -> Any:
+            self._load(candidate)
+            if bn_loader is not None:
+                recompute_bn(bn_loader, self.module)
+            return held_out_loss()
+
+        try:
+            if held_out_loss is None:
+                grid = _check_lambdas(lambdas)
+                best = self.rna.extrapolate(self.state, grid[0])
+                choice = RNAChoice(grid[0], self.rna.weights(self.state, grid[0]), {})
+            else:
+                best, choice = self.rna.select(self.state, loss_fn, lambdas)
+        except BaseException:
+            self._restore(saved, buffers)
+            raise
+        if not load:
+            self._restore(saved, buffers)
+            return choice
+        self._load(best)
+        if bn_loader is not None:
+            recompute_bn(bn_loader, self.module)
+        if online:
+            self.state = self.rna.restart_at(self.state, self._values())
+        return choice
+
+    def _buffers(self) -> dict[str, Tensor]:
+        if self.module is None:
+            return {}
+        return {k: b.detach().clone() for k, b in self.module.named_buffers()}
+
+    def _restore(self, saved: list[Tensor], buffers: dict[str, Tensor]) -> None:
+        self._load(saved)
+        if buffers:
+            own = dict(self.module.named_buffers())
+            with torch.no_grad():
+                for k, b in buffers.items():
+                    own[k].copy_(b)
