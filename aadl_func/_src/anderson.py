@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import deferred, distributed, flags, tree
+from aadl_func._src import deferred, distributed, flags, native, tree
 from aadl_func._src.atomic import InterruptGuard
 from aadl_func._src.checks import (
     MISSING,
@@ -270,6 +270,8 @@ def _init(options: AndersonOptions, params: Params) -> AndersonState:
     if not leaves:
         raise ValueError("anderson.init: `params` must contain at least one tensor")
     check_floating("anderson.init", leaves, spec, options)
+    if any(options.history_device_of(p).type == "cpu" for p in leaves):
+        native.warn_if_missing(stacklevel=3)  # the kernel serves CPU windows (once a process)
     q = options.num_slots
 
     def ring() -> tuple:
