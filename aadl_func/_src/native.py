@@ -105,14 +105,14 @@ def kernel_info() -> dict[str, str | None]:
     order, about twice as slow on large windows (docs/performance.md). On other devices, and
     under ``torch.compile`` or ``vmap``, the torch path runs anyway.
 
-    :returns: a dict with ``"kernel"``: ``"native"`` or ``"torch"``; ``"library"``: the
-        loaded shared library's path, or None; ``"reason"``: one line saying what was loaded
-        or why not (``AADL_FUNC_NATIVE=0`` turns the kernel off).
+    Returns:
+      A dict: ``"kernel"``, ``"native"`` or ``"torch"``; ``"library"``, the loaded shared
+      library's path, or None; ``"reason"``, one line saying what was loaded or why not
+      (``AADL_FUNC_NATIVE=0`` turns the kernel off).
 
-    Example::
-
-        >>> aa.kernel_info()["kernel"]
-        'native'
+    Examples:
+      >>> aa.kernel_info()["kernel"]
+      'native'
     """
     line = status()
     native = available()
