@@ -3,24 +3,28 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
+# torch 2.13.0, the release the results were measured with. Here the local wheels hold its CPU
+# build; from PyPI on Linux it is the multi-GB CUDA build, so elsewhere take torch's CPU index:
+#   make venv TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo minibatch test fuzz docs compat lint bench clean
+.PHONY: venv demo minibatch test fuzz docs compat sdist lint bench clean
 
 # The install also compiles the CPU kernel (setup.py), so editing _dots.c reinstalls.
 $(STAMP): pyproject.toml setup.py aadl_func/_src/_dots.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test,examples,dev,docs]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# The plot is also written to docs/images/, where the README and the site show it.
 demo: $(STAMP)
-	$(PY) examples/digits_demo.py
+	$(PY) examples/digits_demo.py --figure docs/images/digits_demo.png
 
 # Minibatch Adam / SGD-momentum vs Anderson acceleration on held-out accuracy (a few minutes).
 minibatch: $(STAMP)
@@ -40,12 +44,17 @@ fuzz: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict -d site
 
-# The suite against the oldest torch pyproject.toml allows and the newest the index serves, each
-# in its own venv under COMPAT_DIR (kept for the next run; PyPI's CUDA builds, ~6 GB each), and a
-# table of the results. COMPAT_ARGS: releases and/or pytest arguments (scripts/compat.py).
+# The suite against the oldest torch (with the oldest optree) pyproject.toml allows and the
+# newest (with the newest optree) the index serves, each in its own venv under COMPAT_DIR (kept
+# for the next run; PyPI's CUDA builds, ~6 GB each), and a table of the results. COMPAT_ARGS: releases and/or pytest arguments (scripts/compat.py).
 COMPAT_DIR ?= .compat
 compat:
 	$(PYTHON) scripts/compat.py --venvs "$(COMPAT_DIR)" $(COMPAT_ARGS)
+
+# The sdist built from a clean copy, installed into a fresh venv (which reuses .venv's
+# dependencies: nothing is downloaded) and the whole suite run from it (scripts/sdist_check.py).
+sdist: $(STAMP)
+	$(PY) scripts/sdist_check.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check aadl_func tests examples scripts

@@ -5,6 +5,7 @@ from aadl_func._src.anderson import Anderson, anderson
 from aadl_func._src.compose import ChainState, add_decayed_weights, chain, clip_by_global_norm
 from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
 from aadl_func._src.mix import mix, mixing_weights
+from aadl_func._src.native import kernel_info
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
 from aadl_func._src.rna import RNA, RNAAverager, RNAChoice, RNAState, recompute_bn, rna
 from aadl_func._src.solve import MixingWeights, solve_weights
@@ -42,6 +43,7 @@ __all__ = [
     "clip_by_global_norm",
     "fixed_point",
     "implicit_fixed_point",
+    "kernel_info",
     "mix",
     "mixing_weights",
     "recompute_bn",

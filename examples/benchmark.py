@@ -52,6 +52,9 @@ and on a 64 x 128 DEQ layer (float32) against torchdeq 0.1.0's ``anderson_solver
 skipped when torchdeq is not installed: ``pip install --no-deps torchdeq``), plain
 iteration, and ``batch_dims=1``. The "loop" column is the solver loop's own time per
 evaluation (the core's ``update`` replaced by ``x + r``).
+Last, the **import time**: ``import torch`` and, on top of it, ``import aadl_func`` (and, for
+scale, ``import torch._dynamo``, which aadl_func leaves to the first compile), each in a fresh
+interpreter, best of ``--import-rounds`` interleaved rounds.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -534,6 +538,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The import of each, timed in a fresh interpreter, rounds interleaved so that a change in the
+# machine's load hits all of them; ``torch._dynamo`` is what aadl_func must not import eagerly.
+IMPORTS = {
+    "torch": "import torch",
+    "aadl_func": "import aadl_func",
+    "torch._dynamo": "import torch._dynamo",
+}
+_TIME_IMPORT = (
+    "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); {}; "
+    "print(t1 - t0, time.perf_counter() - t1)"
+)
+
+
+def import_times(rounds: int) -> dict:
+    """Seconds of ``import torch`` and of each other import on top of it: best of ``rounds``
+    fresh interpreters (the minimum: the least disturbed run, files in the page cache)."""
+    seconds: dict[str, list[float]] = {name: [] for name in IMPORTS}
+    for _ in range(rounds):
+        for name, statement in IMPORTS.items():
+            code = _TIME_IMPORT.format("pass" if name == "torch" else statement)
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            ).stdout.split()
+            torch_s, on_top_s = float(out[0]), float(out[1])
+            seconds[name].append(torch_s if name == "torch" else on_top_s)
+    return {name: min(values) for name, values in seconds.items()}
+
+
+def import_table(times: dict) -> str:
+    return (
+        f"import torch {times['torch']:.2f} s; on top of it: import aadl_func "
+        f"{times['aadl_func']:.3f} s, import torch._dynamo {times['torch._dynamo']:.2f} s "
+        "(best of the rounds, each in a fresh interpreter)"
+    )
+
+
 def machine(device: torch.device) -> dict:
     info = {
         "torch": torch.__version__,
@@ -567,6 +607,7 @@ def write_markdown(
     point: dict | None,
     relative_difference: float | None,
     small: list[dict],
+    imports: dict,
     solver: list[dict] | None = None,
 ) -> None:
     """The run's tables as a Markdown page (``make bench`` writes docs/benchmark_results.md,
@@ -603,6 +644,7 @@ def write_markdown(
     parts += ["## A small model's whole step", "", "```text", small_model_table(small), "```", ""]
     if solver:
         parts += ["## The solvers, per evaluation", "", "```text", solver_table(solver), "```", ""]
+    parts += ["## Import time", "", import_table(imports) + ".", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(parts))
     print(f"wrote {path}")
@@ -790,6 +832,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-compile", dest="compile", action="store_false", help="skip torch.compile"
     )
     parser.add_argument(
+        "--import-rounds", type=int, default=7, help="fresh interpreters per timed import"
+    )
+    parser.add_argument(
         "--ensemble",
         default="8,17,10",
         help="MEMBERS,LOG2_N,M of the vmap ensemble point, or 'none'",
@@ -812,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.sizes, args.depths, args.repeats, args.style_repeats = "10,12", "3,5", 5, 3
-        args.small_steps = 30
+        args.small_steps, args.import_rounds = 30, 2
         args.solver_rounds = min(args.solver_rounds, 1)
         args.ensemble = "4,10,5" if args.ensemble == "8,17,10" else args.ensemble
     device = torch.device(args.device)
@@ -841,6 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     relative_difference = None if args.small_only else agreement(device)
     small = small_model_overhead(device, args.small_steps)
     solver = solver_rows(args.solver_rounds) if args.solver_rounds else []
+    imports = import_times(args.import_rounds)
     if rows:
         print()
         print(table(rows))
@@ -862,11 +908,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(small_model_table(small))
+    print(import_table(imports))
     if solver:
         print()
         print(solver_table(solver))
     if args.markdown is not None:
-        write_markdown(Path(args.markdown), info, rows, point, relative_difference, small, solver)
+        write_markdown(
+            Path(args.markdown), info, rows, point, relative_difference, small, imports, solver
+        )
     result = {
         "machine": info,
         "settings": {
@@ -883,6 +932,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "small_model": small,
         "solver": solver,
+        "import_seconds": imports,
         "ensemble": point,
         "agreement_relative_difference": relative_difference,
         "seconds": time.perf_counter() - started,

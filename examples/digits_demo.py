@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -137,6 +138,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seed 0, 30 gradient-equivalents (--tune: one seed, 2 settings per grid, 10)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--figure",
+        default=None,
+        help="also copy the plot here (make demo: docs/images/digits_demo.png, on the site)",
+    )
     parser.add_argument(
         "--wall-clock", action="store_true", help="time in wall seconds instead of CPU seconds"
     )
@@ -336,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     write_json(os.path.join(out, "summary.json"), summary)
     plot(os.path.join(out, "loss_curves.png"), rows, runs, COMPARISON)
+    if args.figure:
+        os.makedirs(os.path.dirname(args.figure) or ".", exist_ok=True)
+        shutil.copyfile(os.path.join(out, "loss_curves.png"), args.figure)
     report(summary, rows, COMPARISON)
     table = markdown(summary, rows, COMPARISON)
     with open(os.path.join(out, "table.md"), "w") as f:

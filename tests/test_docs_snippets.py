@@ -32,6 +32,15 @@ def _marks(code: str) -> list:
     return marks
 
 
+# A block's expected output: the paragraph right after it starts with "Expected output" and
+# ends with a ```text block, what the block prints. Checked on the torch release the pages
+# were written with (other releases may differ in the last digits): words exactly, integers
+# exactly, other numbers to 5% (float32 results vary in their last bits between machines).
+EXPECTED = re.compile(r"\s*\nExpected output[^\n]*(?:\n[^\n]+)*?:\n\n```text\n(.*?)```", re.S)
+WRITTEN_WITH = "2.13.0"
+NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+
+
 def _blocks() -> list:
     found = []
     for page in PAGES:
@@ -39,8 +48,33 @@ def _blocks() -> list:
         for match in re.finditer(r"```python\n(.*?)```", text, re.S):
             line = text.count("\n", 0, match.start()) + 1
             code = match.group(1)
-            found.append(pytest.param(code, id=f"{page.name}:{line}", marks=_marks(code)))
+            expected = EXPECTED.match(text, match.end())
+            output = expected.group(1) if expected else None
+            found.append(pytest.param(code, output, id=f"{page.name}:{line}", marks=_marks(code)))
     return found
+
+
+def same_output(actual: str, expected: str) -> bool:
+    """``actual`` prints what ``expected`` shows (see EXPECTED)."""
+    words = [NUMBER.sub("#", t).split() for t in (actual, expected)]
+    if words[0] != words[1]:
+        return False
+    pairs = zip(NUMBER.findall(actual), NUMBER.findall(expected))
+    for got, want in pairs:
+        if re.fullmatch(r"[-+]?\d+", want):
+            if got != want:
+                return False
+        elif abs(float(got) - float(want)) > 0.05 * abs(float(want)):
+            return False
+    return True
+
+
+def test_same_output_compares_words_integers_and_numbers():
+    assert same_output("loss 1.38e-05, 70 mixed\n", "loss 1.40e-05, 70 mixed")
+    assert not same_output("loss 1.38e-05, 71 mixed", "loss 1.38e-05, 70 mixed")
+    assert not same_output("loss 2.00e-05, 70 mixed", "loss 1.38e-05, 70 mixed")
+    assert not same_output("cost 1.38e-05, 70 mixed", "loss 1.38e-05, 70 mixed")
+    assert same_output("tensor([1.0004, 1.0004])", "tensor([1.0004, 1.0004])")
 
 
 BLOCKS = _blocks()
@@ -50,8 +84,13 @@ def test_there_are_blocks_to_run():
     assert len(BLOCKS) >= 8
 
 
-@pytest.mark.parametrize("code", BLOCKS)
-def test_block_runs_on_its_own(code, tmp_path):
+def test_most_blocks_show_their_output():
+    shown = sum(1 for block in BLOCKS if block.values[1] is not None)
+    assert shown == len(BLOCKS), f"{shown} of {len(BLOCKS)} blocks show their output"
+
+
+@pytest.mark.parametrize("code,expected", BLOCKS)
+def test_block_runs_on_its_own(code, expected, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code)
     result = subprocess.run(
@@ -62,3 +101,5 @@ def test_block_runs_on_its_own(code, tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    if expected is not None and torch.__version__.split("+")[0] == WRITTEN_WITH:
+        assert same_output(result.stdout, expected), (result.stdout, expected)

@@ -379,3 +379,52 @@ def test_a_truncated_library_is_refused_before_it_is_mapped(tmp_path, fraction):
     assert first == "False 6 True"
     assert "is truncated" in second, second
     assert json.loads(mapped) == []
+
+
+# Makes two states with CPU windows and reports the warnings and what kernel_info says.
+WARNING_RUN = """
+    import json, warnings, torch, aadl_func as aa
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = aa.anderson(aa.sgd(0.1), history_depth=4)
+        opt.init(torch.randn(100))
+        opt.init({"w": torch.randn(3, 3)})
+    print(json.dumps([[w.category.__name__, str(w.message)] for w in caught]))
+    print(json.dumps(aa.kernel_info()))
+"""
+
+
+@pytest.mark.parametrize(
+    "env,library,warns",
+    [
+        ({}, None, False),
+        ({"AADL_FUNC_NATIVE": "0"}, None, False),
+        ({}, "missing.so", True),
+        ({}, "garbage.so", True),
+    ],
+    ids=["built", "disabled", "not-built", "broken"],
+)
+def test_kernel_info_and_the_warning_when_it_is_missing(tmp_path, env, library, warns):
+    """``aa.kernel_info()`` names the path that runs; a kernel that should be there and is not
+    warns once per process, at the first ``init``; one turned off on purpose does not."""
+    if library is None and not env and not native.available():
+        pytest.skip(native.status())
+    code = textwrap.dedent(WARNING_RUN)
+    if library is not None:
+        (tmp_path / "garbage.so").write_bytes(b"not a shared library")
+        code = (
+            "import pathlib\nfrom aadl_func._src import native\n"
+            f"native.LIBRARY = pathlib.Path({str(tmp_path / library)!r})\n{code}"
+        )
+    caught, info = (json.loads(line) for line in run_fresh_python(code, env).splitlines()[-2:])
+    if warns:
+        assert len(caught) == 1, caught
+        category, message = caught[0]
+        assert category == "RuntimeWarning"
+        assert "native CPU kernel is not in use" in message and "kernel_info" in message
+    else:
+        assert caught == []
+    native_runs = not warns and not env
+    assert info["kernel"] == ("native" if native_runs else "torch")
+    assert info["library"] == (str(native.LIBRARY) if native_runs else None)
+    assert ("native kernel:" if native_runs else "torch path") in info["reason"]

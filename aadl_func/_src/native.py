@@ -16,7 +16,9 @@ cached or written at run time: the library is part of the installed package, as 
 this file. Where the install had no compiler (the build only warns), with
 ``AADL_FUNC_NATIVE=0``, or if the library does not load, :func:`float64_dots` returns None
 and the caller uses its torch path, which gives the same values up to float64 summation
-order; :func:`status` says which is in use.
+order; :func:`status` (public: ``aa.kernel_info()``) says which is in use. A kernel missing or
+broken (not one turned off) warns once per process, when the first state with a CPU window is
+made (:func:`warn_if_missing`).
 
 The blocks of the pass are shared among ``torch.get_num_threads()`` OpenMP threads. The file
 is built with ``-fopenmp`` and loaded after torch, so it binds to the OpenMP runtime torch
@@ -34,6 +36,7 @@ import functools
 import os
 import struct
 import sysconfig
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["append_differences", "available", "can_append", "float64_dots", "set_enabled", "status"]
+__all__ = [
+    "append_differences",
+    "available",
+    "can_append",
+    "float64_dots",
+    "kernel_info",
+    "set_enabled",
+    "status",
+    "warn_if_missing",
+]
 
 # Built by setup.py (the extension "aadl_func._src._dots") with the interpreter's suffix.
 LIBRARY = Path(__file__).with_name("_dots" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
@@ -82,6 +94,59 @@ def status() -> str:
     if not _enabled:
         return "disabled (AADL_FUNC_NATIVE=0 or set_enabled(False)): torch path"
     return _load()[1]
+
+
+def kernel_info() -> dict[str, str | None]:
+    """Which implementation runs the window's Gram-row pass on the CPU, and why.
+
+    The pass reads every window entry once per step. Installing the package compiles a small
+    C kernel for it (``aadl_func/_src/_dots.c``); where no compiler was found, the build only
+    warned and the pass runs in torch instead: the same values up to the float64 summation
+    order, about twice as slow on large windows (docs/performance.md). On other devices, and
+    under ``torch.compile`` or ``vmap``, the torch path runs anyway.
+
+    Returns:
+      A dict: ``"kernel"``, ``"native"`` or ``"torch"``; ``"library"``, the loaded shared
+      library's path, or None; ``"reason"``, one line saying what was loaded or why not
+      (``AADL_FUNC_NATIVE=0`` turns the kernel off).
+
+    Examples:
+      >>> aa.kernel_info()["kernel"]
+      'native'
+    """
+    line = status()
+    native = available()
+    return {
+        "kernel": "native" if native else "torch",
+        "library": str(LIBRARY) if native else None,
+        "reason": line,
+    }
+
+
+_warned = False
+
+
+def warn_if_missing(stacklevel: int) -> None:
+    """Warns, once per process, where the kernel should run but is not there (not built, or
+    broken; not where it is turned off): the window pass then costs about twice as much, and
+    only a verbose ``pip install`` said why.
+
+    Called where a state with a CPU window is made (``anderson.init``): a warning turned into
+    an error there (``-W error``) stops the call before anything is written."""
+    global _warned
+    if torch.compiler.is_compiling() or _warned or not _enabled:
+        return
+    library, line = _load()
+    if library is None:
+        _warned = True
+        warnings.warn(
+            f"aadl_func: the native CPU kernel is not in use ({line}); the window pass "
+            "runs in torch instead (same values, slower on large windows). Reinstall with a C "
+            "compiler to build it, or set AADL_FUNC_NATIVE=0 to choose the torch path without "
+            "this warning; aadl_func.kernel_info() says which runs.",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 @functools.cache

@@ -187,6 +187,7 @@ class AcceleratedOptimizer(Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
+        _disable_compiling_eagerly()
 
     # -- the wrapped optimizer's view --------------------------------------------------------
     @property
@@ -684,7 +685,6 @@ class AcceleratedOptimizer(Optimizer):
         return template
 
 
-@torch.compiler.disable
 def _eagerly(function: Callable[..., None], *args: Any) -> None:
     """``function(*args)``, run eagerly from a compiled step: a group's call of the core when
     the safeguard evaluates the user's closure inside it.
@@ -696,6 +696,21 @@ def _eagerly(function: Callable[..., None], *args: Any) -> None:
     keeps the core whole (eager, as without ``torch.compile``).
     """
     function(*args)
+
+
+def _disable_compiling_eagerly() -> None:
+    """Puts ``_eagerly`` behind ``torch.compiler.disable``, once, from the first wrapper built.
+
+    The decorator imports ``torch._dynamo`` (1.5-3 s), which ``import aadl_func`` must not pay
+    where nothing is compiled. A wrapper exists only around a torch optimizer, whose
+    construction has imported dynamo already, so here it costs nothing; and every compiled
+    step runs on a wrapper, so dynamo always finds ``_eagerly`` disabled."""
+    global _eagerly
+    if _eagerly is _run_eagerly:
+        _eagerly = torch.compiler.disable(_run_eagerly)
+
+
+_run_eagerly = _eagerly
 
 
 def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
