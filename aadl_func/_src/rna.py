@@ -5,55 +5,55 @@ NeurIPS 2016 (arXiv:1606.04133); applied to the snapshots of SGD on deep network
 Oyallon, d'Aspremont and Bach, "Nonlinear Acceleration of Deep Neural Networks" (2018,
 arXiv:1805.09639). The base run is untouched: the method only reads snapshots of it.
 
-**The window.** Snapshots :math:`x_0, x_1, \dots` are taken every ``every`` optimizer steps
-(or whenever :func:`RNA.snapshot` is called, e.g. at the end of each epoch). The window holds
-the last :math:`p \le m` (``history_depth``) pairs :math:`(x_i, r_i)`, oldest first, where the
-residual :math:`r_i` of snapshot :math:`x_i` is, as in the papers, either
+**The window.** Snapshots $x_0, x_1, \dots$ are taken every `every` optimizer steps
+(or whenever `RNA.snapshot()` is called, e.g. at the end of each epoch). The window holds
+the last $p \le m$ (`history_depth`) pairs $(x_i, r_i)$, oldest first, where the
+residual $r_i$ of snapshot $x_i$ is, as in the papers, either
 
-* ``residual="difference"``: :math:`r_i = x_{i+1} - x_i` (the fixed-point residual of the
+* `residual="difference"`: $r_i = x_{i+1} - x_i$ (the fixed-point residual of the
   map "train for one period"), or
-* ``residual="gradient"``: the mean of the gradients passed to ``update`` between snapshots
-  :math:`x_i` and :math:`x_{i+1}` (for SGD without momentum the same direction as the
+* `residual="gradient"`: the mean of the gradients passed to `update` between snapshots
+  $x_i$ and $x_{i+1}$ (for SGD without momentum the same direction as the
   difference; the 2018 paper's choice for momentum methods is the difference).
 
-The newest snapshot waits in ``state.last`` until the next one gives it a residual.
+The newest snapshot waits in `state.last` until the next one gives it a residual.
 
-**The extrapolation**, on demand, for a regularisation :math:`\lambda \ge 0`: with
-:math:`R = [r_0, \dots, r_{p-1}]` and the float64 Gram :math:`G = R^\top R`,
+**The extrapolation**, on demand, for a regularisation $\lambda \ge 0$: with
+$R = [r_0, \dots, r_{p-1}]$ and the float64 Gram $G = R^\top R$,
 
-.. math::
+$$
+z = \left(\frac{G}{\|G\|_2} + \lambda I\right)^{-1} \mathbf{1}, \qquad
+c = \frac{z}{\mathbf{1}^\top z}, \qquad
+\hat x_\lambda = \sum_{i=0}^{p-1} c_i\, x_i .
+$$
 
-    z = \left(\frac{G}{\|G\|_2} + \lambda I\right)^{-1} \mathbf{1}, \qquad
-    c = \frac{z}{\mathbf{1}^\top z}, \qquad
-    \hat x_\lambda = \sum_{i=0}^{p-1} c_i\, x_i .
-
-:math:`c` minimises :math:`\|R c\|^2 / \|G\|_2 + \lambda \|c\|^2` over :math:`\mathbf{1}^\top c
-= 1`. The small solve is a symmetric eigen-decomposition of :math:`G / \|G\|_2` in float64
-on the CPU (``eigh``); at :math:`\lambda = 0`,
-where :math:`G` may be singular, :math:`c` is the package's unregularised Anderson weights
-(:func:`aadl_func.solve_weights`' ``alpha``, the same minimiser, defined for any window).
-As :math:`\lambda \to \infty`, :math:`c \to \mathbf{1}/p`: the uniform average of the window,
-which is stochastic weight averaging (SWA) over it; ``lam=math.inf`` gives it exactly.
-:func:`RNA.select` chooses :math:`\lambda` from a grid (:data:`LAMBDAS`, ``inf`` included)
+$c$ minimises $\|R c\|^2 / \|G\|_2 + \lambda \|c\|^2$ over $\mathbf{1}^\top c
+= 1$. The small solve is a symmetric eigen-decomposition of $G / \|G\|_2$ in float64
+on the CPU (`eigh`); at $\lambda = 0$,
+where $G$ may be singular, $c$ is the package's unregularised Anderson weights
+([`aadl_func.solve_weights()`][aadl_func.solve_weights]' `alpha`, the same minimiser, defined for
+any window). As $\lambda \to \infty$, $c \to \mathbf{1}/p$: the uniform average of the window,
+which is stochastic weight averaging (SWA) over it; `lam=math.inf` gives it exactly.
+`RNA.select()` chooses $\lambda$ from a grid (`LAMBDAS`, `inf` included)
 by a held-out loss the caller supplies, so on that loss the choice is never worse than SWA
 over the same window.
 
 **Online variant** (the 2016 paper's online scheme): continue training *from*
-:math:`\hat x_\lambda` and call :func:`RNA.restart_at` with it, so that the next residual is
-measured from the extrapolated point (:math:`r = g(\hat x) - \hat x`, the next snapshot minus
+$\hat x_\lambda$ and call `RNA.restart_at()` with it, so that the next residual is
+measured from the extrapolated point ($r = g(\hat x) - \hat x$, the next snapshot minus
 the point training restarted from) instead of across the jump. The window keeps its pairs.
 The offline use (extrapolate, evaluate, keep training the base run) is the 2018 paper's for
 deep networks: it never changes the base run.
 
 **BatchNorm**: running statistics are not parameters and are not extrapolated; recompute
-them for the extrapolated weights with :func:`recompute_bn` (``torch.optim.swa_utils.update_bn``
-on a module loaded with them), as SWA does.
+them for the extrapolated weights with [`recompute_bn()`][aadl_func.recompute_bn]
+(`torch.optim.swa_utils.update_bn` on a module loaded with them), as SWA does.
 
-Memory: the window holds :math:`2m + 1` parameter-sized buffers (:math:`2m + 2` with
-gradient residuals), in ``dtype`` on ``device`` (default: the params'); the Gram and the
-combination accumulate in float64, a block of columns at a time. ``update`` and
-``snapshot`` are pure unless ``inplace=True`` (then they write one ring slot in place and
-cost :math:`O(n)`); neither branches in Python on tensor values.
+Memory: the window holds $2m + 1$ parameter-sized buffers ($2m + 2$ with
+gradient residuals), in `dtype` on `device` (default: the params'); the Gram and the
+combination accumulate in float64, a block of columns at a time. `update` and
+`snapshot` are pure unless `inplace=True` (then they write one ring slot in place and
+cost $O(n)$); neither branches in Python on tensor values.
 """
 
 from __future__ import annotations
@@ -84,26 +84,26 @@ __all__ = ["LAMBDAS", "RNA", "RNAAverager", "RNAChoice", "RNAState", "recompute_
 _OWNER = "rna"
 Params = Any
 
-#: The default grid of :math:`\lambda` for :func:`RNA.select` (relative to
-#: :math:`\|G\|_2`), ``inf`` being the uniform average (SWA over the window).
+#: The default grid of $\lambda$ for `RNA.select()` (relative to
+#: $\|G\|_2$), `inf` being the uniform average (SWA over the window).
 LAMBDAS = (1e-8, 1e-6, 1e-4, 1e-2, 1.0, math.inf)
 _RESIDUALS = ("difference", "gradient")
 _BLOCK = 1 << 18  # columns per float64 block of the Gram and the combination
 
 
 class RNAState(NamedTuple):
-    """State of :func:`rna`: tensors only (``torch.save`` works on it).
+    """State of [`rna()`][aadl_func.rna]: tensors only (`torch.save` works on it).
 
     Attributes:
-        count: 0-d int64, ``update`` calls so far.
+        count: 0-d int64, `update` calls so far.
         num_snapshots: 0-d int64, snapshots taken so far.
-        points: pytree like the params, each leaf with a leading dimension ``history_depth``:
-            the ring of snapshots :math:`x_i` whose residual is known.
-        residuals: the same for their residuals :math:`r_i`.
+        points: pytree like the params, each leaf with a leading dimension `history_depth`:
+            the ring of snapshots $x_i$ whose residual is known.
+        residuals: the same for their residuals $r_i$.
         last: pytree like the params, the newest snapshot (its residual not known yet).
-        grad_sum: pytree like the params, the gradients summed since ``last`` (gradient
-            residuals only; ``()`` otherwise).
-        grad_count: 0-d int64, how many gradients ``grad_sum`` holds.
+        grad_sum: pytree like the params, the gradients summed since `last` (gradient
+            residuals only; `()` otherwise).
+        grad_count: 0-d int64, how many gradients `grad_sum` holds.
     """
 
     count: Tensor
@@ -119,9 +119,9 @@ allow_weights_only(RNAState)
 
 
 class RNAChoice(NamedTuple):
-    """What :func:`RNA.select` chose: ``lam`` (a float, ``inf`` for the uniform average),
-    ``weights`` (``(p,)`` float64, oldest first), ``losses`` (``{lam: held-out loss}``, one
-    float per candidate; ``nan`` where the loss was not finite)."""
+    """What `RNA.select()` chose: `lam` (a float, `inf` for the uniform average),
+    `weights` (`(p,)` float64, oldest first), `losses` (`{lam: held-out loss}`, one
+    float per candidate; `nan` where the loss was not finite)."""
 
     lam: float
     weights: Tensor
@@ -129,10 +129,10 @@ class RNAChoice(NamedTuple):
 
 
 class RNA(NamedTuple):
-    """``state = init(params)``; ``state = update(state, params, grads)`` after each optimizer
-    step; ``state = snapshot(state, params)``; ``weights(state, lam)``,
-    ``extrapolate(state, lam)``, ``select(state, loss_fn, lambdas)``,
-    ``restart_at(state, params)`` (the online variant)."""
+    """`state = init(params)`; `state = update(state, params, grads)` after each optimizer
+    step; `state = snapshot(state, params)`; `weights(state, lam)`,
+    `extrapolate(state, lam)`, `select(state, loss_fn, lambdas)`,
+    `restart_at(state, params)` (the online variant)."""
 
     init: Callable[[Params], RNAState]
     update: Callable[..., RNAState]
@@ -155,17 +155,17 @@ def rna(
     the equations.
 
     Args:
-        history_depth: :math:`m \ge 2`, the most snapshot pairs the window keeps.
-        every: take a snapshot in ``update`` every ``every`` calls (``None``: only when
-            ``snapshot`` is called, e.g. once per epoch).
-        residual: ``"difference"`` (:math:`x_{i+1} - x_i`) or ``"gradient"`` (the mean of the
-            gradients given to ``update`` between two snapshots).
-        device: where the window lives (``None``: the params' device); a GPU run can keep it
+        history_depth: $m \ge 2$, the most snapshot pairs the window keeps.
+        every: take a snapshot in `update` every `every` calls (`None`: only when
+            `snapshot` is called, e.g. once per epoch).
+        residual: `"difference"` ($x_{i+1} - x_i$) or `"gradient"` (the mean of the
+            gradients given to `update` between two snapshots).
+        device: where the window lives (`None`: the params' device); a GPU run can keep it
             on the CPU.
-        dtype: the window's floating dtype (``None``: each leaf's own).
+        dtype: the window's floating dtype (`None`: each leaf's own).
 
     Returns:
-        :class:`RNA`, the functions over an :class:`RNAState`.
+        `RNA`, the functions over an [`RNAState`][aadl_func.RNAState].
     """
     m = check_int(_OWNER, "history_depth", history_depth, 2)
     if every is not None:
@@ -197,9 +197,9 @@ def rna(
     def update(
         state: RNAState, params: Params, grads: Params = None, *, inplace: bool = False
     ) -> RNAState:
-        """One optimizer step was taken (``params``: after it; ``grads``: the gradient it
-        used, required with gradient residuals). Takes a snapshot of ``params`` when the
-        count reaches a multiple of ``every``."""
+        """One optimizer step was taken (`params`: after it; `grads`: the gradient it
+        used, required with gradient residuals). Takes a snapshot of `params` when the
+        count reaches a multiple of `every`."""
         _check_state(state, m, use_grads)
         check_bool(_OWNER, "inplace", inplace)
         leaves = _check_like(state, params, "params")
@@ -220,16 +220,16 @@ def rna(
         return _take(state, leaves, take, inplace)
 
     def snapshot(state: RNAState, params: Params, *, inplace: bool = False) -> RNAState:
-        """Takes a snapshot of ``params`` now."""
+        """Takes a snapshot of `params` now."""
         _check_state(state, m, use_grads)
         check_bool(_OWNER, "inplace", inplace)
         leaves = _check_like(state, params, "params")
         return _take(state, leaves, torch.ones((), dtype=torch.bool), inplace)
 
     def _take(state: RNAState, leaves: list[Tensor], take: Tensor, inplace: bool) -> RNAState:
-        """The snapshot ``x`` (written only where ``take``): the pair (``last``, its
-        residual) enters the ring slot ``(num_snapshots - 1) mod m``; ``x`` becomes
-        ``last``."""
+        """The snapshot `x` (written only where `take`): the pair (`last`, its
+        residual) enters the ring slot `(num_snapshots - 1) mod m`; `x` becomes
+        `last`."""
         x = [store(leaf) for leaf in leaves]
         last = _leaves(state.last)
         if use_grads:
@@ -257,8 +257,8 @@ def rna(
         )
 
     def restart_at(state: RNAState, params: Params) -> RNAState:
-        """The online variant: training continues from ``params`` (an extrapolation), so the
-        next residual is measured from it: ``last`` becomes ``params`` and the gradient sum
+        """The online variant: training continues from `params` (an extrapolation), so the
+        next residual is measured from it: `last` becomes `params` and the gradient sum
         restarts. The ring keeps its pairs."""
         _check_state(state, m, use_grads)
         leaves = _check_like(state, params, "params")
@@ -271,14 +271,14 @@ def rna(
         )
 
     def weights(state: RNAState, lam: float) -> Tensor:
-        """The coefficients :math:`c` (``(p,)`` float64 on the CPU, oldest first)."""
+        """The coefficients $c$ (`(p,)` float64 on the CPU, oldest first)."""
         _check_state(state, m, use_grads)
         lam = _check_lambda("lam", lam)
         order = _order(state, m)
         return _coefficients(_gram(_leaves(state.residuals), order), lam)
 
     def extrapolate(state: RNAState, lam: float) -> Params:
-        r""":math:`\hat x_\lambda = \sum_i c_i x_i`, a pytree like the params (leaves in the
+        r"""$\hat x_\lambda = \sum_i c_i x_i$, a pytree like the params (leaves in the
         window's dtype and on its device)."""
         c = weights(state, lam)
         return _like(state.points, _combine(_leaves(state.points), _order(state, m), c))
@@ -286,8 +286,8 @@ def rna(
     def select(
         state: RNAState, loss_fn: Callable[[Params], Any], lambdas: Sequence[float] = LAMBDAS
     ) -> tuple[Params, RNAChoice]:
-        r"""The extrapolation with the lowest ``loss_fn`` over ``lambdas`` (ties: the first
-        in the grid); ``loss_fn(params)`` returns a held-out loss (a number or a 0-d tensor).
+        r"""The extrapolation with the lowest `loss_fn` over `lambdas` (ties: the first
+        in the grid); `loss_fn(params)` returns a held-out loss (a number or a 0-d tensor).
         The window's Gram is computed once for the whole grid. Raises if no
         candidate's loss is finite."""
         _check_state(state, m, use_grads)
@@ -315,16 +315,17 @@ def rna(
 
 # -- the solve -------------------------------------------------------------------------------
 def _coefficients(gram: Tensor, lam: float) -> Tensor:
-    r"""``c`` from the float64 Gram ``G`` (``p x p``) and ``lam``.
+    r"""`c` from the float64 Gram `G` (`p x p`) and `lam`.
 
-    * ``lam > 0``: the eigen-decomposition :math:`G / \|G\|_2 = V \operatorname{diag}(w)
-      V^\top` gives :math:`z = V \operatorname{diag}(1 / (w + \lambda)) V^\top \mathbf{1}`,
-      normalised to sum to one (:math:`w + \lambda \ge \lambda > 0`: nothing to drop);
-    * ``lam = 0``: the minimiser of :math:`\|R c\|` over :math:`\mathbf{1}^\top c = 1`, the
-      package's unregularised Anderson weights (:func:`aadl_func.solve_weights`' ``alpha``),
-      which stays defined when :math:`G` is singular (where :math:`G^{-1}\mathbf{1}` is not);
-    * ``lam = inf``, a zero or non-finite window, or a degenerate sum: the uniform
-      :math:`\mathbf{1} / p`.
+    * `lam > 0`: the eigen-decomposition $G / \|G\|_2 = V \operatorname{diag}(w)
+      V^\top$ gives $z = V \operatorname{diag}(1 / (w + \lambda)) V^\top \mathbf{1}$,
+      normalised to sum to one ($w + \lambda \ge \lambda > 0$: nothing to drop);
+    * `lam = 0`: the minimiser of $\|R c\|$ over $\mathbf{1}^\top c = 1$, the
+      package's unregularised Anderson weights
+      ([`aadl_func.solve_weights()`][aadl_func.solve_weights]' `alpha`), which stays defined when
+      $G$ is singular (where $G^{-1}\mathbf{1}$ is not);
+    * `lam = inf`, a zero or non-finite window, or a degenerate sum: the uniform
+      $\mathbf{1} / p$.
     """
     p = gram.shape[0]
     uniform = torch.full((p,), 1.0 / p, dtype=torch.float64)
@@ -347,7 +348,7 @@ def _coefficients(gram: Tensor, lam: float) -> Tensor:
 
 
 def _gram(residuals: list[Tensor], order: list[int]) -> Tensor:
-    """``R^T R`` (``p x p``, float64 on the CPU) of the ring rows ``order``, a block of
+    """`R^T R` (`p x p`, float64 on the CPU) of the ring rows `order`, a block of
     columns at a time."""
     index = torch.tensor(order, dtype=torch.long)
     total = torch.zeros(len(order), len(order), dtype=torch.float64)
@@ -360,7 +361,7 @@ def _gram(residuals: list[Tensor], order: list[int]) -> Tensor:
 
 
 def _combine(points: list[Tensor], order: list[int], c: Tensor) -> list[Tensor]:
-    """``sum_i c_i points[order[i]]`` per leaf, accumulated in float64 a block at a time,
+    """`sum_i c_i points[order[i]]` per leaf, accumulated in float64 a block at a time,
     returned in the window's dtype."""
     index = torch.tensor(order, dtype=torch.long)
     out = []
@@ -400,7 +401,7 @@ def _like(tree: Any, leaves: list[Tensor]) -> Any:
 def _write_slot(
     ring: list[Tensor], slot: Tensor, rows: list[Tensor], mask: Tensor, inplace: bool
 ) -> list[Tensor]:
-    """Ring row ``slot`` set to ``rows`` where ``mask`` (one row read and written)."""
+    """Ring row `slot` set to `rows` where `mask` (one row read and written)."""
     out = []
     for leaf, row in zip(ring, rows):
         index = slot.to(leaf.device)
@@ -428,7 +429,7 @@ def _check_state(state: Any, m: int, use_grads: bool) -> None:
 
 
 def _check_like(state: RNAState, tree: Any, name: str) -> list[Tensor]:
-    """``tree``'s leaves, checked against the window's structure and shapes before any
+    """`tree`'s leaves, checked against the window's structure and shapes before any
     arithmetic."""
     leaves, spec = float_leaves(_OWNER, name, tree)
     last = _leaves(state.last)
@@ -464,12 +465,12 @@ def recompute_bn(
     params: dict[str, Tensor] | None = None,
     device: torch.device | str | None = None,
 ) -> dict[str, Tensor]:
-    """BatchNorm running statistics for ``params`` (``{name: tensor}`` as
-    :meth:`nn.Module.named_parameters` names them; ``None``: the module's own), computed by
-    ``torch.optim.swa_utils.update_bn(loader, module, device)`` after copying ``params`` into
-    ``module`` (which must hold real tensors, not ``meta`` ones). Returns the module's buffers
-    (``{name: tensor}``), ready for ``torch.func.functional_call(module, (params, buffers),
-    ...)``."""
+    """BatchNorm running statistics for `params` (`{name: tensor}` as
+    `nn.Module.named_parameters()` names them; `None`: the module's own), computed by
+    `torch.optim.swa_utils.update_bn(loader, module, device)` after copying `params` into
+    `module` (which must hold real tensors, not `meta` ones). Returns the module's buffers
+    (`{name: tensor}`), ready for `torch.func.functional_call(module, (params, buffers),
+    ...)`."""
     from torch.optim.swa_utils import update_bn
 
     if params is not None:
@@ -485,16 +486,16 @@ def recompute_bn(
 
 
 class RNAAverager:
-    """RNA for ``torch.optim`` users: the window of :func:`rna` over a module's (or a list
-    of) parameters.
+    """RNA for `torch.optim` users: the window of [`rna()`][aadl_func.rna] over a module's (or a
+    list of) parameters.
 
-    ``snapshot()`` after an epoch (or ``step()`` after each ``optimizer.step()`` with
-    ``every``); ``extrapolate(held_out_loss)`` loads the extrapolation with the lowest
-    ``held_out_loss()`` (called with the candidate loaded) over ``lambdas`` and returns the
-    :class:`RNAChoice`; ``load=False`` puts the parameters (and buffers) back afterwards.
-    ``bn_loader``: recompute BatchNorm statistics (:func:`recompute_bn`) for every candidate
-    before its loss. ``online=True``: training continues from the extrapolation (the online
-    variant; see :func:`rna`).
+    `snapshot()` after an epoch (or `step()` after each `optimizer.step()` with
+    `every`); `extrapolate(held_out_loss)` loads the extrapolation with the lowest
+    `held_out_loss()` (called with the candidate loaded) over `lambdas` and returns the
+    [`RNAChoice`][aadl_func.RNAChoice]; `load=False` puts the parameters (and buffers) back
+    afterwards. `bn_loader`: recompute BatchNorm statistics
+    ([`recompute_bn()`][aadl_func.recompute_bn]) for every candidate before its loss. `online=True`:
+    training continues from the extrapolation (the online variant; see [`rna()`][aadl_func.rna]).
     """
 
     def __init__(
@@ -519,8 +520,8 @@ class RNAAverager:
         return [p.detach() for p in self.params]
 
     def step(self) -> None:
-        """After ``optimizer.step()``: counts the step (snapshot every ``every``) and, with
-        gradient residuals, adds the parameters' ``.grad``."""
+        """After `optimizer.step()`: counts the step (snapshot every `every`) and, with
+        gradient residuals, adds the parameters' `.grad`."""
         grads = None
         if self.gradient:
             missing = [i for i, p in enumerate(self.params) if p.grad is None]
@@ -547,8 +548,8 @@ class RNAAverager:
         bn_loader: Iterable[Any] | None = None,
         online: bool = False,
     ) -> RNAChoice:
-        """Chooses :math:`\\lambda` by ``held_out_loss()`` (``None``: the first of
-        ``lambdas``, no evaluation) and loads the extrapolation (``load``)."""
+        """Chooses $\\lambda$ by `held_out_loss()` (`None`: the first of
+        `lambdas`, no evaluation) and loads the extrapolation (`load`)."""
         check_bool("RNAAverager", "load", load)
         check_bool("RNAAverager", "online", online)
         if bn_loader is not None and self.module is None:

@@ -1,17 +1,17 @@
-r"""Anderson acceleration as a solver: fixed points :math:`g(x) = x` and roots :math:`F(x) = 0`.
+r"""Anderson acceleration as a solver: fixed points $g(x) = x$ and roots $F(x) = 0$.
 
-Both solvers drive the package's own :func:`aadl_func.anderson` update (mode ``"classic"`` by
-default) around an *identity* inner optimizer: the "gradient" handed to ``update`` is the step
-:math:`r(x) = g(x) - x` (fixed point) or :math:`\alpha F(x)` (root), the identity turns it into
-the update, so the inner step is :math:`y = x + r(x) = g(x)` and type-II Anderson acceleration
-of the map :math:`g` follows. There is no second Anderson implementation here: this module
+Both solvers drive the package's own [`aadl_func.anderson()`][aadl_func.anderson] update (mode
+`"classic"` by default) around an *identity* inner optimizer: the "gradient" handed to `update` is
+the step $r(x) = g(x) - x$ (fixed point) or $\alpha F(x)$ (root), the identity turns it into
+the update, so the inner step is $y = x + r(x) = g(x)$ and type-II Anderson acceleration
+of the map $g$ follows. There is no second Anderson implementation here: this module
 only adds the loop, the stopping test, the bookkeeping, SciPy's backtracking line search, the
-masked fixed-budget variant for ``vmap``/``torch.compile``, and implicit differentiation.
+masked fixed-budget variant for `vmap`/`torch.compile`, and implicit differentiation.
 
 Residual norm: the 2-norm over all leaves of the pytree,
-:math:`\|r\| = (\sum_\ell \sum_i |r_{\ell,i}|^2)^{1/2}`, accumulated in float64, of
-:math:`g(x) - x` (``fixed_point``) or of :math:`F(x)` (``root``). The solver stops at the first
-iterate with :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\,\|r_0\|)`.
+$\|r\| = (\sum_\ell \sum_i |r_{\ell,i}|^2)^{1/2}$, accumulated in float64, of
+$g(x) - x$ (`fixed_point`) or of $F(x)$ (`root`). The solver stops at the first
+iterate with $\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\,\|r_0\|)$.
 """
 
 from __future__ import annotations
@@ -52,20 +52,20 @@ REASONS = ("converged", "max_iter", "nonfinite", "callback")
 
 
 class SolverInfo(NamedTuple):
-    """What a solve did. Tensors only, so the record also comes out of ``vmap``.
+    """What a solve did. Tensors only, so the record also comes out of `vmap`.
 
     Attributes:
-      iterations: 0-d int64, accepted steps (updates of ``x``).
-      evaluations: 0-d int64, calls of ``g`` or ``F`` (line-search trials included).
-      residual_norms: 1-d float64, :math:`\\|r_k\\|` after ``k`` steps, ``k = 0, 1, ...``
-        (eager: ``iterations + 1`` entries; masked: one per round of the batch, a member that
+      iterations: 0-d int64, accepted steps (updates of `x`).
+      evaluations: 0-d int64, calls of `g` or `F` (line-search trials included).
+      residual_norms: 1-d float64, $\\|r_k\\|$ after `k` steps, `k = 0, 1, ...`
+        (eager: `iterations + 1` entries; masked: one per round of the batch, a member that
         has stopped repeating its last value).
       converged: 0-d bool, the tolerance was met.
-      status: 0-d int64, the reason code: 0 converged, 1 ``max_iter`` reached, 2 a non-finite
+      status: 0-d int64, the reason code: 0 converged, 1 `max_iter` reached, 2 a non-finite
         residual (the step that produced it was not taken), 3 the callback asked to stop.
-      returned_iteration: 0-d int64, the step ``k`` whose iterate :math:`x_k` was returned
-        (``residual_norms[k]`` is its residual): ``iterations`` when converged or without
-        ``return_best``, else the iterate with the lowest residual norm seen.
+      returned_iteration: 0-d int64, the step `k` whose iterate $x_k$ was returned
+        (`residual_norms[k]` is its residual): `iterations` when converged or without
+        `return_best`, else the iterate with the lowest residual norm seen.
     """
 
     iterations: Tensor
@@ -153,9 +153,9 @@ def _options(
 
 
 def _tolerance(owner: str, name: str, value: object, batch_dims: int) -> float | Tensor:
-    """A tolerance: a real number ``>= 0``, or a real tensor of them (a float64 copy): 0-d,
-    the per-problem value under ``vmap`` (a batched 0-d tensor), or with ``batch_dims`` one
-    per problem of the batch (its shape checked against ``x0`` later). Its values are checked
+    """A tolerance: a real number `>= 0`, or a real tensor of them (a float64 copy): 0-d,
+    the per-problem value under `vmap` (a batched 0-d tensor), or with `batch_dims` one
+    per problem of the batch (its shape checked against `x0` later). Its values are checked
     where they can be read (not under a transform or while compiling)."""
     if not isinstance(value, Tensor):
         return check_float(owner, name, value, minimum=0.0)
@@ -180,9 +180,9 @@ def _accelerator(
     mode: str,
     anderson_options: dict[str, Any],
 ) -> Anderson:
-    """The :func:`aadl_func.anderson` update around the identity map, its options validated
-    in the solver's name. Mode "classic" takes ``history_depth=2`` here (AA(1), SciPy's
-    ``M=1``: one difference), which ``anderson`` itself does not."""
+    """The [`aadl_func.anderson()`][aadl_func.anderson] update around the identity map, its options
+    validated in the solver's name. Mode "classic" takes `history_depth=2` here (AA(1), SciPy's
+    `M=1`: one difference), which `anderson` itself does not."""
     if "inner" in anderson_options:
         raise TypeError(f"{owner}: `inner` is set by the solver (the identity map), not by you")
     unknown = sorted(set(anderson_options) - _ANDERSON_OPTIONS)
@@ -208,8 +208,9 @@ def _accelerator(
 def _check_x0(
     owner: str, x0: PyTree, mode: str | None = None, name: str = "x0"
 ) -> tuple[list[Tensor], Any]:
-    """``x0``'s leaves: real floating, or (``mode="classic"``) all complex; ``mode`` None
-    (:func:`implicit_fixed_point`, whose ``name`` is ``z0``) takes real ones only."""
+    """`x0`'s leaves: real floating, or (`mode="classic"`) all complex; `mode` None
+    ([`implicit_fixed_point()`][aadl_func.implicit_fixed_point], whose `name` is `z0`) takes real
+    ones only."""
     leaves, spec = tree.flatten(x0, name, owner=owner)
     if not leaves:
         raise ValueError(f"{owner}: `{name}` must contain at least one tensor")
@@ -245,9 +246,9 @@ def _check_x0(
 
 # -- pytree arithmetic -----------------------------------------------------------------------
 def _norm(leaves: list[Tensor], batch_dims: int = 0) -> Tensor:
-    r"""The 2-norm over all leaves, accumulated in float64 (a 0-d tensor; with ``batch_dims``,
+    r"""The 2-norm over all leaves, accumulated in float64 (a 0-d tensor; with `batch_dims`,
     one per problem of the batch, over the other dimensions); of a complex leaf, that of its
-    moduli, :math:`(\sum_i |z_i|^2)^{1/2}` (accumulated in complex128, whose norm is real)."""
+    moduli, $(\sum_i |z_i|^2)^{1/2}$ (accumulated in complex128, whose norm is real)."""
     if batch_dims:
         squares = [
             torch.linalg.vector_norm(t, dim=tuple(range(batch_dims, t.dim())), dtype=wide(t.dtype))
@@ -261,26 +262,26 @@ def _norm(leaves: list[Tensor], batch_dims: int = 0) -> Tensor:
 
 
 def _per_problem(value: Any, t: Tensor) -> Any:
-    """``value`` (a number, or a tensor of one per problem of a batch) broadcast against the
-    leaf ``t`` whose leading dimensions are the batch's."""
+    """`value` (a number, or a tensor of one per problem of a batch) broadcast against the
+    leaf `t` whose leading dimensions are the batch's."""
     if not isinstance(value, Tensor) or value.dim() == 0:
         return value
     return value.reshape(value.shape + (1,) * (t.dim() - value.dim()))
 
 
 def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
-    """``a * x + y`` leaf by leaf (``a`` a number or a 0-d tensor)."""
+    """`a * x + y` leaf by leaf (`a` a number or a 0-d tensor)."""
     return [(a * xi).to(yi.dtype) + yi for xi, yi in zip(x, y)]
 
 
 def _where(flag: Tensor, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
-    """``a`` where ``flag`` (one per problem) holds, else ``b``, leaf by leaf."""
+    """`a` where `flag` (one per problem) holds, else `b`, leaf by leaf."""
     return [torch.where(_per_problem(flag, ai), ai, bi) for ai, bi in zip(a, b)]
 
 
 def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
-    """The masked fixed-budget loop under ``torch.compile`` or ``vmap``, where the stopping
-    test cannot be read on the host; ``masked`` overrides the choice."""
+    """The masked fixed-budget loop under `torch.compile` or `vmap`, where the stopping
+    test cannot be read on the host; `masked` overrides the choice."""
     if masked is not None:
         return masked
     if tree.tracing():
@@ -294,11 +295,11 @@ def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
 
 # -- the residual of a problem ---------------------------------------------------------------
 class _Problem:
-    r"""Evaluates a problem's residual at ``x``: the step handed to ``update`` and its norm.
+    r"""Evaluates a problem's residual at `x`: the step handed to `update` and its norm.
 
-    ``residual(x)`` is :math:`g(x) - x` or :math:`F(x)`; the step is ``scale`` times it (the
-    root's :math:`\alpha`, fixed once from the first evaluation); the norm is the residual's.
-    With ``value_norms`` a call also returns :math:`\|g(x)\|` (``gtol``'s scale), else None.
+    `residual(x)` is $g(x) - x$ or $F(x)$; the step is `scale` times it (the
+    root's $\alpha$, fixed once from the first evaluation); the norm is the residual's.
+    With `value_norms` a call also returns $\|g(x)\|$ (`gtol`'s scale), else None.
     """
 
     def __init__(
@@ -319,7 +320,7 @@ class _Problem:
         self.known: tuple[list[Tensor], list[Tensor]] | None = None
 
     def evaluate(self, x: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
-        r"""The residual at ``x`` and, with ``value_norms``, :math:`\|g(x)\|`."""
+        r"""The residual at `x` and, with `value_norms`, $\|g(x)\|$."""
         if self.known is not None and self.known[0] is x:
             r, self.known = self.known[1], None
             return r, None
@@ -357,10 +358,10 @@ def _is_one(value: Any) -> bool:
 def _armijo(
     phi: Callable[[float], float], phi0: float, derphi0: float, c1: float = 1e-4, amin: float = 1e-2
 ) -> float | None:
-    """``scipy.optimize._linesearch.scalar_search_armijo`` (BSD licence), as SciPy's ``nonlin``
-    calls it: the first ``s`` found with :math:`\\phi(s) \\le \\phi(0) + c_1 s \\phi'(0)`, trying
-    ``s = 1``, then the minimiser of a quadratic, then of cubic interpolants through the last
-    two trials, down to ``amin``; None if none is found. Kept line for line, SciPy's
+    """`scipy.optimize._linesearch.scalar_search_armijo` (BSD licence), as SciPy's `nonlin`
+    calls it: the first `s` found with $\\phi(s) \\le \\phi(0) + c_1 s \\phi'(0)$, trying
+    `s = 1`, then the minimiser of a quadratic, then of cubic interpolants through the last
+    two trials, down to `amin`; None if none is found. Kept line for line, SciPy's
     safeguard included: its two conditions together always hold, so after each rejected cubic
     trial the next interpolation starts from half the previous step."""
     alpha0 = 1.0
@@ -395,12 +396,12 @@ def _armijo(
 def _line_search(
     problem: _Problem, x: list[Tensor], proposal: list[Tensor], norm: float
 ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor | None, int]:
-    """SciPy ``nonlin``'s Armijo search on :math:`\\phi(s) = \\|r(x + s d)\\|^2` along the
-    Anderson step :math:`d` = ``proposal - x``, with :math:`\\phi'(0)` taken as
-    :math:`-\\phi(0)` (exact for a Newton direction), ``c1 = 1e-4`` and ``amin = 1e-2``. When
+    """SciPy `nonlin`'s Armijo search on $\\phi(s) = \\|r(x + s d)\\|^2$ along the
+    Anderson step $d$ = `proposal - x`, with $\\phi'(0)$ taken as
+    $-\\phi(0)$ (exact for a Newton direction), `c1 = 1e-4` and `amin = 1e-2`. When
     no step length qualifies the full step is taken, as SciPy does.
 
-    Returns the new point, its step, norm and :math:`\\|g\\|` (or None), and the number of
+    Returns the new point, its step, norm and $\\|g\\|$ (or None), and the number of
     evaluations spent.
     """
     direction = [p - xi for p, xi in zip(proposal, x)]
@@ -476,9 +477,9 @@ def _eager_loop(
 
 
 def _met(norm: float, threshold: float, gtol: float, value: Tensor | None) -> bool:
-    r"""The eager stopping test: :math:`\|r\| \le \max(\text{threshold},
-    \mathrm{gtol}\,\|g(x)\|)`, threshold being :math:`\max(\mathrm{tol}, \mathrm{rtol}
-    \|r_0\|)`."""
+    r"""The eager stopping test: $\|r\| \le \max(\text{threshold},
+    \mathrm{gtol}\,\|g(x)\|)$, threshold being $\max(\mathrm{tol}, \mathrm{rtol}
+    \|r_0\|)$."""
     if norm <= threshold:
         return True
     return value is not None and norm <= gtol * float(value)
@@ -499,9 +500,9 @@ def _all_stopped(done: Tensor) -> bool:
 def _masked_loop(
     problem: _Problem, x: list[Tensor], opt: Anderson, options: _Options, spec: Any
 ) -> tuple[list[Tensor], SolverInfo]:
-    """A fixed budget of ``max_iter`` rounds in which every decision is a mask: a problem
-    that has stopped keeps its ``x`` (its evaluations are computed and discarded), so a
-    ``vmap`` batch stops problem by problem and ``torch.compile`` sees one straight graph."""
+    """A fixed budget of `max_iter` rounds in which every decision is a mask: a problem
+    that has stopped keeps its `x` (its evaluations are computed and discarded), so a
+    `vmap` batch stops problem by problem and `torch.compile` sees one straight graph."""
     step, norm, value = problem(x)
     scaled, tol = options.rtol * norm, options.tol
     threshold = (
@@ -611,7 +612,7 @@ def _solve(
 def _check_batch(
     owner: str, leaves: list[Tensor], spec: Any, options: _Options, batch_dims: int
 ) -> None:
-    """With ``batch_dims`` (1, not under a transform): every leaf of ``x0`` starts with the
+    """With `batch_dims` (1, not under a transform): every leaf of `x0` starts with the
     same batch shape, and each tolerance is one number or one per problem (the batch
     shape)."""
     if batch_dims > 1:
@@ -643,9 +644,9 @@ def _check_batch(
 
 
 def _per_sample(opt: Anderson, batch_dims: int) -> Anderson:
-    """The same update, one window per problem of the batch: ``init`` and ``update`` under
-    ``batch_dims`` nested ``vmap``s (each problem gets its own weights, from its own
-    :math:`m \times m` solve; no second Anderson implementation)."""
+    """The same update, one window per problem of the batch: `init` and `update` under
+    `batch_dims` nested ``vmap``s (each problem gets its own weights, from its own
+    $m \times m$ solve; no second Anderson implementation)."""
     init, update = opt.init, opt.update
     for _ in range(batch_dims):
         init, update = torch.func.vmap(init), torch.func.vmap(update)
@@ -655,7 +656,7 @@ def _per_sample(opt: Anderson, batch_dims: int) -> Anderson:
 def _depends_on_grad(problem: _Problem, x: list[Tensor]) -> bool:
     """Whether the map depends on a tensor that requires grad (a parameter it closes over),
     from its first evaluation, made with autograd on when autograd records (and handed to
-    the loop, so it costs no evaluation); such a result is marked by :class:`_NoGradient`."""
+    the loop, so it costs no evaluation); such a result is marked by `_NoGradient`."""
     if tree.tracing() or _functorch.maybe_current_level() is not None:
         return False
     with torch.enable_grad():
@@ -684,15 +685,15 @@ class _NoGradient(torch.autograd.Function):
         )
 
 
-# A tensor that requires grad, the input that makes :class:`_NoGradient`'s outputs require it.
+# A tensor that requires grad, the input that makes `_NoGradient`'s outputs require it.
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
 def _root_alpha(problem: _Problem, x: list[Tensor], alpha: Any, masked: bool) -> Any:
-    r"""The root solver's :math:`\alpha` (the map is :math:`x + \alpha F(x)`): as given, or
-    SciPy's rule :math:`\alpha = \tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|` (1 when
-    :math:`F(x_0) = 0`). The loop's first evaluation reuses this :math:`F(x_0)`: every call
-    of :math:`F` is one of ``info.evaluations``."""
+    r"""The root solver's $\alpha$ (the map is $x + \alpha F(x)$): as given, or
+    SciPy's rule $\alpha = \tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|$ (1 when
+    $F(x_0) = 0$). The loop's first evaluation reuses this $F(x_0)$: every call
+    of $F$ is one of `info.evaluations`."""
     if alpha is not None:
         return alpha
     r0 = problem.residual(x)
@@ -728,89 +729,89 @@ def fixed_point(
     batch_dims: int = 0,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
-    r"""Solves :math:`x = g(x)` by Anderson acceleration; returns ``(x, info)``.
+    r"""Solves $x = g(x)$ by Anderson acceleration; returns `(x, info)`.
 
-    Each step evaluates :math:`g` once at the current :math:`x_k` and calls
-    :func:`aadl_func.anderson`'s ``update`` (an identity inner optimizer, so its plain step is
-    :math:`g(x_k)`). In mode ``"classic"`` over the last ``history_depth`` pairs:
+    Each step evaluates $g$ once at the current $x_k$ and calls
+    [`aadl_func.anderson()`][aadl_func.anderson]'s `update` (an identity inner optimizer, so its
+    plain step is $g(x_k)$). In mode `"classic"` over the last `history_depth` pairs:
 
-    .. math::
+    $$
+    x_{k+1} = \sum_i \alpha_i \big((1 - \beta) x_i + \beta g(x_i)\big), \qquad
+    \alpha = \arg\min_{\sum_i \alpha_i = 1} \Big\| \sum_i \alpha_i (g(x_i) - x_i) \Big\|,
+    $$
 
-        x_{k+1} = \sum_i \alpha_i \big((1 - \beta) x_i + \beta g(x_i)\big), \qquad
-        \alpha = \arg\min_{\sum_i \alpha_i = 1} \Big\| \sum_i \alpha_i (g(x_i) - x_i) \Big\|,
+    $\beta$ = `relaxation`; with `reg`/`reg_relative` the least-squares problem in
+    its difference form gets the ridge $\lambda \|\gamma\|^2$, $\lambda$ =
+    `reg` + `reg_relative` times the mean squared norm of the residual differences (see
+    [`aadl_func.anderson()`][aadl_func.anderson]). It stops at the first $x_k$ with
 
-    :math:`\beta` = ``relaxation``; with ``reg``/``reg_relative`` the least-squares problem in
-    its difference form gets the ridge :math:`\lambda \|\gamma\|^2`, :math:`\lambda` =
-    ``reg`` + ``reg_relative`` times the mean squared norm of the residual differences (see
-    :func:`aadl_func.anderson`). It stops at the first :math:`x_k` with
-
-    .. math::
-
-        \|g(x_k) - x_k\| \le \max\big(\mathrm{tol},\; \mathrm{rtol}\,\|g(x_0) - x_0\|,\;
-        \mathrm{gtol}\,\|g(x_k)\|\big),
+    $$
+    \|g(x_k) - x_k\| \le \max\big(\mathrm{tol},\; \mathrm{rtol}\,\|g(x_0) - x_0\|,\;
+    \mathrm{gtol}\,\|g(x_k)\|\big),
+    $$
 
     the 2-norm over all leaves of the pytree (in float64): absolute, relative to the first
-    residual (SciPy's ``f_rtol``, in the 2-norm), relative to the map's value (torchdeq's
-    ``stop_mode="rel"``, without its :math:`10^{-9}` in the denominator).
+    residual (SciPy's `f_rtol`, in the 2-norm), relative to the map's value (torchdeq's
+    `stop_mode="rel"`, without its $10^{-9}$ in the denominator).
 
-    Mode ``"classic"`` is the default because it is Anderson's method for equations: the
-    pairs :math:`(x_i, g(x_i))` are taken as they are, so it is a multisecant (Broyden-like)
-    method, GMRES on an affine map. Mode ``"aadl"`` is meant for optimizer steps: its residual
-    proxy :math:`x_{i+1} - x_i` is the true residual only when :math:`x_i` was a plain step, so
+    Mode `"classic"` is the default because it is Anderson's method for equations: the
+    pairs $(x_i, g(x_i))$ are taken as they are, so it is a multisecant (Broyden-like)
+    method, GMRES on an affine map. Mode `"aadl"` is meant for optimizer steps: its residual
+    proxy $x_{i+1} - x_i$ is the true residual only when $x_i$ was a plain step, so
     as a root finder it is a weaker method, which diverges on SciPy's pressure-network and
     linear test problems and is 10-20x slower on others (issue 25).
 
     Args:
       g: the map, pytree -> pytree of the structure, shapes (and dtypes, after a cast) of
-        ``x0``.
+        `x0`.
       x0: the starting point, a pytree of real floating tensors, or (mode "classic") of
         complex ones: the norm is then that of the moduli (docs/solver.md, "Complex tensors").
-      tol: absolute tolerance (``>= 0``) on the residual norm: a real number, or a 0-d
-        tensor (under ``vmap``, a batched one gives each problem its own).
-      rtol: tolerance relative to the first residual, :math:`\mathrm{rtol}\,\|r_0\|`
-        (``>= 0``, a number or a 0-d tensor).
-      gtol: tolerance relative to the map's value, :math:`\mathrm{gtol}\,\|g(x_k)\|`
-        (``>= 0``, a number or a 0-d tensor; torchdeq's ``"rel"``); 0 (default) skips it.
-      max_iter: the most steps (``>= 0``); the eager loop stops earlier.
-      history_depth: pairs in the window; SciPy's ``M`` (differences) is
-        ``history_depth - 1``. Mode "classic" takes ``>= 2``: ``history_depth=2`` is AA(1),
-        SciPy's ``M=1`` (the same iterates), often the best depth; mode "aadl" ``>= 3``.
-      relaxation: :math:`\beta > 0`, 1 undamped.
-      reg: absolute Tikhonov weight, ``>= 0``.
-      reg_relative: Tikhonov weight relative to the window, ``>= 0``.
-      mode: ``"classic"`` (default, see above) or ``"aadl"``.
-      line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s backtracking
-        search on :math:`\|g(x) - x\|^2` along the Anderson step (eager loop only).
-      callback: ``callback(k, x, residual_norm)`` after each step ``k = 1, 2, ...``; eagerly
-        a truthy return stops the solve (status ``"callback"``); in the masked loop it is
+      tol: absolute tolerance (`>= 0`) on the residual norm: a real number, or a 0-d
+        tensor (under `vmap`, a batched one gives each problem its own).
+      rtol: tolerance relative to the first residual, $\mathrm{rtol}\,\|r_0\|$
+        (`>= 0`, a number or a 0-d tensor).
+      gtol: tolerance relative to the map's value, $\mathrm{gtol}\,\|g(x_k)\|$
+        (`>= 0`, a number or a 0-d tensor; torchdeq's `"rel"`); 0 (default) skips it.
+      max_iter: the most steps (`>= 0`); the eager loop stops earlier.
+      history_depth: pairs in the window; SciPy's `M` (differences) is
+        `history_depth - 1`. Mode "classic" takes `>= 2`: `history_depth=2` is AA(1),
+        SciPy's `M=1` (the same iterates), often the best depth; mode "aadl" `>= 3`.
+      relaxation: $\beta > 0$, 1 undamped.
+      reg: absolute Tikhonov weight, `>= 0`.
+      reg_relative: Tikhonov weight relative to the window, `>= 0`.
+      mode: `"classic"` (default, see above) or `"aadl"`.
+      line_search: None/False (default) or True/`"armijo"`: SciPy `nonlin`'s backtracking
+        search on $\|g(x) - x\|^2$ along the Anderson step (eager loop only).
+      callback: `callback(k, x, residual_norm)` after each step `k = 1, 2, ...`; eagerly
+        a truthy return stops the solve (status `"callback"`); in the masked loop it is
         called once per round with tensors and its return value is ignored.
-      masked: None (default) picks the masked fixed-budget loop under ``vmap`` and
-        ``torch.compile`` and the eager loop otherwise; True/False force one.
+      masked: None (default) picks the masked fixed-budget loop under `vmap` and
+        `torch.compile` and the eager loop otherwise; True/False force one.
       return_best: True (default): a solve that does not converge returns the iterate with
-        the lowest residual norm seen (``info.returned_iteration`` says which), not the last
+        the lowest residual norm seen (`info.returned_iteration` says which), not the last
         one; a converged solve returns its last iterate either way. False: the last iterate.
-      batch_dims: 0 (default): ``x0`` is one problem. 1: the first dimension of every leaf
+      batch_dims: 0 (default): `x0` is one problem. 1: the first dimension of every leaf
         indexes independent problems (a DEQ batch), solved per problem as under
-        ``vmap`` (each its own window weights, norm, stopping test and best iterate; frozen
-        once stopped) while ``g`` is called on the whole batch; the tolerances may hold one
-        value per problem; ``info``'s fields have the batch shape in front. The masked loop.
-      **anderson_options: any other option of :func:`aadl_func.anderson` (e.g.
-        ``history_dtype``, ``compute_device``, or ``reg_column``, the per-column
-        regularisation: SciPy's ``w0`` is ``reg_column = w0**2``), passed through.
+        `vmap` (each its own window weights, norm, stopping test and best iterate; frozen
+        once stopped) while `g` is called on the whole batch; the tolerances may hold one
+        value per problem; `info`'s fields have the batch shape in front. The masked loop.
+      **anderson_options: any other option of [`aadl_func.anderson()`][aadl_func.anderson] (e.g.
+        `history_dtype`, `compute_device`, or `reg_column`, the per-column
+        regularisation: SciPy's `w0` is `reg_column = w0**2`), passed through.
 
     Returns:
-      ``(x, info)``: the returned iterate (of ``x0``'s structure; see ``return_best``) and a
-      :class:`SolverInfo`.
+      `(x, info)`: the returned iterate (of `x0`'s structure; see `return_best`) and a
+      [`SolverInfo`][aadl_func.SolverInfo].
 
     Composition. Eagerly the loop reads the residual norm on the host once per step. Under
-    ``torch.func.vmap`` a batch of problems runs the masked loop: each stops on its own (its
-    ``x`` is frozen once it meets the tolerance), and the loop ends when all have stopped (or
-    after ``max_iter`` rounds if that cannot be read without a device synchronisation). Under
-    ``torch.compile`` the masked loop runs the full budget of ``max_iter`` rounds in one graph.
+    `torch.func.vmap` a batch of problems runs the masked loop: each stops on its own (its
+    `x` is frozen once it meets the tolerance), and the loop ends when all have stopped (or
+    after `max_iter` rounds if that cannot be read without a device synchronisation). Under
+    `torch.compile` the masked loop runs the full budget of `max_iter` rounds in one graph.
     The line search needs the eager loop. The result carries no autograd graph; to
-    differentiate through the fixed point use :func:`implicit_fixed_point` (under
-    ``torch.func.grad``/``vjp``/``jvp`` the solver raises ``RuntimeError`` rather than
-    differentiate through its iterations).
+    differentiate through the fixed point use
+    [`implicit_fixed_point()`][aadl_func.implicit_fixed_point] (under `torch.func.grad`/`vjp`/`jvp`
+    the solver raises `RuntimeError` rather than differentiate through its iterations).
     """
     owner = "fixed_point"
     check_callable(owner, "g", g)
@@ -842,40 +843,41 @@ def root(
     batch_dims: int = 0,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
-    r"""Solves :math:`F(x) = 0` by Anderson acceleration of :math:`g(x) = x + \alpha F(x)`.
+    r"""Solves $F(x) = 0$ by Anderson acceleration of $g(x) = x + \alpha F(x)$.
 
-    This is ``scipy.optimize.anderson``'s method: SciPy's initial Jacobian guess is
-    :math:`-1/\alpha` (so the plain step is :math:`x + \alpha F(x)`, with SciPy's sign), and
-    with ``history_depth = M + 1``, ``relaxation = 1``, no regularisation (SciPy's
-    ``w0 = 0``) and no line search the iterates are SciPy's. ``alpha=None`` takes SciPy's
-    default :math:`\tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|`; a negative ``alpha`` suits an
-    :math:`F` whose Jacobian is near a positive multiple of the identity. The tolerance is on
-    :math:`\|F(x_k)\|` (2-norm over all leaves, float64; SciPy defaults to the max-norm).
-    The default mode is ``"classic"``, for the reason :func:`fixed_point` gives.
+    This is `scipy.optimize.anderson`'s method: SciPy's initial Jacobian guess is
+    $-1/\alpha$ (so the plain step is $x + \alpha F(x)$, with SciPy's sign), and
+    with `history_depth = M + 1`, `relaxation = 1`, no regularisation (SciPy's
+    `w0 = 0`) and no line search the iterates are SciPy's. `alpha=None` takes SciPy's
+    default $\tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|$; a negative `alpha` suits an
+    $F$ whose Jacobian is near a positive multiple of the identity. The tolerance is on
+    $\|F(x_k)\|$ (2-norm over all leaves, float64; SciPy defaults to the max-norm).
+    The default mode is `"classic"`, for the reason [`fixed_point()`][aadl_func.fixed_point] gives.
 
     Args:
-      F: the function, pytree -> pytree of ``x0``'s structure and shapes.
-      x0: the starting point, as :func:`fixed_point`'s.
+      F: the function, pytree -> pytree of `x0`'s structure and shapes.
+      x0: the starting point, as [`fixed_point()`][aadl_func.fixed_point]'s.
       alpha: None (SciPy's rule) or a finite non-zero real number.
-      line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s default
-        backtracking search on :math:`\|F\|^2` (``scipy.optimize.anderson`` uses it unless
-        given ``line_search=None``).
-      tol: as :func:`fixed_point`'s, on :math:`\|F(x)\|`. (``gtol`` has no meaning here.)
-      rtol: as :func:`fixed_point`'s.
-      max_iter: as :func:`fixed_point`'s.
-      history_depth: as :func:`fixed_point`'s.
-      relaxation: as :func:`fixed_point`'s.
-      reg: as :func:`fixed_point`'s.
-      reg_relative: as :func:`fixed_point`'s.
-      mode: as :func:`fixed_point`'s.
-      callback: as :func:`fixed_point`'s.
-      masked: as :func:`fixed_point`'s.
-      return_best: as :func:`fixed_point`'s.
-      batch_dims: as :func:`fixed_point`'s.
-      **anderson_options: as :func:`fixed_point`'s.
+      line_search: None/False (default) or True/`"armijo"`: SciPy `nonlin`'s default
+        backtracking search on $\|F\|^2$ (`scipy.optimize.anderson` uses it unless
+        given `line_search=None`).
+      tol: as [`fixed_point()`][aadl_func.fixed_point]'s, on $\|F(x)\|$. (`gtol` has no meaning
+        here.)
+      rtol: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      max_iter: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      history_depth: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      relaxation: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      reg: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      reg_relative: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      mode: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      callback: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      masked: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      return_best: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      batch_dims: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      **anderson_options: as [`fixed_point()`][aadl_func.fixed_point]'s.
 
     Returns:
-      ``(x, info)``, as :func:`fixed_point`.
+      `(x, info)`, as [`fixed_point()`][aadl_func.fixed_point].
     """
     owner = "root"
     check_callable(owner, "F", F)
@@ -893,10 +895,11 @@ def root(
 
 # -- implicit differentiation ----------------------------------------------------------------
 class _ImplicitFixedPoint(torch.autograd.Function):
-    """``z* = f(z*, theta)`` forward by :func:`fixed_point`; backward by the implicit function
-    theorem. Inputs: the static ``(f, z_spec, theta_spec, n_z, options, adjoint_options)``, then
-    the leaves of ``z0`` and of ``theta``; outputs: the leaves of ``z*``, then the
-    :class:`SolverInfo` fields (not differentiable)."""
+    """`z* = f(z*, theta)` forward by [`fixed_point()`][aadl_func.fixed_point]; backward by the
+    implicit function theorem. Inputs: the static
+    `(f, z_spec, theta_spec, n_z, options, adjoint_options)`, then the leaves of `z0` and of
+    `theta`; outputs: the leaves of `z*`, then the [`SolverInfo`][aadl_func.SolverInfo] fields (not
+    differentiable)."""
 
     generate_vmap_rule = True
 
@@ -954,10 +957,10 @@ def _adjoint(
     options: dict,
     on_failure: str,
 ) -> PyTree:
-    r"""The adjoint fixed point :math:`u = J_z f(z^*, \theta)^\top u + \bar z` by
-    :func:`fixed_point` (the map is affine, so classic Anderson acceleration is GMRES on
-    :math:`(I - J^\top) u = \bar z`); a solve that does not converge is reported by
-    ``on_failure`` (:func:`_report`)."""
+    r"""The adjoint fixed point $u = J_z f(z^*, \theta)^\top u + \bar z$ by
+    [`fixed_point()`][aadl_func.fixed_point] (the map is affine, so classic Anderson acceleration is
+    GMRES on $(I - J^\top) u = \bar z$); a solve that does not converge is reported by
+    `on_failure` (`_report()`)."""
     _, vjp_z = torch.func.vjp(lambda z: f(z, theta), z_star)
     rhs = tree.unflatten(spec, cotangent)
 
@@ -977,8 +980,8 @@ def _adjoint(
 
 
 def _report(on_failure: str, info: SolverInfo, what: str, hint: str) -> None:
-    """A solve that did not converge, by ``on_nonconvergence``: a ``RuntimeWarning``
-    ("warn"), a ``RuntimeError`` ("raise"), or nothing ("ignore"; ``info`` says it)."""
+    """A solve that did not converge, by `on_nonconvergence`: a `RuntimeWarning`
+    ("warn"), a `RuntimeError` ("raise"), or nothing ("ignore"; `info` says it)."""
     if on_failure == "ignore" or bool(info.converged.all()):
         return
     if info.converged.dim():  # a batch (batch_dims)
@@ -1007,60 +1010,60 @@ def implicit_fixed_point(
     on_nonconvergence: str = "warn",
     **options: Any,
 ) -> tuple[PyTree, SolverInfo]:
-    r"""The fixed point :math:`z^* = f(z^*, \theta)`, differentiable in :math:`\theta` (and in
-    the parameters of ``f`` when it is an :class:`torch.nn.Module`); returns ``(z*, info)``.
+    r"""The fixed point $z^* = f(z^*, \theta)$, differentiable in $\theta$ (and in
+    the parameters of `f` when it is an `torch.nn.Module`); returns `(z*, info)`.
 
-    The forward solve is :func:`fixed_point` on :math:`z \mapsto f(z, \theta)` from ``z0``
-    with ``options``; no iteration is recorded for autograd. ``gradient="implicit"``
-    (default): the backward pass, given :math:`\bar z = \partial L / \partial z^*`, solves
+    The forward solve is [`fixed_point()`][aadl_func.fixed_point] on $z \mapsto f(z, \theta)$ from
+    `z0` with `options`; no iteration is recorded for autograd. `gradient="implicit"`
+    (default): the backward pass, given $\bar z = \partial L / \partial z^*$, solves
     the adjoint fixed point
 
-    .. math::
+    $$
+    u = J_z f(z^*, \theta)^\top u + \bar z \quad \big(\text{i.e. } u = (I - J_z^\top)^{-1}
+    \bar z\big), \qquad \frac{\partial L}{\partial \theta} = J_\theta f(z^*, \theta)^\top u,
+    $$
 
-        u = J_z f(z^*, \theta)^\top u + \bar z \quad \big(\text{i.e. } u = (I - J_z^\top)^{-1}
-        \bar z\big), \qquad \frac{\partial L}{\partial \theta} = J_\theta f(z^*, \theta)^\top u,
-
-    with the same solver (``adjoint_options``, default: ``options``), the products
-    :math:`J^\top v` being :func:`torch.func.vjp` of ``f`` at :math:`(z^*, \theta)`. This is
-    exact at an exact fixed point where :math:`I - J_z` is invertible (e.g. ``f`` a
-    contraction in ``z``); its error follows the two tolerances. It is a
-    :class:`torch.autograd.Function` (with ``setup_context`` and a generated vmap rule), so
-    ``loss.backward()``, :func:`torch.func.grad`/``vjp`` and :func:`torch.func.vmap` of either
+    with the same solver (`adjoint_options`, default: `options`), the products
+    $J^\top v$ being `torch.func.vjp()` of `f` at $(z^*, \theta)$. This is
+    exact at an exact fixed point where $I - J_z$ is invertible (e.g. `f` a
+    contraction in `z`); its error follows the two tolerances. It is a
+    `torch.autograd.Function` (with `setup_context` and a generated vmap rule), so
+    `loss.backward()`, `torch.func.grad()`/`vjp` and `torch.func.vmap()` of either
     work. Only first derivatives: the backward pass is not itself differentiable.
 
-    ``gradient="phantom"``: the cheap backward of torchdeq (Geng et al., 2021), no adjoint
-    solve: from :math:`z_0 = z^*` (constant) it records ``phantom_steps`` :math:`= k` damped
-    steps :math:`z_{i+1} = (1 - \tau) z_i + \tau f(z_i, \theta)`, :math:`\tau` =
-    ``phantom_damping``, and returns :math:`z_k`, so that autograd differentiates those
-    :math:`k` steps only. With :math:`\tau = 1` its gradient is
-    :math:`J_\theta^\top \sum_{i<k} (J_z^\top)^i \bar z`, the truncated Neumann series of
-    the implicit one; :math:`k = 1` is the Jacobian-free gradient (Fung et al., 2022),
-    :math:`J_\theta^\top \bar z`. It costs :math:`k` evaluations and vjps of ``f``.
+    `gradient="phantom"`: the cheap backward of torchdeq (Geng et al., 2021), no adjoint
+    solve: from $z_0 = z^*$ (constant) it records `phantom_steps` $= k$ damped
+    steps $z_{i+1} = (1 - \tau) z_i + \tau f(z_i, \theta)$, $\tau$ =
+    `phantom_damping`, and returns $z_k$, so that autograd differentiates those
+    $k$ steps only. With $\tau = 1$ its gradient is
+    $J_\theta^\top \sum_{i<k} (J_z^\top)^i \bar z$, the truncated Neumann series of
+    the implicit one; $k = 1$ is the Jacobian-free gradient (Fung et al., 2022),
+    $J_\theta^\top \bar z$. It costs $k$ evaluations and vjps of `f`.
 
     Args:
-      f: ``f(z, theta) -> z``. Every tensor whose gradient you want comes in through
-        ``theta``, or is a parameter of ``f`` when ``f`` is an :class:`torch.nn.Module`
-        (called through :func:`torch.func.functional_call`, so its parameters are inputs of
-        the backward pass). A tensor that requires grad and that ``f`` closes over otherwise
-        (``lambda z, x: layer(z, x)`` around a module) would get no gradient: this is
-        refused with a ``ValueError`` (checked on the first evaluation of ``f``, which the
+      f: `f(z, theta) -> z`. Every tensor whose gradient you want comes in through
+        `theta`, or is a parameter of `f` when `f` is an `torch.nn.Module`
+        (called through `torch.func.functional_call()`, so its parameters are inputs of
+        the backward pass). A tensor that requires grad and that `f` closes over otherwise
+        (`lambda z, x: layer(z, x)` around a module) would get no gradient: this is
+        refused with a `ValueError` (checked on the first evaluation of `f`, which the
         solve reuses, whenever autograd records).
-      z0: the starting point (no gradient flows to it: :math:`z^*` does not depend on it).
-      theta: a pytree of tensors, the parameters (or the layer's input ``x``).
-      adjoint_options: :func:`fixed_point` options for the adjoint solve (default: the
-        forward's).
-      gradient: ``"implicit"`` (default) or ``"phantom"`` (above).
-      phantom_steps: :math:`k \ge 1`, the recorded steps of ``gradient="phantom"``.
-      phantom_damping: :math:`\tau \in (0, 1]` of ``gradient="phantom"``.
+      z0: the starting point (no gradient flows to it: $z^*$ does not depend on it).
+      theta: a pytree of tensors, the parameters (or the layer's input `x`).
+      adjoint_options: [`fixed_point()`][aadl_func.fixed_point] options for the adjoint solve
+        (default: the forward's).
+      gradient: `"implicit"` (default) or `"phantom"` (above).
+      phantom_steps: $k \ge 1$, the recorded steps of `gradient="phantom"`.
+      phantom_damping: $\tau \in (0, 1]$ of `gradient="phantom"`.
       on_nonconvergence: a forward or adjoint solve that does not converge (eager loop):
-        ``"warn"`` (default, a ``RuntimeWarning``; ``info`` says it too), ``"raise"`` (a
-        ``RuntimeError``) or ``"ignore"``.
-      **options: :func:`fixed_point` options for the forward solve.
+        `"warn"` (default, a `RuntimeWarning`; `info` says it too), `"raise"` (a
+        `RuntimeError`) or `"ignore"`.
+      **options: [`fixed_point()`][aadl_func.fixed_point] options for the forward solve.
 
     Returns:
-      ``(z*, info)``: ``z*`` like ``z0`` (with ``"phantom"``, :math:`z_k`), and the forward
-      solve's :class:`SolverInfo` (with ``"phantom"``, its evaluations include the :math:`k`
-      recorded ones).
+      `(z*, info)`: `z*` like `z0` (with `"phantom"`, $z_k$), and the forward
+      solve's [`SolverInfo`][aadl_func.SolverInfo] (with `"phantom"`, its evaluations include the
+      $k$ recorded ones).
     """
     owner = "implicit_fixed_point"
     check_callable(owner, "f", f)
@@ -1094,9 +1097,9 @@ def implicit_fixed_point(
 def _implicit(
     f: Callable, z_spec: Any, z_leaves: list[Tensor], theta: PyTree, options: dict, adjoint: dict
 ) -> tuple[PyTree, SolverInfo]:
-    """The forward solve and the implicit backward (:class:`_ImplicitFixedPoint`); an
-    :class:`torch.nn.Module` ``f`` takes its parameters as inputs, through
-    :func:`torch.func.functional_call`."""
+    """The forward solve and the implicit backward (`_ImplicitFixedPoint`); an
+    `torch.nn.Module` `f` takes its parameters as inputs, through
+    `torch.func.functional_call()`."""
     if isinstance(f, torch.nn.Module):
         module = f
         params = {k: p for k, p in module.named_parameters() if p.requires_grad}
@@ -1118,9 +1121,9 @@ def _implicit(
 def _first_evaluation(
     f: Callable, z_spec: Any, z_leaves: list[Tensor], theta: PyTree
 ) -> PyTree | None:
-    """``f(z0, theta)`` evaluated with autograd on and ``theta`` detached, when autograd
-    records (not under ``torch.func`` transforms): an output that still requires grad
-    depends on a tensor that ``f`` closes over, which would get no gradient, and is refused.
+    """`f(z0, theta)` evaluated with autograd on and `theta` detached, when autograd
+    records (not under `torch.func` transforms): an output that still requires grad
+    depends on a tensor that `f` closes over, which would get no gradient, and is refused.
     The value (detached) is the forward solve's first evaluation, so the check costs none."""
     if not torch.is_grad_enabled() or _functorch.maybe_current_level() is not None:
         return None
@@ -1141,8 +1144,8 @@ def _first_evaluation(
 def _phantom(
     f: Callable, z0: PyTree, theta: PyTree, options: dict, steps: int, damping: float
 ) -> tuple[PyTree, SolverInfo]:
-    """The forward solve without a graph, then ``steps`` damped steps from :math:`z^*` with
-    one (torchdeq's phantom gradient; a module ``f`` is called as it is)."""
+    """The forward solve without a graph, then `steps` damped steps from $z^*$ with
+    one (torchdeq's phantom gradient; a module `f` is called as it is)."""
     with torch.no_grad():
         z, info = fixed_point(lambda z: f(z, theta), z0, **options)
     leaves, spec = tree.flatten(z, "z")

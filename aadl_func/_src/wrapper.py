@@ -1,10 +1,10 @@
-r"""``AcceleratedOptimizer`` and ``accelerate``: the functional core behind a torch.optim face.
+r"""`AcceleratedOptimizer` and `accelerate`: the functional core behind a torch.optim face.
 
-The wrapped ``torch.optim`` optimizer is the inner map :math:`g` of Anderson acceleration. A
-step snapshots the params :math:`x`, lets the torch optimizer step (params :math:`y = g(x)`),
-and hands both to :func:`aadl_func.anderson` through an internal inner optimizer whose update is
-the displacement :math:`y - x` the torch optimizer already took. The functional core then does
-everything else (window, mixing, safeguard, moving average), one window per param group as in
+The wrapped `torch.optim` optimizer is the inner map $g$ of Anderson acceleration. A
+step snapshots the params $x$, lets the torch optimizer step (params $y = g(x)$),
+and hands both to [`aadl_func.anderson()`][aadl_func.anderson] through an internal inner optimizer
+whose update is the displacement $y - x$ the torch optimizer already took. The functional core then
+does everything else (window, mixing, safeguard, moving average), one window per param group as in
 AADL, and the result is written back into the params in place.
 """
 
@@ -31,14 +31,14 @@ from aadl_func._src.state import AndersonState
 
 __all__ = ["AcceleratedOptimizer", "accelerate"]
 
-# Bumped if the layout of ``state_dict()["anderson"]`` changes.
+# Bumped if the layout of `state_dict()["anderson"]` changes.
 _FORMAT = 2  # 2: AndersonState gained num_skipped and skip_streak
 # Options that fix the window's layout: a checkpoint saved with other values cannot be resumed.
 _LAYOUT_OPTIONS = ("history_depth", "mode", "history_dtype")
-# Attribute through which a torch optimizer patched by ``accelerate`` reaches its accelerator.
+# Attribute through which a torch optimizer patched by `accelerate` reaches its accelerator.
 _ACCELERATOR_ATTRIBUTE = "_aadl_func_accelerator"
-# The wrapper's safeguards: the closure evaluated at each mix (the core's ``loss_fn``), or the
-# loss of the next step judging the previous mix (the core's ``loss=``).
+# The wrapper's safeguards: the closure evaluated at each mix (the core's `loss_fn`), or the
+# loss of the next step judging the previous mix (the core's `loss=`).
 _SAFEGUARDS = ("loss_fn", "deferred")
 
 
@@ -48,14 +48,14 @@ _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.flo
 
 
 class _TakenStep:
-    """Inner optimizer whose step has already been taken by a ``torch.optim`` optimizer.
+    """Inner optimizer whose step has already been taken by a `torch.optim` optimizer.
 
-    ``update(stepped, state, params)`` returns ``stepped - params``: the "gradient" argument
+    `update(stepped, state, params)` returns `stepped - params`: the "gradient" argument
     carries the params after the torch optimizer's step. The displacement is returned in a
     wider dtype (float32 for half precision, float64 for float32), where it is exact, so the
-    core's in-place plain step ``params.add_(stepped - params)`` (rounded once to the params'
+    core's in-place plain step `params.add_(stepped - params)` (rounded once to the params'
     dtype) reproduces the torch optimizer's params bit for bit; float64 params get a float64
-    displacement (exact whenever ``stepped / 2 <= params <= 2 stepped``, by Sterbenz's lemma).
+    displacement (exact whenever `stepped / 2 <= params <= 2 stepped`, by Sterbenz's lemma).
     """
 
     def init(self, params: Any) -> tuple:
@@ -74,8 +74,8 @@ class _TakenStep:
 
 
 def _plain_values(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` in plain Python values (devices and dtypes as strings), so that they
-    survive ``torch.load(weights_only=True)``."""
+    """`options` in plain Python values (devices and dtypes as strings), so that they
+    survive `torch.load(weights_only=True)`."""
     return {
         name: str(value) if isinstance(value, (torch.device, torch.dtype)) else value
         for name, value in options.items()
@@ -83,53 +83,54 @@ def _plain_values(options: dict[str, Any]) -> dict[str, Any]:
 
 
 class AcceleratedOptimizer(Optimizer):
-    r"""Anderson acceleration (AADL) around a ``torch.optim`` optimizer.
+    r"""Anderson acceleration (AADL) around a `torch.optim` optimizer.
 
-    Each call of :meth:`step` is one call of :func:`aadl_func.anderson`'s ``update`` per param
-    group, with the wrapped optimizer's step as the inner map :math:`y = g(x)`:
+    Each call of `step()` is one call of [`aadl_func.anderson()`][aadl_func.anderson]'s `update` per
+    param group, with the wrapped optimizer's step as the inner map $y = g(x)$:
 
-    1. the params :math:`x` are snapshotted and ``torch_optimizer.step(closure)`` is taken
+    1. the params $x$ are snapshotted and `torch_optimizer.step(closure)` is taken
        (all groups at once, with the usual gradients, LR schedules and clipping);
     2. for each param group in turn, the functional core updates that group's window with
-       :math:`y` and returns its params (the mix, the window mean, or :math:`y`, by the rules
-       of :func:`aadl_func.anderson`), which are written back with ``param.copy_`` (dtype,
-       device and ``channels_last`` are kept).
+       $y$ and returns its params (the mix, the window mean, or $y$, by the rules
+       of [`aadl_func.anderson()`][aadl_func.anderson]), which are written back with `param.copy_`
+       (dtype, device and `channels_last` are kept).
 
-    With a ``closure`` the safeguard is on: ``loss_fn`` writes a candidate into the group's
-    params and evaluates ``closure()`` (grad enabled, as ``torch.optim`` does, so the closure
-    may call ``backward``; the ``.grad`` fields then hold the gradient at the last candidate).
+    With a `closure` the safeguard is on: `loss_fn` writes a candidate into the group's
+    params and evaluates `closure()` (grad enabled, as `torch.optim` does, so the closure
+    may call `backward`; the `.grad` fields then hold the gradient at the last candidate).
     Groups are decided one after the other, each with the groups before it at their kept
-    values and the ones after it at :math:`y`, as in AADL.
+    values and the ones after it at $y$, as in AADL.
 
-    With ``safeguard="deferred"`` a mix costs no closure call: the loss at the params a step
-    starts from, :math:`L(x_{k+1})` (``step(closure)`` evaluates the closure once, first, as
-    ``torch.optim`` does; or ``step(loss=value)``, the value the loop computed with the
-    gradients), judges the mix :math:`x_{k+1}` the previous step returned, against the
-    loss :math:`L(x_k)` of the point it was made from (the functional core's
-    ``update(..., loss=value)``, :mod:`aadl_func._src.deferred`). Per group: if
-    :math:`L(x_{k+1}) < L(x_k)` fails, the group's params go back to its previous plain step
-    :math:`y_k` (read from its window), the torch optimizer does not step that group (its
+    With `safeguard="deferred"` a mix costs no closure call: the loss at the params a step
+    starts from, $L(x_{k+1})$ (`step(closure)` evaluates the closure once, first, as
+    `torch.optim` does; or `step(loss=value)`, the value the loop computed with the
+    gradients), judges the mix $x_{k+1}$ the previous step returned, against the
+    loss $L(x_k)$ of the point it was made from (the functional core's
+    `update(..., loss=value)`, `aadl_func._src.deferred`). Per group: if
+    $L(x_{k+1}) < L(x_k)$ fails, the group's params go back to its previous plain step
+    $y_k$ (read from its window), the torch optimizer does not step that group (its
     grads, taken at the rejected point, are hidden from it; its state stays that of
-    :math:`y_k`) and the step is not counted; the other groups step as usual.
+    $y_k$) and the step is not counted; the other groups step as usual.
 
     Attributes:
-      optimizer: the wrapped ``torch.optim`` optimizer; ``param_groups``, ``state`` and
-        ``defaults`` are its own, so LR schedulers, gradient clipping and ``GradScaler`` work on
+      optimizer: the wrapped `torch.optim` optimizer; `param_groups`, `state` and
+        `defaults` are its own, so LR schedulers, gradient clipping and `GradScaler` work on
         the wrapper unchanged.
-      anderson_states: per param group, its :class:`aadl_func.AndersonState` (counters
-        ``num_mixed``, ``num_rejected``, ``num_averaged``, ...), or None before the first step.
+      anderson_states: per param group, its [`aadl_func.AndersonState`][aadl_func.AndersonState]
+        (counters `num_mixed`, `num_rejected`, `num_averaged`, ...), or None before the first step.
 
-    The keyword parameters after ``optimizer`` are the options of :func:`aadl_func.anderson`
-    (all but ``inner``), with its defaults (docs/options.md), validated here. They are spelled
-    out for type checkers; ``tests/test_options.py`` holds them to
-    ``aadl_func._src.options.AndersonOptions``, where they are defined.
+    The keyword parameters after `optimizer` are the options of
+    [`aadl_func.anderson()`][aadl_func.anderson] (all but `inner`), with its defaults
+    (docs/options.md), validated here. They are spelled out for type checkers;
+    `tests/test_options.py` holds them to `aadl_func._src.options.AndersonOptions`, where they are
+    defined.
 
     Args:
-      optimizer: a ``torch.optim.Optimizer``; its ``step``, ``state_dict`` and
-        ``load_state_dict`` are captured now.
-      safeguard: ``"loss_fn"`` (default: a ``closure`` passed to :meth:`step` safeguards each
-        mix with two more closure calls; without one, no safeguard) or ``"deferred"`` (one
-        closure call or a ``loss=`` per step, above; needs ``store_each_nth=1``).
+      optimizer: a `torch.optim.Optimizer`; its `step`, `state_dict` and
+        `load_state_dict` are captured now.
+      safeguard: `"loss_fn"` (default: a `closure` passed to `step()` safeguards each
+        mix with two more closure calls; without one, no safeguard) or `"deferred"` (one
+        closure call or a `loss=` per step, above; needs `store_each_nth=1`).
     """
 
     def __init__(
@@ -173,11 +174,11 @@ class AcceleratedOptimizer(Optimizer):
         self._safeguard = safeguard
         self.optimizer = optimizer
         self._windows: list[AndersonState | None] = [None] * len(optimizer.param_groups)
-        # The torch optimizer's own methods, captured before ``accelerate`` patches them.
+        # The torch optimizer's own methods, captured before `accelerate` patches them.
         self._plain_step: Callable[..., Any] = optimizer.step
         self._plain_state_dict: Callable[[], dict[str, Any]] = optimizer.state_dict
         self._plain_load_state_dict: Callable[[dict[str, Any]], None] = optimizer.load_state_dict
-        # torch.optim.Optimizer's bookkeeping (hooks, profiling of ``step``). Its ``__init__``
+        # torch.optim.Optimizer's bookkeeping (hooks, profiling of `step`). Its `__init__`
         # is not called: it would build param_groups of its own instead of sharing the
         # wrapped optimizer's.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -220,7 +221,8 @@ class AcceleratedOptimizer(Optimizer):
 
     @property
     def anderson_options(self) -> dict[str, Any]:
-        """The options of :func:`aadl_func.anderson` in use, defaults filled in."""
+        """The options of [`aadl_func.anderson()`][aadl_func.anderson] in use, defaults filled
+        in."""
         return dict(self._options)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -231,7 +233,7 @@ class AcceleratedOptimizer(Optimizer):
 
     @property
     def safeguard(self) -> str:
-        """``"loss_fn"`` (a closure safeguards each mix) or ``"deferred"``."""
+        """`"loss_fn"` (a closure safeguards each mix) or `"deferred"`."""
         return self._safeguard
 
     def __repr__(self) -> str:
@@ -263,19 +265,19 @@ class AcceleratedOptimizer(Optimizer):
     ) -> Any:
         """One accelerated step; see the class docstring.
 
-        With ``safeguard="deferred"`` the step needs the loss at the params it starts from:
-        ``closure`` (evaluated once, first, as ``torch.optim`` does) or ``loss``, the value the
-        training loop computed with the gradients (as ``ReduceLROnPlateau.step(metrics)``
-        takes its metric; ``GradScaler.step(optimizer, loss=value)`` passes it through).
+        With `safeguard="deferred"` the step needs the loss at the params it starts from:
+        `closure` (evaluated once, first, as `torch.optim` does) or `loss`, the value the
+        training loop computed with the gradients (as `ReduceLROnPlateau.step(metrics)`
+        takes its metric; `GradScaler.step(optimizer, loss=value)` passes it through).
 
         Exception safety (docs/reliability.md, "The exception guarantee"). Ctrl-C (Python's
         default handler, main thread) is deferred over the whole step except inside
-        ``closure``, where it acts at once, and is raised once the step is complete. An
+        `closure`, where it acts at once, and is raised once the step is complete. An
         exception raised
 
-        * by ``closure`` before the wrapped optimizer writes anything (``torch.optim``
+        * by `closure` before the wrapped optimizer writes anything (`torch.optim`
           evaluates it first), or by the argument checks: nothing has changed;
-        * after the wrapped optimizer's step (in a safeguard's ``closure``, in the core, or
+        * after the wrapped optimizer's step (in a safeguard's `closure`, in the core, or
           in the copies back into the params): the groups decided before keep their
           decisions; the group in progress ends at one outcome of the core (its plain step,
           its finished step, or its plain step with the window restarted), written into its
@@ -290,22 +292,22 @@ class AcceleratedOptimizer(Optimizer):
           so a next step treats the params it finds as a new starting point.
 
         Returns:
-          What ``torch.optim`` returns: the wrapped optimizer's return value, i.e. the
-          closure's loss at the params the step started from (None without ``closure``).
+          What `torch.optim` returns: the wrapped optimizer's return value, i.e. the
+          closure's loss at the params the step started from (None without `closure`).
 
         Raises:
-          TypeError: ``closure`` returned something other than a loss (a tensor of one
+          TypeError: `closure` returned something other than a loss (a tensor of one
             element or a real number), raised at its first evaluation, before the wrapped
-            optimizer writes anything; or ``loss`` is not one; or ``safeguard="deferred"``
-            got neither ``closure`` nor ``loss``.
-          ValueError: ``loss`` without ``safeguard="deferred"``, or with ``closure``.
+            optimizer writes anything; or `loss` is not one; or `safeguard="deferred"`
+            got neither `closure` nor `loss`.
+          ValueError: `loss` without `safeguard="deferred"`, or with `closure`.
         """
         loss = self._check_loss_argument(closure, loss)
         if self._safeguard == "deferred" and closure is not None:
             # The closure's loss, at the params the step starts from, judges the last mix;
             # the torch step then gets it back without a second evaluation. Evaluated here,
             # before anything is written (an exception or Ctrl-C in it changes nothing), and
-            # outside ``_step``: compiled, its ``backward`` breaks this frame, not that one.
+            # outside `_step`: compiled, its `backward` breaks this frame, not that one.
             closure = _returns_a_loss(closure)
             with torch.enable_grad():
                 loss = closure()
@@ -317,13 +319,13 @@ class AcceleratedOptimizer(Optimizer):
         guard = InterruptGuard()
         if closure is not None:
             closure = _interruptible(_returns_a_loss(closure), guard)
-        # ``guarded``: the guard's handler is taken out however the step ends (atomic.py).
+        # `guarded`: the guard's handler is taken out however the step ends (atomic.py).
         return guarded(guard, functools.partial(self._step, closure, loss))
 
     def _check_loss_argument(
         self, closure: Callable[[], Any] | None, loss: Tensor | float | None
     ) -> Tensor | float | None:
-        """``loss`` checked against the safeguard and ``closure``, before anything runs."""
+        """`loss` checked against the safeguard and `closure`, before anything runs."""
         owner = "AcceleratedOptimizer.step"
         if self._safeguard != "deferred":
             if loss is not None:
@@ -351,15 +353,15 @@ class AcceleratedOptimizer(Optimizer):
             if skipped:
                 return returned
             closure = None if closure is None else _returning(returned, closure)
-        # ``clone`` keeps the memory format (channels_last) by default. Spelled out
-        # (``memory_format=torch.preserve_format``), it makes dynamo (torch 2.13) give up on
+        # `clone` keeps the memory format (channels_last) by default. Spelled out
+        # (`memory_format=torch.preserve_format`), it makes dynamo (torch 2.13) give up on
         # this frame where the torch step below breaks the graph.
         starts = [[p.detach().clone() for p in group["params"]] for group in groups]
         verdicts = self._verdicts(windows, loss)
         if torch.compiler.is_compiling():
             # Compiled (docs/compiling.md): no recovery, so no count to read and no try
             # block, which dynamo cannot resume in after torch.optim's own graph break.
-            # ``torch`` is named in this frame (and ``step``) on purpose: dynamo only traces
+            # `torch` is named in this frame (and `step`) on purpose: dynamo only traces
             # frames that name it or hold a tensor.
             returned = self._torch_step_unless_rejected(closure, verdicts)
             for index, (group, start) in enumerate(zip(groups, starts)):
@@ -372,8 +374,8 @@ class AcceleratedOptimizer(Optimizer):
                         self._update_group, windows, index, group["params"], start, closure, None
                     )
             return returned
-        # Once the torch optimizer has stepped, every group must end recorded. ``position``:
-        # the first group not finished; ``mark``: its window's marks before its update (None
+        # Once the torch optimizer has stepped, every group must end recorded. `position`:
+        # the first group not finished; `mark`: its window's marks before its update (None
         # until read).
         position, mark, torch_stepped = 0, None, False
         try:
@@ -395,7 +397,7 @@ class AcceleratedOptimizer(Optimizer):
 
     def _verdicts(self, windows: list[AndersonState | None], loss: Any) -> list[Tensor]:
         """Per group, whether the deferred safeguard rejects its pending mix (the core's own
-        decision, :func:`aadl_func._src.deferred.rejects`, read before the torch step)."""
+        decision, `aadl_func._src.deferred.rejects()`, read before the torch step)."""
         if loss is None:
             return [flags.FALSE] * len(windows)
         value = deferred.check_loss(self._config, loss, None)
@@ -408,7 +410,7 @@ class AcceleratedOptimizer(Optimizer):
         deferred safeguard rejects: their params go back to the previous plain step (in
         the core), so the torch optimizer must not step them from the rejected point.
 
-        Eagerly their grads are hidden (``None``: torch.optim skips such params, state and
+        Eagerly their grads are hidden (`None`: torch.optim skips such params, state and
         all) and put back after. Compiled, where the verdicts have no value, the torch
         optimizer steps every group and a rejected group's tensor state is blended back."""
         known = [flags.value(verdict) for verdict in verdicts]
@@ -442,7 +444,7 @@ class AcceleratedOptimizer(Optimizer):
     def _window(
         self, windows: list[AndersonState | None], index: int, start: list[Tensor]
     ) -> AndersonState:
-        """Group ``index``'s window, made for the params ``start`` if it has none yet."""
+        """Group `index`'s window, made for the params `start` if it has none yet."""
         window = windows[index]
         if window is None:
             window = windows[index] = self._anderson.init(start)
@@ -457,10 +459,10 @@ class AcceleratedOptimizer(Optimizer):
         closure: Callable[[], Any] | None,
         loss: Any = None,
     ) -> None:
-        """Group ``index``'s call of the core: from ``start`` (its params before the torch
+        """Group `index`'s call of the core: from `start` (its params before the torch
         step) and its params now (after it), the outcome written into the params and the
-        returned state kept (compiled, its counters are new tensors). ``closure``: the
-        ``loss_fn`` safeguard; ``loss``: the deferred one."""
+        returned state kept (compiled, its counters are new tensors). `closure`: the
+        `loss_fn` safeguard; `loss`: the deferred one."""
         loss_fn = None if closure is None else _closure_loss(params, closure)
         stepped = [p.detach() for p in params]
         out, windows[index] = self._anderson.update(
@@ -488,12 +490,12 @@ class AcceleratedOptimizer(Optimizer):
         mark: tuple[int, int] | None,
         loss: Any,
     ) -> None:
-        """After an exception past the torch optimizer's step: group ``position`` (the first
+        """After an exception past the torch optimizer's step: group `position` (the first
         one not finished) ends at the core's outcome, the later groups at the plain step.
 
-        The core wrote its outcome in place into ``starts[position]`` and the window
-        (:func:`aadl_func._src.stages.recover`), and counted the call (``count``, or
-        ``num_rejected`` for a call that reverted a mix); a window whose marks did not move
+        The core wrote its outcome in place into `starts[position]` and the window
+        (`aadl_func._src.stages.recover()`), and counted the call (`count`, or
+        `num_rejected` for a call that reverted a mix); a window whose marks did not move
         (or were not read) never saw the step, so that group is finished like the later
         ones, from its params."""
         first = position
@@ -513,9 +515,9 @@ class AcceleratedOptimizer(Optimizer):
         first: int,
         loss: Any = None,
     ) -> None:
-        """Records the plain step (already in the params) in the windows of groups ``first``
+        """Records the plain step (already in the params) in the windows of groups `first`
         onwards, without mixing: the recovery after an interrupted safeguard. With the
-        deferred safeguard's ``loss`` a group whose mix it rejects (not stepped by the torch
+        deferred safeguard's `loss` a group whose mix it rejects (not stepped by the torch
         optimizer) goes back to its previous plain step instead, as the core decides."""
         for index in range(first, len(groups)):
             params = groups[index]["params"]
@@ -536,10 +538,10 @@ class AcceleratedOptimizer(Optimizer):
                 p.copy_(value)
 
     def _skip_if_nonfinite(self, closure: Callable[[], Any] | None) -> tuple[Any, bool]:
-        """``skip_nonfinite``: evaluates the closure (if any) and skips the step, before the
+        """`skip_nonfinite`: evaluates the closure (if any) and skips the step, before the
         wrapped optimizer changes anything, when a gradient is not finite.
 
-        Returns ``(loss, skipped)``.
+        Returns `(loss, skipped)`.
         """
         loss = None
         if closure is not None:
@@ -569,12 +571,12 @@ class AcceleratedOptimizer(Optimizer):
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped optimizer's ``state_dict()`` plus an ``"anderson"`` entry.
+        """The wrapped optimizer's `state_dict()` plus an `"anderson"` entry.
 
-        ``"anderson"`` holds the options and, per param group, the window
-        (:class:`aadl_func.AndersonState`, tensors only, counters included). The result loads
-        with ``torch.load(weights_only=True)``; like ``torch.optim``'s, it references the live
-        tensors (save it or copy it before stepping again).
+        `"anderson"` holds the options and, per param group, the window
+        ([`aadl_func.AndersonState`][aadl_func.AndersonState], tensors only, counters included). The
+        result loads with `torch.load(weights_only=True)`; like `torch.optim`'s, it references the
+        live tensors (save it or copy it before stepping again).
         """
         saved = dict(self._plain_state_dict())
         saved["anderson"] = {
@@ -588,11 +590,11 @@ class AcceleratedOptimizer(Optimizer):
         """Restores the wrapped optimizer and the windows, so the run continues bit for bit.
 
         The windows are copied into buffers laid out for the current params (their devices,
-        dtypes and memory formats). A state dict without an ``"anderson"`` entry (a plain
-        ``torch.optim`` checkpoint) restores the optimizer and empties the windows.
+        dtypes and memory formats). A state dict without an `"anderson"` entry (a plain
+        `torch.optim` checkpoint) restores the optimizer and empties the windows.
 
         Raises:
-          ValueError: the checkpoint's ``history_depth``, ``mode`` or ``history_dtype`` differ
+          ValueError: the checkpoint's `history_depth`, `mode` or `history_dtype` differ
             from this optimizer's, or a window does not fit its param group (number, shapes or
             dtypes of the params). Nothing is modified then.
         """
@@ -679,32 +681,32 @@ class AcceleratedOptimizer(Optimizer):
                 )
         for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
             template_leaf.copy_(saved_leaf)
-        # The values (counters in range, the inner state's invariants), as ``update`` checks
+        # The values (counters in range, the inner state's invariants), as `update` checks
         # a state from outside; the copies above own their memory, so no aliasing is left.
         check_state_values(self._config, template, params, optree.tree_structure(params), owner)
         return template
 
 
 def _eagerly(function: Callable[..., None], *args: Any) -> None:
-    """``function(*args)``, run eagerly from a compiled step: a group's call of the core when
+    """`function(*args)`, run eagerly from a compiled step: a group's call of the core when
     the safeguard evaluates the user's closure inside it.
 
-    The closure breaks the graph (``backward``), in the middle of the core's step. Dynamo
-    cannot resume a frame inside its ``try``/``with`` blocks: it would run the rest of each
+    The closure breaks the graph (`backward`), in the middle of the core's step. Dynamo
+    cannot resume a frame inside its `try`/`with` blocks: it would run the rest of each
     such frame eagerly on decisions traced before the break, and return its stand-in for
     optree's tree spec to eager code, which then fails. One deliberate break here instead
-    keeps the core whole (eager, as without ``torch.compile``).
+    keeps the core whole (eager, as without `torch.compile`).
     """
     function(*args)
 
 
 def _disable_compiling_eagerly() -> None:
-    """Puts ``_eagerly`` behind ``torch.compiler.disable``, once, from the first wrapper built.
+    """Puts `_eagerly` behind `torch.compiler.disable`, once, from the first wrapper built.
 
-    The decorator imports ``torch._dynamo`` (1.5-3 s), which ``import aadl_func`` must not pay
+    The decorator imports `torch._dynamo` (1.5-3 s), which `import aadl_func` must not pay
     where nothing is compiled. A wrapper exists only around a torch optimizer, whose
     construction has imported dynamo already, so here it costs nothing; and every compiled
-    step runs on a wrapper, so dynamo always finds ``_eagerly`` disabled."""
+    step runs on a wrapper, so dynamo always finds `_eagerly` disabled."""
     global _eagerly
     if _eagerly is _run_eagerly:
         _eagerly = torch.compiler.disable(_run_eagerly)
@@ -714,7 +716,7 @@ _run_eagerly = _eagerly
 
 
 def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
-    """The closure whose first call returns ``loss``, evaluated already (grads in place)."""
+    """The closure whose first call returns `loss`, evaluated already (grads in place)."""
     calls = 0
 
     def once_evaluated() -> Any:
@@ -726,8 +728,8 @@ def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _interruptible(closure: Callable[[], Any], guard: InterruptGuard) -> Callable[[], Any]:
-    """``closure`` run as the user's code: Ctrl-C acts at once inside it (see
-    :meth:`aadl_func._src.atomic.InterruptGuard.callbacks`).
+    """`closure` run as the user's code: Ctrl-C acts at once inside it (see
+    `aadl_func._src.atomic.InterruptGuard.callbacks()`).
 
     Traced (the wrapped optimizer's step compiled on its own, its closure call with it), the
     signal handlers stay as they are, which dynamo cannot trace: Ctrl-C in the closure is
@@ -743,7 +745,7 @@ def _interruptible(closure: Callable[[], Any], guard: InterruptGuard) -> Callabl
 
 
 def _returns_a_loss(closure: Callable[[], Any]) -> Callable[[], Any]:
-    """``closure``, checked to return a loss: the safeguard compares two of them."""
+    """`closure`, checked to return a loss: the safeguard compares two of them."""
 
     def checked() -> Any:
         return _check_is_a_loss(closure(), "`closure` must return the loss:")
@@ -752,8 +754,8 @@ def _returns_a_loss(closure: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _check_is_a_loss(loss: Any, what: str) -> Any:
-    """``loss`` if it is a loss (a real tensor of one element or a real number), else a
-    TypeError that says ``what`` should have been."""
+    """`loss` if it is a loss (a real tensor of one element or a real number), else a
+    TypeError that says `what` should have been."""
     if isinstance(loss, Tensor) and loss.numel() == 1 and not loss.is_complex():
         if loss.dtype != torch.bool:
             return loss
@@ -767,7 +769,7 @@ def _check_is_a_loss(loss: Any, what: str) -> Any:
 
 
 def _check_safeguard(owner: str, safeguard: Any, store_each_nth: Any) -> None:
-    """``safeguard`` is one of the wrapper's; the deferred one reads the previous plain step
+    """`safeguard` is one of the wrapper's; the deferred one reads the previous plain step
     from the window, so it needs every step stored."""
     if not isinstance(safeguard, str) or safeguard not in _SAFEGUARDS:
         raise ValueError(
@@ -782,16 +784,16 @@ def _check_safeguard(owner: str, safeguard: Any, store_each_nth: Any) -> None:
 
 
 def _marks(window: AndersonState) -> tuple[int, int]:
-    """What a call of the core moves when it records an outcome: ``count`` (a step) or
-    ``num_rejected`` (a reverted mix, which is not counted in ``count``)."""
+    """What a call of the core moves when it records an outcome: `count` (a step) or
+    `num_rejected` (a reverted mix, which is not counted in `count`)."""
     return int(window.count), int(window.num_rejected)
 
 
 def _torch_state(
     state: Any, params: list[Tensor], verdict: Tensor
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """``(tensor, copy, verdict)`` for the wrapped optimizer's state tensors of ``params``
-    (momentum, moments, step counts): what a compiled step blends back where ``verdict``
+    """`(tensor, copy, verdict)` for the wrapped optimizer's state tensors of `params`
+    (momentum, moments, step counts): what a compiled step blends back where `verdict`
     rejects. Params without state have never been stepped, so no mix of theirs is pending."""
     return [
         (value, value.clone(), verdict)
@@ -804,7 +806,7 @@ def _torch_state(
 def _closure_loss(
     params: list[Tensor], closure: Callable[[], Any]
 ) -> Callable[[list[Tensor]], Tensor]:
-    """``loss_fn`` for the safeguard: the closure's loss with ``params`` set to a candidate."""
+    """`loss_fn` for the safeguard: the closure's loss with `params` set to a candidate."""
 
     def loss_fn(candidate: list[Tensor]) -> Tensor:
         with torch.no_grad():
@@ -843,48 +845,51 @@ def accelerate(
     reg_column: float = 0.0,
     safeguard: str = "loss_fn",
 ) -> AcceleratedOptimizer:
-    r"""AADL's ``accelerate``: Anderson-accelerates ``optimizer`` in place.
+    r"""AADL's `accelerate`: Anderson-accelerates `optimizer` in place.
 
-    Same positional order and defaults as AADL's ``AADL.accelerate``, so an AADL script only
-    changes its import. Like AADL it replaces ``optimizer.step`` on the instance (and
-    ``state_dict`` / ``load_state_dict``, which then carry the windows), so code that keeps
-    calling ``optimizer.step(closure)`` is accelerated; it also returns the
-    :class:`AcceleratedOptimizer` doing the work (counters in ``anderson_states``). Create LR
-    schedulers after calling ``accelerate`` (torch warns about a step replaced after the
-    scheduler was made).
+    Same positional order and defaults as AADL's `AADL.accelerate`, so an AADL script only
+    changes its import. Like AADL it replaces `optimizer.step` on the instance (and
+    `state_dict` / `load_state_dict`, which then carry the windows), so code that keeps
+    calling `optimizer.step(closure)` is accelerated; it also returns the
+    [`AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer] doing the work (counters in
+    `anderson_states`). Create LR schedulers after calling `accelerate` (torch warns about a step
+    replaced after the scheduler was made).
 
-    Semantics are those of :func:`aadl_func.anderson` (``reg_acc`` is its ``reg``): the window
-    holds every ``store_each_nth``-th plain step, mixing happens every ``frequency`` calls
-    after ``wait_iterations`` once the window holds 3 entries, a ``closure`` turns on the loss
-    safeguard, and ``average=True`` the moving-average rule. The keyword-only parameters
-    (``mode``, ``average_tol``, ...) are the other options of :func:`aadl_func.anderson`, with
-    its defaults (``tests/test_options.py`` holds them to ``AndersonOptions``).
+    Semantics are those of [`aadl_func.anderson()`][aadl_func.anderson] (`reg_acc` is its `reg`):
+    the window holds every `store_each_nth`-th plain step, mixing happens every `frequency` calls
+    after `wait_iterations` once the window holds 3 entries, a `closure` turns on the loss
+    safeguard, and `average=True` the moving-average rule. The keyword-only parameters
+    (`mode`, `average_tol`, ...) are the other options of
+    [`aadl_func.anderson()`][aadl_func.anderson], with its defaults (`tests/test_options.py` holds
+    them to `AndersonOptions`).
 
     Args:
-      optimizer: the ``torch.optim.Optimizer`` to accelerate.
-      acceleration_type: ``"anderson"`` or ``"anderson_normal_equation"`` (case-insensitive).
-        Both use the one stable float64 solver (:func:`aadl_func.solve_weights`): AADL's
-        normal-equation variant squared the condition number in the params' precision, which
-        this library never does, so it is kept only as a name.
+      optimizer: the `torch.optim.Optimizer` to accelerate.
+      acceleration_type: `"anderson"` or `"anderson_normal_equation"` (case-insensitive).
+        Both use the one stable float64 solver
+        ([`aadl_func.solve_weights()`][aadl_func.solve_weights]): AADL's normal-equation variant
+        squared the condition number in the params' precision, which this library never does, so it
+        is kept only as a name.
       relaxation: mixing parameter (AADL's default 0.1).
       wait_iterations: plain steps before the first mix (AADL's default 1).
       history_depth: window entries (AADL's default 15).
       store_each_nth: store every n-th plain step.
-      frequency: mix every ``frequency`` steps.
+      frequency: mix every `frequency` steps.
       reg_acc: Tikhonov weight of the least-squares problem.
       average: AADL's moving average of the window.
       history_device: where the windows live. Default: each parameter's device (AADL
-        defaulted to ``"cpu"``; pass it to keep the windows off the accelerator).
+        defaulted to `"cpu"`; pass it to keep the windows off the accelerator).
       compute_device: where the small least-squares problem is solved (default: the history
         device).
-      safeguard: ``"loss_fn"`` or ``"deferred"``, as :class:`AcceleratedOptimizer`'s; the
-        patched ``optimizer.step`` then takes ``step(closure)`` or ``step(loss=value)``.
+      safeguard: `"loss_fn"` or `"deferred"`, as
+        [`AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer]'s; the patched `optimizer.step`
+        then takes `step(closure)` or `step(loss=value)`.
 
     Returns:
-      The :class:`AcceleratedOptimizer` now behind ``optimizer.step``.
+      The [`AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer] now behind `optimizer.step`.
 
     Raises:
-      ValueError: unknown ``acceleration_type`` (AADL's ``"identity"`` included), an invalid
+      ValueError: unknown `acceleration_type` (AADL's `"identity"` included), an invalid
         option, or an optimizer that is already accelerated.
     """
     given = locals()
@@ -898,12 +903,12 @@ def accelerate(
             "accelerate: `acceleration_type` must be 'anderson' or 'anderson_normal_equation', "
             f"got {acceleration_type!r}"
         )
-    # Every option under its own name but ``reg`` (AADL's ``reg_acc``).
+    # Every option under its own name but `reg` (AADL's `reg_acc`).
     options = {name: given[name] for name in AndersonOptions.names() if name != "reg"}
     accelerator = AcceleratedOptimizer(optimizer, reg=reg_acc, safeguard=safeguard, **options)
     setattr(optimizer, _ACCELERATOR_ATTRIBUTE, accelerator)
-    # Bound to ``optimizer`` itself (as AADL's MethodType): LR schedulers re-bind
-    # ``optimizer.step.__func__`` to the optimizer when they wrap it.
+    # Bound to `optimizer` itself (as AADL's MethodType): LR schedulers re-bind
+    # `optimizer.step.__func__` to the optimizer when they wrap it.
     optimizer.step = MethodType(_accelerated_step, optimizer)  # type: ignore[method-assign]
     optimizer.state_dict = MethodType(_accelerated_state_dict, optimizer)  # type: ignore[method-assign]
     optimizer.load_state_dict = MethodType(_accelerated_load_state_dict, optimizer)  # type: ignore[method-assign]
