@@ -1,1 +1,1 @@
-"""Private implementation modules of aadl_func; import from ``aadl_func`` instead."""
+"""Private implementation modules of aadl_func; import from `aadl_func` instead."""

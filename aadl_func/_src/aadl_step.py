@@ -1,17 +1,18 @@
 r"""Mode "aadl": AADL's Anderson step on the window of plain iterates.
 
-The window holds the newest plain iterate :math:`y_{k}` (the anchor, in the params' dtype)
-and a ring of the differences :math:`\Delta x_j = y_{j+1} - y_j` of consecutive ones (the
-"residuals" of AADL's fixed-point view). One call (see :func:`aadl_func.anderson`):
+The window holds the newest plain iterate $y_{k}$ (the anchor, in the params' dtype)
+and a ring of the differences $\Delta x_j = y_{j+1} - y_j$ of consecutive ones (the
+"residuals" of AADL's fixed-point view). One call (see
+[`aadl_func.anderson()`][aadl_func.anderson]):
 
-.. math::
+$$
+y = g(x), \qquad
+\gamma = \arg\min_\gamma \|\Delta x_{\mathrm{last}} - \Delta R\,\gamma\|^2
+    + \lambda\|\gamma\|^2, \qquad
+x^+ = y - \sum_j c_j\, \Delta x_j,\quad c = \mathrm{cumsum}(\alpha) - \beta\alpha,
+$$
 
-    y = g(x), \qquad
-    \gamma = \arg\min_\gamma \|\Delta x_{\mathrm{last}} - \Delta R\,\gamma\|^2
-        + \lambda\|\gamma\|^2, \qquad
-    x^+ = y - \sum_j c_j\, \Delta x_j,\quad c = \mathrm{cumsum}(\alpha) - \beta\alpha,
-
-:math:`\alpha` the affine weights of :math:`\gamma` (:func:`aadl_func._src.solve`).
+$\alpha$ the affine weights of $\gamma$ (`aadl_func._src.solve()`).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class Window(NamedTuple):
 
 
 def aadl_step(call: Call) -> tuple[Any, AndersonState]:
-    """One ``update`` call in mode "aadl" (the numbered steps of :func:`aadl_func.anderson`)."""
+    """One `update` call in mode "aadl" (the numbered steps of
+    [`aadl_func.anderson()`][aadl_func.anderson])."""
     options = call.options
     begin_writes(call)
     y = plain_step(call)  # step 1
@@ -123,7 +125,7 @@ def aadl_step(call: Call) -> tuple[Any, AndersonState]:
 
 
 def store_iterate(call: Call, y: list[Tensor], store: Tensor) -> Window:
-    """Step 2: on a storing call, ``y - anchor`` joins the ring and ``y`` becomes the anchor."""
+    """Step 2: on a storing call, `y - anchor` joins the ring and `y` becomes the anchor."""
     state, anchor = call.state, call.anchor
     y_hist = to_history(y, anchor)
     # The window is empty exactly until the first stored call (count < store_each_nth);
@@ -170,18 +172,18 @@ def store_iterate(call: Call, y: list[Tensor], store: Tensor) -> Window:
 
 
 def _difference(call: Call, y_hist: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
-    """The new residual ``y - anchor`` in the history dtype, and its Gram row if the fused
+    """The new residual `y - anchor` in the history dtype, and its Gram row if the fused
     kernel computed it.
 
     In place the difference goes straight into its ring slot (rounded to the history dtype
     once): appending allocates nothing parameter-sized. A float32 window on the CPU does it
-    in one pass with the anchor copy and the Gram row (``append_difference``).
+    in one pass with the anchor copy and the Gram row (`append_difference`).
     """
     head = tree.static_value(call.state.head) if call.inplace else None
     slot = None if head is None else (head + 1) % call.q
     if slot is not None and tree.any_transformed(y_hist):
         # A vmapped ensemble stepping together (a shared head): batched tensors have neither
-        # ``out=`` nor raw pointers, so the difference takes the route below and is then
+        # `out=` nor raw pointers, so the difference takes the route below and is then
         # copied into its one slot.
         slot = None
     if slot is None:
@@ -197,8 +199,8 @@ def _difference(call: Call, y_hist: list[Tensor]) -> tuple[list[Tensor], Tensor 
 
 
 def moving_average(call: Call, window: Window) -> tuple[list[Tensor] | None, Tensor]:
-    """Step 5, AADL's moving average (:mod:`aadl_func._src.average`), decided on the window
-    of plain iterates before any mix: ``(the window mean, whether it replaces the params)``.
+    """Step 5, AADL's moving average (`aadl_func._src.average`), decided on the window
+    of plain iterates before any mix: `(the window mean, whether it replaces the params)`.
     When it applies, the window is too noisy to extrapolate from, so the call does not mix
     (nor evaluate the safeguard's losses)."""
     if not call.options.average or call.plain:
@@ -220,7 +222,7 @@ def moving_average(call: Call, window: Window) -> tuple[list[Tensor] | None, Ten
 
 
 def extrapolate(call: Call, window: Window, store: Tensor) -> tuple[list[Tensor], Tensor]:
-    """Step 3: the mix :math:`x^+ = y - \\sum_j c_j \\Delta x_j` (compute dtype, history
+    """Step 3: the mix $x^+ = y - \\sum_j c_j \\Delta x_j$ (compute dtype, history
     device) and whether it is usable (solved and finite)."""
     solution = solve(
         call, window.ring, window.grams, window.head, window.num_residuals, window.reduction
@@ -263,8 +265,8 @@ def _mix_into_params(call: Call, anchor: list[Tensor], store: Tensor) -> list[Te
     if call.shards is not None or flags.value(store) is not True:
         return None
     if tree.any_transformed(call.params):
-        # vmap (members stepping together know ``store``): undoing a rejected mix needs
-        # ``ok`` as a value, which a batched flag is not.
+        # vmap (members stepping together know `store`): undoing a rejected mix needs
+        # `ok` as a value, which a batched flag is not.
         return None
     for p, a, c in zip(call.params, anchor, call.compute_dtypes):
         if not (p.dtype == a.dtype == c) or (p.device, p.stride()) != (a.device, a.stride()):
@@ -280,7 +282,7 @@ def no_mix(call: Call) -> tuple[list[Tensor], Tensor]:
 
 def move_newest(call: Call, window: Window, x_hist: list[Tensor], x: list[Tensor]) -> Window:
     """The safeguard kept the mix: it becomes the anchor and the newest residual grows by
-    ``x - y`` (so that the next difference is taken from the point actually returned)."""
+    `x - y` (so that the next difference is taken from the point actually returned)."""
     ring, anchor = window.ring, window.anchor
     newest = read_slot(ring, window.head)
     x_anchor = [v.to(a.dtype) for v, a in zip(x_hist, anchor)]
@@ -304,7 +306,7 @@ def move_newest(call: Call, window: Window, x_hist: list[Tensor], x: list[Tensor
 
 def base_bound(call: Call) -> Tensor:
     """The largest magnitude of the combination's base on this rank: the anchor, old or new
-    (``y = x + u``, bounded by ``max|x| + max|u|``, also when ``x`` already holds ``y``)."""
+    (`y = x + u`, bounded by `max|x| + max|u|`, also when `x` already holds `y`)."""
     device = call.compute_device
     anchor = distributed.max_abs(call.anchor, device)
     newest = distributed.max_abs(call.params, device) + distributed.max_abs(call.updates, device)
@@ -312,13 +314,13 @@ def base_bound(call: Call) -> Tensor:
 
 
 def mix_bound(options: Any, alpha: Tensor, norms: Tensor, base: Tensor) -> Tensor:
-    r"""A bound of every entry of :math:`x^+ = a - \sum_s c_s r_s`:
-    :math:`A + \sum_s |c_s| \|r_s\|`, :math:`A` the base's bound."""
+    r"""A bound of every entry of $x^+ = a - \sum_s c_s r_s$:
+    $A + \sum_s |c_s| \|r_s\|$, $A$ the base's bound."""
     c = aadl_coefficients(alpha, options.relaxation).abs()
     return base + torch.where(c > 0, c * norms, 0.0).sum()
 
 
 def last_plain_step(call: Call) -> list[Tensor]:
-    """The previous call's plain step :math:`y_{k-1}`: the anchor (the newest plain iterate,
-    stored on every call with ``store_each_nth = 1``), as a fresh tensor."""
+    """The previous call's plain step $y_{k-1}$: the anchor (the newest plain iterate,
+    stored on every call with `store_each_nth = 1`), as a fresh tensor."""
     return [a.clone() for a in call.anchor]

@@ -2,60 +2,60 @@ r"""AdaSAM: stochastic Anderson mixing with damped projection and adaptive regul
 
 Fuchao Wei, Chenglong Bao and Yang Liu, "Stochastic Anderson Mixing for Nonconvex Stochastic
 Optimization", NeurIPS 2021 (arXiv:2110.01543). The method, for a (stochastic) gradient
-:math:`g_k = \nabla f_{S_k}(x_k)` and the residual :math:`r_k = -(g_k + \lambda x_k)`
-(:math:`\lambda`: weight decay), step :math:`k = 0, 1, \dots`:
+$g_k = \nabla f_{S_k}(x_k)$ and the residual $r_k = -(g_k + \lambda x_k)$
+($\lambda$: weight decay), step $k = 0, 1, \dots$:
 
-1. **Moving averages of the differences** (for :math:`k \ge 1`):
+1. **Moving averages of the differences** (for $k \ge 1$):
 
-   .. math::
+   $$
+   \overline{\Delta x}_k &= \gamma\, \overline{\Delta x}_{k-1}
+       + (1 - \gamma)(x_k - x_{k-1}), \\
+   \overline{\Delta r}_k &= \gamma\, \overline{\Delta r}_{k-1}
+       + (1 - \gamma)(r_k - r_{k-1}),
+   $$
 
-       \overline{\Delta x}_k &= \gamma\, \overline{\Delta x}_{k-1}
-           + (1 - \gamma)(x_k - x_{k-1}), \\
-       \overline{\Delta r}_k &= \gamma\, \overline{\Delta r}_{k-1}
-           + (1 - \gamma)(r_k - r_{k-1}),
-
-   starting from zero. They become the newest columns of :math:`X_k` and :math:`R_k`, which
-   hold the last :math:`m` (``history_depth``) of them (unfilled columns are zero).
+   starting from zero. They become the newest columns of $X_k$ and $R_k$, which
+   hold the last $m$ (`history_depth`) of them (unfilled columns are zero).
 
 2. **Adaptive regularisation**:
-   :math:`\delta_k = c\, \|r_k\|^2 / (\|\overline{\Delta x}_k\|^2 + \epsilon)`.
+   $\delta_k = c\, \|r_k\|^2 / (\|\overline{\Delta x}_k\|^2 + \epsilon)$.
 
 3. **Coefficients** of the regularised least-squares problem
-   :math:`\min_\Gamma \|r_k - R_k \Gamma\|^2 + \delta_k \|X_k \Gamma\|^2`:
+   $\min_\Gamma \|r_k - R_k \Gamma\|^2 + \delta_k \|X_k \Gamma\|^2$:
 
-   .. math::
-
-       \Gamma_k = (R_k^T R_k + \delta_k X_k^T X_k)^{+} R_k^T r_k
+   $$
+          \Gamma_k = (R_k^T R_k + \delta_k X_k^T X_k)^{+} R_k^T r_k
+   $$
 
    (pseudo-inverse in float64: the unfilled zero columns get zero coefficients).
 
 4. **Damped projection and mixing**:
-   :math:`\bar x_k = x_k - \alpha X_k \Gamma_k`, :math:`\bar r_k = r_k - \alpha R_k \Gamma_k`,
-   :math:`x_{k+1} = \bar x_k + \beta \bar r_k`, i.e. the step
+   $\bar x_k = x_k - \alpha X_k \Gamma_k$, $\bar r_k = r_k - \alpha R_k \Gamma_k$,
+   $x_{k+1} = \bar x_k + \beta \bar r_k$, i.e. the step
 
-   .. math::
+   $$
+          p_k = \beta r_k - \alpha (X_k + \beta R_k) \Gamma_k .
+   $$
 
-       p_k = \beta r_k - \alpha (X_k + \beta R_k) \Gamma_k .
-
-5. **Positive-definiteness (descent) check**: :math:`x_{k+1} = x_k + p_k` only if
-   :math:`\langle p_k, r_k \rangle > \mu \beta \|r_k\|^2` (the step is a descent direction
+5. **Positive-definiteness (descent) check**: $x_{k+1} = x_k + p_k$ only if
+   $\langle p_k, r_k \rangle > \mu \beta \|r_k\|^2$ (the step is a descent direction
    for the sampled loss); otherwise, and on the first step, the plain step
-   :math:`x_{k+1} = x_k + \beta r_k` (SGD with learning rate :math:`\beta`). There is no
+   $x_{k+1} = x_k + \beta r_k$ (SGD with learning rate $\beta$). There is no
    loss-based acceptance.
 
-The paper requires the matrix :math:`H_k` of :math:`p_k = H_k r_k` to be positive definite
-and checks it through :math:`\langle p_k, r_k \rangle`; the authors' reference code
-(``optim/adasam.py`` of github.com/wfc12/Stochastic_Anderson_Mixing) uses the simplified test
-:math:`\langle p_k, r_k \rangle > 0`, which is ``mu=0`` here (the default). The defaults
-(:math:`\alpha = \beta = 1`, :math:`m = 10`, :math:`c = 10^{-2}`, :math:`\gamma = 0.9`,
-:math:`\epsilon = 10^{-8}`) are that implementation's. The paper's preconditioned variant
+The paper requires the matrix $H_k$ of $p_k = H_k r_k$ to be positive definite
+and checks it through $\langle p_k, r_k \rangle$; the authors' reference code
+(`optim/adasam.py` of github.com/wfc12/Stochastic_Anderson_Mixing) uses the simplified test
+$\langle p_k, r_k \rangle > 0$, which is `mu=0` here (the default). The defaults
+($\alpha = \beta = 1$, $m = 10$, $c = 10^{-2}$, $\gamma = 0.9$,
+$\epsilon = 10^{-8}$) are that implementation's. The paper's preconditioned variant
 (pAdaSAM) and its variance-reduced variant (AdaSAM-VR) are not implemented.
 
-Functional like the rest of the package: ``state = init(params)``,
-``params, state = update(state, params, grads)``, pure (inputs are never mutated). The state
-is an :class:`AdaSAMState` of tensors only, with no Python branching on tensor values, so
-``init`` and ``update`` run under :func:`torch.func.vmap` (an ensemble) and the state saves
-with :func:`torch.save`. The window costs :math:`2m + 4` parameter-sized buffers.
+Functional like the rest of the package: `state = init(params)`,
+`params, state = update(state, params, grads)`, pure (inputs are never mutated). The state
+is an `AdaSAMState` of tensors only, with no Python branching on tensor values, so
+`init` and `update` run under `torch.func.vmap()` (an ensemble) and the state saves
+with `torch.save()`. The window costs $2m + 4$ parameter-sized buffers.
 """
 
 from __future__ import annotations
@@ -76,20 +76,20 @@ Params = Any
 
 
 class AdaSAMState(NamedTuple):
-    """State of :func:`adasam`: tensors only (``vmap`` and ``torch.save`` work on it).
+    """State of [`adasam()`][aadl_func.adasam]: tensors only (`vmap` and `torch.save` work on it).
 
     Attributes:
-        count: 0-d int64, ``update`` calls so far (:math:`k`).
-        prev_params: pytree like the params, :math:`x_{k-1}` (zeros at ``init``).
-        prev_residual: pytree like the params, :math:`r_{k-1}` (zeros at ``init``).
-        dx_avg: pytree like the params, :math:`\\overline{\\Delta x}_{k-1}`.
-        dr_avg: pytree like the params, :math:`\\overline{\\Delta r}_{k-1}`.
-        dxs: pytree like the params, each leaf with a leading dimension ``history_depth``:
-            the ring of averaged iterate differences (columns of :math:`X`).
-        drs: the same for the averaged residual differences (columns of :math:`R`).
-        num_mixed: 0-d int64, steps that took the mixed step :math:`p_k`.
+        count: 0-d int64, `update` calls so far ($k$).
+        prev_params: pytree like the params, $x_{k-1}$ (zeros at `init`).
+        prev_residual: pytree like the params, $r_{k-1}$ (zeros at `init`).
+        dx_avg: pytree like the params, $\\overline{\\Delta x}_{k-1}$.
+        dr_avg: pytree like the params, $\\overline{\\Delta r}_{k-1}$.
+        dxs: pytree like the params, each leaf with a leading dimension `history_depth`:
+            the ring of averaged iterate differences (columns of $X$).
+        drs: the same for the averaged residual differences (columns of $R$).
+        num_mixed: 0-d int64, steps that took the mixed step $p_k$.
         num_fallback: 0-d int64, steps after the first whose descent check failed (the plain
-            step :math:`\\beta r_k` was taken).
+            step $\\beta r_k$ was taken).
     """
 
     count: Tensor
@@ -104,7 +104,7 @@ class AdaSAMState(NamedTuple):
 
 
 class AdaSAM(NamedTuple):
-    """``state = init(params)``; ``params, state = update(state, params, grads)``."""
+    """`state = init(params)`; `params, state = update(state, params, grads)`."""
 
     init: Callable[[Params], AdaSAMState]
     update: Callable[..., tuple[Params, AdaSAMState]]
@@ -125,27 +125,27 @@ def adasam(
     docstring for the equations.
 
     Args:
-        lr: the mixing parameter :math:`\beta > 0`, the step length along the residual: the
-            plain (fallback) step is SGD with learning rate ``lr``.
-        alpha: the damping :math:`\alpha \ge 0` of the projection (0: plain SGD).
-        history_depth: :math:`m \ge 1`, the columns of :math:`X` and :math:`R`.
-        damp: :math:`c \ge 0` of the adaptive regularisation
-            :math:`\delta_k = c \|r_k\|^2 / (\|\overline{\Delta x}_k\|^2 + \epsilon)`.
-        gamma: :math:`\gamma \in [0, 1)`, the moving-average weight of the differences
+        lr: the mixing parameter $\beta > 0$, the step length along the residual: the
+            plain (fallback) step is SGD with learning rate `lr`.
+        alpha: the damping $\alpha \ge 0$ of the projection (0: plain SGD).
+        history_depth: $m \ge 1$, the columns of $X$ and $R$.
+        damp: $c \ge 0$ of the adaptive regularisation
+            $\delta_k = c \|r_k\|^2 / (\|\overline{\Delta x}_k\|^2 + \epsilon)$.
+        gamma: $\gamma \in [0, 1)$, the moving-average weight of the differences
             (0: the raw differences, as in classic Anderson mixing).
-        mu: :math:`\mu \ge 0` of the descent check
-            :math:`\langle p_k, r_k \rangle > \mu \beta \|r_k\|^2`.
-        eps: :math:`\epsilon > 0` in :math:`\delta_k`'s denominator.
-        weight_decay: :math:`\lambda \ge 0`, added to the gradient (``r = -(g + lambda x)``).
+        mu: $\mu \ge 0$ of the descent check
+            $\langle p_k, r_k \rangle > \mu \beta \|r_k\|^2$.
+        eps: $\epsilon > 0$ in $\delta_k$'s denominator.
+        weight_decay: $\lambda \ge 0$, added to the gradient (`r = -(g + lambda x)`).
 
     Returns:
-        An :class:`AdaSAM` ``(init, update)``. ``update(state, params, grads)`` returns the new
-        params and an :class:`AdaSAMState`; it never mutates its inputs.
+        An `AdaSAM` `(init, update)`. `update(state, params, grads)` returns the new
+        params and an `AdaSAMState`; it never mutates its inputs.
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or out of range, naming it (at
-            construction); at ``update``, a ``state`` that is not an :class:`AdaSAMState` or
-            ``grads`` whose structure or shapes differ from ``params``'.
+            construction); at `update`, a `state` that is not an `AdaSAMState` or
+            `grads` whose structure or shapes differ from `params`'.
     """
     beta = check_float(_OWNER, "lr", lr, minimum=0.0, strict=True)
     alpha = check_float(_OWNER, "alpha", alpha, minimum=0.0)
@@ -248,7 +248,7 @@ def _flatten(tree: Any, name: str) -> tuple[list[Tensor], Any]:
 
 
 def _check(state: Any, x: list[Tensor], g: list[Tensor], spec: Any, m: int) -> None:
-    """Metadata checks, before any arithmetic: ``state`` and ``grads`` fit the params."""
+    """Metadata checks, before any arithmetic: `state` and `grads` fit the params."""
     if not isinstance(state, AdaSAMState):
         raise TypeError(
             f"{_OWNER}: `state` must be an AdaSAMState (from this optimizer's init), got "
@@ -275,12 +275,12 @@ def _write(ring: Tensor, column: Tensor, mask: Tensor) -> Tensor:
 
 
 def _dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
-    """``<a, b>`` over all leaves, in float64."""
+    """`<a, b>` over all leaves, in float64."""
     return sum((ai.double() * bi.double()).sum() for ai, bi in zip(a, b))
 
 
 def _gram(a: list[Tensor], b: list[Tensor]) -> Tensor:
-    """``A^T B`` for rings ``A``, ``B`` (columns: the leading dimension), in float64."""
+    """`A^T B` for rings `A`, `B` (columns: the leading dimension), in float64."""
     total = None
     for ai, bi in zip(a, b):
         flat_a, flat_b = ai.reshape(ai.shape[0], -1).double(), bi.reshape(bi.shape[0], -1).double()
@@ -290,5 +290,5 @@ def _gram(a: list[Tensor], b: list[Tensor]) -> Tensor:
 
 
 def _combine(ring: Tensor, coeffs: Tensor) -> Tensor:
-    """``sum_j coeffs[j] ring[j]`` in the ring's dtype."""
+    """`sum_j coeffs[j] ring[j]` in the ring's dtype."""
     return torch.tensordot(coeffs.to(ring.dtype), ring, dims=1)

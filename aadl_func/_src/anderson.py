@@ -1,11 +1,12 @@
-"""``anderson``: Anderson acceleration as a functional (init, update) transformation.
+"""`anderson`: Anderson acceleration as a functional (init, update) transformation.
 
-The entry points live here: :func:`anderson` (the options, :class:`AndersonOptions`), ``init``
-(the state's buffers, laid out by the mode's record in :mod:`aadl_func._src.modes`) and
-``update``, which checks its arguments, runs the inner optimizer and hands one
-:class:`aadl_func._src.stages.Call` to the mode's step function
-(:mod:`aadl_func._src.aadl_step`, :mod:`aadl_func._src.classic_step`). :func:`step` is that
-entry point for other front ends (:class:`aadl_func.AcceleratedOptimizer`).
+The entry points live here: [`anderson()`][aadl_func.anderson] (the options, `AndersonOptions`),
+`init` (the state's buffers, laid out by the mode's record in `aadl_func._src.modes`) and
+`update`, which checks its arguments, runs the inner optimizer and hands one
+`aadl_func._src.stages.Call` to the mode's step function
+(`aadl_func._src.aadl_step`, `aadl_func._src.classic_step`). `step()` is that
+entry point for other front ends
+([`aadl_func.AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer]).
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ LossFn = Callable[[Params], Tensor]
 
 
 class Anderson(NamedTuple):
-    """A functional optimizer: ``state = init(params)``;
-    ``params, state = update(state, params, grads, *, inplace=False, loss_fn=None,
-    loss=None)``.
+    """A functional optimizer: `state = init(params)`;
+    `params, state = update(state, params, grads, *, inplace=False, loss_fn=None,
+    loss=None)`.
 
-    Typed by :class:`aadl_func.AndersonInit` and :class:`aadl_func.AndersonUpdate`."""
+    Typed by [`aadl_func.AndersonInit`][aadl_func.AndersonInit] and
+    [`aadl_func.AndersonUpdate`][aadl_func.AndersonUpdate]."""
 
     init: AndersonInit
     update: AndersonUpdate
@@ -74,140 +76,140 @@ def anderson(
     restart_on_reject: bool = False,
     reg_column: float = 0.0,
 ) -> Anderson:
-    r"""Anderson-accelerates an inner optimizer, treating its step as a fixed-point map ``g``.
+    r"""Anderson-accelerates an inner optimizer, treating its step as a fixed-point map `g`.
 
     The defaults are AADL's, so that AADL's users get AADL's algorithm unchanged; the
-    recommended full-batch setting differs because mode ``"classic"`` with a safeguard around
+    recommended full-batch setting differs because mode `"classic"` with a safeguard around
     Adam without momentum did better on every problem measured (docs/guide.md):
-    ``anderson(adam(lr, betas=(0.0, 0.999)), mode="classic", history_depth=20,
-    reg_relative=1e-4)``, called as ``update(state, params, grads, loss=value)``.
+    `anderson(adam(lr, betas=(0.0, 0.999)), mode="classic", history_depth=20,
+    reg_relative=1e-4)`, called as `update(state, params, grads, loss=value)`.
 
-    Mode ``"aadl"`` (default, AADL's semantics). Call number :math:`k` (1-based):
+    Mode `"aadl"` (default, AADL's semantics). Call number $k$ (1-based):
 
-    1. :math:`y = g(x)`, the inner optimizer's step from ``params`` with ``grads``;
-    2. if :math:`k \bmod` ``store_each_nth`` :math:`= 0`, :math:`y` joins the window (at most
-       ``history_depth`` entries, oldest dropped);
-    3. if :math:`k >` ``wait_iterations``, :math:`k \bmod` ``frequency`` :math:`= 0` and the
-       window holds at least 3 entries, the params become :math:`x` = :func:`aadl_func.mix`
-       (window, ``relaxation``, ``reg``), else :math:`y`;
-    4. with ``loss_fn``, :math:`x` is kept only if ``loss_fn(x) < loss_fn(y)``, and then also
-       replaces the newest window entry; a non-finite :math:`x` is never returned.
-    5. with ``average=True``, AADL's moving average, decided before step 3: when the window's
-       spread :math:`\|s\|_2` (per-coordinate sample standard deviation) exceeds
-       ``average_tol`` :math:`\|\bar x\|_2`, the params become the window mean :math:`\bar x`
-       and no mix is formed on that call (see ``aadl_func._src.average``).
+    1. $y = g(x)$, the inner optimizer's step from `params` with `grads`;
+    2. if $k \bmod$ `store_each_nth` $= 0$, $y$ joins the window (at most
+       `history_depth` entries, oldest dropped);
+    3. if $k >$ `wait_iterations`, $k \bmod$ `frequency` $= 0$ and the
+       window holds at least 3 entries, the params become $x$ = [`aadl_func.mix()`][aadl_func.mix]
+       (window, `relaxation`, `reg`), else $y$;
+    4. with `loss_fn`, $x$ is kept only if `loss_fn(x) < loss_fn(y)`, and then also
+       replaces the newest window entry; a non-finite $x$ is never returned.
+    5. with `average=True`, AADL's moving average, decided before step 3: when the window's
+       spread $\|s\|_2$ (per-coordinate sample standard deviation) exceeds
+       `average_tol` $\|\bar x\|_2$, the params become the window mean $\bar x$
+       and no mix is formed on that call (see `aadl_func._src.average`).
 
-    Mode ``"classic"``: textbook type-II Anderson acceleration on the pairs
-    :math:`(x_i, g(x_i))` of the last ``history_depth`` calls,
+    Mode `"classic"`: textbook type-II Anderson acceleration on the pairs
+    $(x_i, g(x_i))$ of the last `history_depth` calls,
 
-    .. math::
+    $$
+    x_{k+1} = \sum_i \alpha_i \big((1 - \beta) x_i + \beta g(x_i)\big), \quad
+    \alpha = \arg\min_{\sum \alpha = 1} \Big\|\sum_i \alpha_i (g(x_i) - x_i)\Big\|,
+    $$
 
-        x_{k+1} = \sum_i \alpha_i \big((1 - \beta) x_i + \beta g(x_i)\big), \quad
-        \alpha = \arg\min_{\sum \alpha = 1} \Big\|\sum_i \alpha_i (g(x_i) - x_i)\Big\|,
-
-    gated by ``wait_iterations`` and ``frequency`` (and at least 2 pairs); on a linear map with
-    full history and :math:`\beta = 1` it is equivalent to GMRES (Walker & Ni, 2011).
+    gated by `wait_iterations` and `frequency` (and at least 2 pairs); on a linear map with
+    full history and $\beta = 1$ it is equivalent to GMRES (Walker & Ni, 2011).
 
     The window is a ring of residuals with float64 Gram matrices (of the residuals and of their
     consecutive differences) updated one row per stored entry: a step costs two passes over
-    the window (:math:`O(m n)`), solves an :math:`m \times m` problem in float64
-    (``aadl_func._src.solve.solve_differences``) and stores, in mode "aadl", the newest entry
-    plus ``history_depth - 1`` differences; in mode "classic", the newest point plus
-    ``history_depth`` differences of points and ``history_depth`` residuals (points are
-    stored as steps so that a low-precision ``history_dtype`` rounds the steps, not the
+    the window ($O(m n)$), solves an $m \times m$ problem in float64
+    (`aadl_func._src.solve.solve_differences`) and stores, in mode "aadl", the newest entry
+    plus `history_depth - 1` differences; in mode "classic", the newest point plus
+    `history_depth` differences of points and `history_depth` residuals (points are
+    stored as steps so that a low-precision `history_dtype` rounds the steps, not the
     points). A float64 window is solved more accurately, from
     a float64 QR factor of the differences streamed from the ring on mixing calls
-    (``aadl_func._src.solve.solve_factor``: :math:`O(m^2 n)` flops, no extra
+    (`aadl_func._src.solve.solve_factor`: $O(m^2 n)$ flops, no extra
     parameter-sized memory), so that the condition number of the differences is not squared.
 
     Args:
-      inner: the inner optimizer, e.g. :func:`aadl_func.adam`, or any object with torchopt-style
-        ``init(params)`` and ``update(updates, state, params=None, inplace=...)`` returning
-        ``(updates, state)`` (updates are added to the params).
-      history_depth: window entries, ``>= 3``.
-      relaxation: :math:`\beta > 0`; 1 is undamped, above 1 over-relaxes.
-      reg: absolute Tikhonov weight of the least-squares problem, ``>= 0``.
-      wait_iterations: calls before the first mixing, ``>= 0``.
-      store_each_nth: store every n-th inner step in the window, ``>= 1``.
-      frequency: mix every ``frequency`` calls, ``>= 1``.
-      mode: ``"aadl"`` or ``"classic"`` (complex params: ``"classic"`` only, with complex128
+      inner: the inner optimizer, e.g. [`aadl_func.adam()`][aadl_func.adam], or any object with
+        torchopt-style `init(params)` and `update(updates, state, params=None, inplace=...)`
+        returning `(updates, state)` (updates are added to the params).
+      history_depth: window entries, `>= 3`.
+      relaxation: $\beta > 0$; 1 is undamped, above 1 over-relaxes.
+      reg: absolute Tikhonov weight of the least-squares problem, `>= 0`.
+      wait_iterations: calls before the first mixing, `>= 0`.
+      store_each_nth: store every n-th inner step in the window, `>= 1`.
+      frequency: mix every `frequency` calls, `>= 1`.
+      mode: `"aadl"` or `"classic"` (complex params: `"classic"` only, with complex128
         Hermitian Grams; docs/solver.md, "Complex tensors").
       average: AADL's moving-average rule on the window (see the README).
-      average_tol: relative spread of the window above which ``average`` applies, ``> 0``.
+      average_tol: relative spread of the window above which `average` applies, `> 0`.
       history_device: where the window lives (default: each parameter's device).
       compute_device: where the small least-squares problem is solved (default: the history
         device of the first parameter). Passes over the window always run where it lives.
       history_dtype: dtype of the stored differences (default: each parameter's dtype).
       skip_nonfinite: skip a call whose grads or inner update are not finite (as optax's
-        ``apply_if_finite`` and ``torch.amp.GradScaler`` do): params and state are left as
-        they were, except ``num_skipped`` and ``skip_streak``, which count it. The inner
+        `apply_if_finite` and `torch.amp.GradScaler` do): params and state are left as
+        they were, except `num_skipped` and `skip_streak`, which count it. The inner
         update is then computed out of place and adopted only if finite (one inner-state-sized
-        temporary more with ``inplace=True``).
-      max_consecutive_skips: with ``skip_nonfinite``, how many calls in a row may be skipped;
-        the next non-finite one raises ``FloatingPointError`` and changes nothing (eager mode;
-        under ``vmap`` the calls are only counted). None: never give up.
-      reg_relative: a Tikhonov weight relative to the window, ``>= 0``: the least-squares
-        problem is solved with :math:`\lambda = \mathrm{reg} + \mathrm{reg\_relative}\,
-        \|\Delta F\|_F^2 / m` (below), which does not depend on the scale of the parameters
+        temporary more with `inplace=True`).
+      max_consecutive_skips: with `skip_nonfinite`, how many calls in a row may be skipped;
+        the next non-finite one raises `FloatingPointError` and changes nothing (eager mode;
+        under `vmap` the calls are only counted). None: never give up.
+      reg_relative: a Tikhonov weight relative to the window, `>= 0`: the least-squares
+        problem is solved with $\lambda = \mathrm{reg} + \mathrm{reg\_relative}\,
+        \|\Delta F\|_F^2 / m$ (below), which does not depend on the scale of the parameters
         or of the step.
-      restart_on_reject: when the ``loss_fn`` safeguard rejects a mix, the window restarts
-        from its newest entry (below). Without ``loss_fn`` nothing is ever rejected.
-      reg_column: a Tikhonov weight per column, ``>= 0``: column :math:`j` of the
-        least-squares problem gets :math:`\mathrm{reg\_column}\, \|\Delta f_j\|^2` on top of
-        :math:`\lambda` (below). This is SciPy's ``w0`` (``scipy.optimize.anderson``) with
-        ``reg_column = w0**2``: each column is damped relative to its own norm, so the newest,
-        smallest differences are not over-damped as by ``reg_relative``'s window mean.
+      restart_on_reject: when the `loss_fn` safeguard rejects a mix, the window restarts
+        from its newest entry (below). Without `loss_fn` nothing is ever rejected.
+      reg_column: a Tikhonov weight per column, `>= 0`: column $j$ of the
+        least-squares problem gets $\mathrm{reg\_column}\, \|\Delta f_j\|^2$ on top of
+        $\lambda$ (below). This is SciPy's `w0` (`scipy.optimize.anderson`) with
+        `reg_column = w0**2`: each column is damped relative to its own norm, so the newest,
+        smallest differences are not over-damped as by `reg_relative`'s window mean.
 
     Options for minibatch (stochastic) training, where consecutive residuals differ by gradient
     noise as much as by curvature (see examples/minibatch.py and the README):
 
-    * ``reg_relative``: with :math:`\Delta F = [\Delta f_0, \dots, \Delta f_{m-1}]` the
-      :math:`m` valid differences of consecutive residuals (mode "aadl": :math:`\Delta R`),
+    * `reg_relative`: with $\Delta F = [\Delta f_0, \dots, \Delta f_{m-1}]$ the
+      $m$ valid differences of consecutive residuals (mode "aadl": $\Delta R$),
       the coefficients solve
 
-      .. math::
+      $$
+      \gamma = \arg\min_\gamma \|f_{\mathrm{last}} - \Delta F \gamma\|^2
+          + \lambda \|\gamma\|^2, \qquad
+      \lambda = \mathrm{reg} + \mathrm{reg\_relative}\;
+          \frac{1}{m} \sum_j \|\Delta f_j\|^2 .
+      $$
 
-          \gamma = \arg\min_\gamma \|f_{\mathrm{last}} - \Delta F \gamma\|^2
-              + \lambda \|\gamma\|^2, \qquad
-          \lambda = \mathrm{reg} + \mathrm{reg\_relative}\;
-              \frac{1}{m} \sum_j \|\Delta f_j\|^2 .
-
-      The relative part scales with :math:`\Delta F^\top \Delta F`, so the damping of
-      :math:`\gamma` towards the plain step is the same whatever the parameters' or the
-      learning rate's scale (an absolute ``reg`` must be re-tuned when either changes), as
+      The relative part scales with $\Delta F^\top \Delta F$, so the damping of
+      $\gamma$ towards the plain step is the same whatever the parameters' or the
+      learning rate's scale (an absolute `reg` must be re-tuned when either changes), as
       the ridges of regularised nonlinear acceleration (Scieur, d'Aspremont, Bach, 2016:
-      :math:`\propto \|R^\top R\|`) and of AdaSAM (Wei, Bao, Liu, 2021:
-      :math:`\propto \|r_k\|^2 / \|\Delta x_{k-1}\|^2`) are.
-    * ``restart_on_reject``: when ``loss_fn`` rejects the mix of call :math:`k`, the window
-      keeps only its newest entry (mode "aadl": :math:`y_k`; mode "classic": the pair
-      :math:`(x_k, g(x_k))`), so the next mixes use only steps taken from then on. A rejection
+      $\propto \|R^\top R\|$) and of AdaSAM (Wei, Bao, Liu, 2021:
+      $\propto \|r_k\|^2 / \|\Delta x_{k-1}\|^2$) are.
+    * `restart_on_reject`: when `loss_fn` rejects the mix of call $k$, the window
+      keeps only its newest entry (mode "aadl": $y_k$; mode "classic": the pair
+      $(x_k, g(x_k))$), so the next mixes use only steps taken from then on. A rejection
       says the window's secant information no longer describes the map (in minibatch training,
       it is mostly noise). The restart itself costs nothing: no pass over the window, no
-      extra loss evaluation (the safeguard's ``loss_fn`` may be a held-out minibatch's loss).
+      extra loss evaluation (the safeguard's `loss_fn` may be a held-out minibatch's loss).
 
-    ``inplace=True`` is exception safe: whatever is raised wherever in a call (``loss_fn``,
+    `inplace=True` is exception safe: whatever is raised wherever in a call (`loss_fn`,
     Ctrl-C, an out-of-memory error, another signal's handler), the params and the state
     passed in are left at one complete outcome, ready for the next call, and the exception
-    propagates: as they were (raised before the first write), as after the plain step ``y``
-    of that call (its mix dropped uncounted; raised in ``loss_fn``, by a deferred Ctrl-C, or
+    propagates: as they were (raised before the first write), as after the plain step `y`
+    of that call (its mix dropped uncounted; raised in `loss_fn`, by a deferred Ctrl-C, or
     anywhere after the commit point), as after the plain step with the window restarted from
-    ``y`` (raised while the plain step was being written), or the call's complete result
+    `y` (raised while the plain step was being written), or the call's complete result
     (raised during its final writes). The state's tensors are updated in place and the
-    returned state holds those same tensors. See ``aadl_func._src.stages.recover`` and
+    returned state holds those same tensors. See `aadl_func._src.stages.recover` and
     docs/reliability.md. That guarantee is the eager one:
-    under ``torch.compile`` (and ``vmap``) the in-place writes are masked blends inside one
+    under `torch.compile` (and `vmap`) the in-place writes are masked blends inside one
     graph, the returned state carries new counters, and an interrupted compiled call may be
-    half written; ``inplace=False`` never writes its inputs (README, "Compiling").
+    half written; `inplace=False` never writes its inputs (README, "Compiling").
 
     Returns:
-      :class:`Anderson` ``(init, update)``.
+      [`Anderson`][aadl_func.Anderson] `(init, update)`.
     """
     options = AndersonOptions(**locals())  # validates every option (AndersonOptions)
     return Anderson(*functions(options))
 
 
 def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
-    """The ``init`` and ``update`` functions of :class:`Anderson` for ``options``."""
+    """The `init` and `update` functions of [`Anderson`][aadl_func.Anderson] for `options`."""
 
     def init(params: Params) -> AndersonState:
         with autograd_policy():  # no graph through the state (see checks.autograd_policy)
@@ -224,10 +226,10 @@ def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
         loss: Tensor | float | None = None,
         **misplaced: Any,
     ) -> tuple[Params, AndersonState]:
-        # ``grads``' default and ``misplaced`` only catch calls made as to a gradient
-        # transformation (``update(updates, state, params=...)``), to say what to call instead.
-        # A missing ``grads`` is caught by check_update_inputs: testing it here (``grads is
-        # MISSING``) costs a compiled step one more parameter-sized buffer (torch 2.13).
+        # `grads`' default and `misplaced` only catch calls made as to a gradient
+        # transformation (`update(updates, state, params=...)`), to say what to call instead.
+        # A missing `grads` is caught by check_update_inputs: testing it here (`grads is
+        # MISSING`) costs a compiled step one more parameter-sized buffer (torch 2.13).
         if misplaced:
             grads = check_call(state, params, grads, misplaced)
         with autograd_policy():  # no graph through the window (see checks.autograd_policy)
@@ -258,7 +260,7 @@ def _window_buffer(
     dtype: torch.dtype | None = None,
     pin_memory: bool = False,
 ) -> list[Tensor]:
-    """``num_slots`` zeroed window buffers for leaf ``p``, rows of one allocation."""
+    """`num_slots` zeroed window buffers for leaf `p`, rows of one allocation."""
     return new_ring(
         p,
         num_slots,
@@ -269,7 +271,7 @@ def _window_buffer(
 
 
 def _init(options: AndersonOptions, params: Params) -> AndersonState:
-    """A fresh state for ``params``: empty rings, zero Grams and counters, the inner state."""
+    """A fresh state for `params`: empty rings, zero Grams and counters, the inner state."""
     # Sharded (DTensor) params: the state holds each rank's local shards only.
     params = distributed.local_params(params, "anderson.init", average=options.average)
     leaves, spec = tree.flatten(params, "params", owner="anderson.init")
@@ -330,15 +332,15 @@ def step(
     loss: Tensor | float | None = None,
     mix: bool = True,
 ) -> tuple[Params, AndersonState]:
-    """One call of ``update`` for ``options``: the functional core's entry point for front
-    ends such as :class:`aadl_func.AcceleratedOptimizer`.
+    """One call of `update` for `options`: the functional core's entry point for front
+    ends such as [`aadl_func.AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer].
 
-    ``mix=False`` (the wrapper's recovery after an interrupted safeguard) records the plain
+    `mix=False` (the wrapper's recovery after an interrupted safeguard) records the plain
     step in the window and returns it, with no mix and no moving average.
 
-    ``loss`` (the deferred safeguard, :mod:`aadl_func._src.deferred`): when it rejects the
+    `loss` (the deferred safeguard, `aadl_func._src.deferred`): when it rejects the
     mix the previous call returned, the call goes back to that call's plain step
-    (:func:`aadl_func._src.stages.revert`) and runs no inner step.
+    (`aadl_func._src.stages.revert()`) and runs no inner step.
     """
     if loss is not None:
         loss = deferred.check_loss(options, loss, loss_fn)
@@ -349,7 +351,7 @@ def step(
     shards, params, grads, loss_fn = distributed.sharded_call(
         params, grads, loss_fn, inplace=inplace, average=options.average, owner="anderson.update"
     )
-    # ``grads`` come back cast to the params' dtypes where they differ (as torch.optim does).
+    # `grads` come back cast to the params' dtypes where they differ (as torch.optim does).
     p_leaves, spec, grads = check_update_inputs(options, state, params, grads, loss_fn, inplace)
     transformed = tree.any_transformed(p_leaves)  # vmap, or torch.compile
     if tree.tracing():
@@ -433,7 +435,7 @@ def step(
 
 
 def _finish(call: Call, run: Callable[[], tuple[Any, AndersonState]]) -> tuple[Any, Any]:
-    """``run()``, with an eager in-place call's exception turned into one complete outcome."""
+    """`run()`, with an eager in-place call's exception turned into one complete outcome."""
     try:
         return run()
     except BaseException:
@@ -443,7 +445,7 @@ def _finish(call: Call, run: Callable[[], tuple[Any, AndersonState]]) -> tuple[A
 
 
 def _returned(call: Call, out: Any, new_state: AndersonState, transformed: bool) -> tuple:
-    """What ``update`` returns: the params (DTensors again if sharded) and the state, marked
+    """What `update` returns: the params (DTensors again if sharded) and the state, marked
     as verified when this eager call made it."""
     if call.shards is not None:
         out = tree.unflatten(call.spec, call.shards.globalize(tree.flatten(out, "params")[0]))
@@ -473,7 +475,7 @@ MOVED = (*COUNTERS, "pending_loss")
 
 
 def _counters_on(state: AndersonState, device: torch.device) -> AndersonState:
-    """``state`` with its 0-d counters on ``device`` (a no-op for those already there)."""
+    """`state` with its 0-d counters on `device` (a no-op for those already there)."""
     return state._replace(**{name: getattr(state, name).to(device) for name in MOVED})
 
 
@@ -487,10 +489,10 @@ def _all_finite(leaves: list[Tensor], device: torch.device) -> Tensor:
 def _run_if_finite(
     call: Call, *, run: Callable[[Call], tuple[Any, AndersonState]], g_leaves: list[Tensor]
 ) -> tuple[Any, AndersonState]:
-    """``run(call)`` if the grads and the inner update are finite, else the skipped call.
+    """`run(call)` if the grads and the inner update are finite, else the skipped call.
 
-    A skipped call returns the params and the state as they were, with ``num_skipped`` and
-    ``skip_streak`` increased; with ``max_consecutive_skips`` reached it raises instead.
+    A skipped call returns the params and the state as they were, with `num_skipped` and
+    `skip_streak` increased; with `max_consecutive_skips` reached it raises instead.
     """
     device = call.compute_device
     finite = flags.both(_all_finite(g_leaves, device), _all_finite(call.updates, device))
@@ -508,8 +510,8 @@ def _run_if_finite(
 
 
 def check_skip_allowed(options: AndersonOptions, state: AndersonState, owner: str) -> None:
-    """Raises ``FloatingPointError`` if one more skipped call would exceed
-    ``max_consecutive_skips`` (eager mode: the streak is a concrete counter)."""
+    """Raises `FloatingPointError` if one more skipped call would exceed
+    `max_consecutive_skips` (eager mode: the streak is a concrete counter)."""
     limit = options.max_consecutive_skips
     streak = tree.static_value(state.skip_streak)
     if limit is not None and streak is not None and streak >= limit:
@@ -522,5 +524,5 @@ def check_skip_allowed(options: AndersonOptions, state: AndersonState, owner: st
 
 
 def count_skip(state: AndersonState) -> AndersonState:
-    """``state`` after a skipped call: everything as it was but the two skip counters."""
+    """`state` after a skipped call: everything as it was but the two skip counters."""
     return state._replace(num_skipped=state.num_skipped + 1, skip_streak=state.skip_streak + 1)

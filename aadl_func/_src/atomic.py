@@ -1,22 +1,22 @@
 r"""What makes an in-place step safe to interrupt.
 
-``update(..., inplace=True)`` writes into the params and into the buffers of the state the
-caller holds. For an exception thrown halfway (by ``loss_fn``, a closure, or Ctrl-C) to leave
+`update(..., inplace=True)` writes into the params and into the buffers of the state the
+caller holds. For an exception thrown halfway (by `loss_fn`, a closure, or Ctrl-C) to leave
 something usable, the step is split at a *commit point*:
 
 1. the plain step: the inner optimizer's update (out of place: its new state is written at
-   the commit), ``y`` in the params, ``y`` in the window;
+   the commit), `y` in the params, `y` in the window;
 2. commit: the state the caller passed is overwritten, tensor by tensor, with the state of a
-   plain (unmixed) step (:func:`write_back`), so from here on the caller's objects describe
+   plain (unmixed) step (`write_back()`), so from here on the caller's objects describe
    a finished plain step;
-3. the mix, the moving average and the safeguard (``loss_fn``), which only read the window
-   until every decision is made; then the final writes and a second :func:`write_back`.
+3. the mix, the moving average and the safeguard (`loss_fn`), which only read the window
+   until every decision is made; then the final writes and a second `write_back()`.
 
-:class:`Progress` records how far the call has written, so that an exception of any type
-raised anywhere is turned into one complete outcome (``stages.recover``): before 1 nothing
+`Progress` records how far the call has written, so that an exception of any type
+raised anywhere is turned into one complete outcome (`stages.recover`): before 1 nothing
 changed; during 1 the plain step is completed with the window restarted; during a commit
 (2, or the final one) the commit is finished; during the rest of 3 the caller gets exactly
-the plain step back. :class:`InterruptGuard` turns a
+the plain step back. `InterruptGuard` turns a
 Ctrl-C that arrives outside the user's callbacks into one raised at the next safe point.
 """
 
@@ -36,7 +36,7 @@ from aadl_func._src import tree
 
 __all__ = ["InterruptGuard", "Progress", "write_back"]
 
-# The C functions behind ``signal.signal`` / ``signal.getsignal``: their wrappers in signal.py
+# The C functions behind `signal.signal` / `signal.getsignal`: their wrappers in signal.py
 # convert to and from enums, ~12 us of a small model's step for the three calls a guarded step
 # makes (~1 us here). Same handlers, same semantics.
 try:
@@ -50,7 +50,7 @@ _SIGINT = int(signal.SIGINT)
 
 class Progress:
     """How far an eager in-place call has written the caller's tensors, so that an exception
-    raised anywhere in it can be turned into one complete outcome (``stages.recover``).
+    raised anywhere in it can be turned into one complete outcome (`stages.recover`).
 
     Attributes:
       param_versions: the params' version counters before the first write of the call (None
@@ -58,11 +58,11 @@ class Progress:
         counter moved has had its plain step added.
       stepped: the params leaves that have had their plain step added, in order.
       plain: the commit point was passed (the caller holds the finished plain step).
-      undo: after the commit point, ``(targets, sources)`` lists of copies that put the plain
+      undo: after the commit point, `(targets, sources)` lists of copies that put the plain
         step back into tensors written since (the params mixed into, the window's newest
         entry moved).
       pending: the state being committed (plain, final or skipped), None between commits.
-      writes: the ``(dst, src)`` copies of the params that go with ``pending``.
+      writes: the `(dst, src)` copies of the params that go with `pending`.
     """
 
     __slots__ = ("param_versions", "stepped", "plain", "undo", "pending", "writes")
@@ -77,11 +77,11 @@ class Progress:
 
 
 def write_back(target: Any, source: Any) -> None:
-    """Copies every tensor leaf of ``source`` into the matching leaf of ``target`` in place.
+    """Copies every tensor leaf of `source` into the matching leaf of `target` in place.
 
     Leaves (and NamedTuple fields) that already are the same object are skipped (the window's
     slots, written in place).
-    Both trees must have one structure; ``target``'s non-tensor leaves cannot be updated, so
+    Both trees must have one structure; `target`'s non-tensor leaves cannot be updated, so
     the exception guarantee covers states whose changing leaves are tensors (every state of
     this package and torchopt's).
     """
@@ -111,21 +111,21 @@ class InterruptGuard:
 
     Active only in the main thread and while Python's default SIGINT handler is installed (a
     program with its own handler keeps it, untouched). A Ctrl-C received while the guard
-    holds is raised as ``KeyboardInterrupt`` at the next :meth:`checkpoint` or
-    :meth:`callbacks` block, or when the guard exits; inside :meth:`callbacks` (the user's
-    ``loss_fn``) Ctrl-C acts at once.
+    holds is raised as `KeyboardInterrupt` at the next `checkpoint()` or
+    `callbacks()` block, or when the guard exits; inside `callbacks()` (the user's
+    `loss_fn`) Ctrl-C acts at once.
 
     The guard never leaves Ctrl-C swallowed, whatever is raised where:
 
-    * ``__enter__`` installs its handler as its last step and takes it out again if anything
+    * `__enter__` installs its handler as its last step and takes it out again if anything
       is raised after;
-    * ``__exit__`` puts the default handler back first, and only if its own handler is still
-      the installed one (a handler the user installed meanwhile, e.g. in ``loss_fn``, stays);
-    * if an exception still ends the guarded call before ``__exit__`` could run (raised
-      by another signal's handler at the very first line of ``__exit__``), the recording
+    * `__exit__` puts the default handler back first, and only if its own handler is still
+      the installed one (a handler the user installed meanwhile, e.g. in `loss_fn`, stays);
+    * if an exception still ends the guarded call before `__exit__` could run (raised
+      by another signal's handler at the very first line of `__exit__`), the recording
       handler notices on the next SIGINT that the call that installed it has returned (its
       frame is no longer on the stack): it puts the default handler back and raises
-      ``KeyboardInterrupt`` at once, as the default handler would. The next guard also
+      `KeyboardInterrupt` at once, as the default handler would. The next guard also
       takes such a stale handler for the default one (while a live one, an outer guard's,
       is left in place: the outer guard then defers Ctrl-C for both).
     """
@@ -182,7 +182,7 @@ class InterruptGuard:
 
     @contextmanager
     def callbacks(self) -> Iterator[None]:
-        """Runs the user's code interruptible, as it would run outside ``update``."""
+        """Runs the user's code interruptible, as it would run outside `update`."""
         self.checkpoint()
         if not self._active:
             yield
@@ -198,7 +198,7 @@ class InterruptGuard:
 
 def _is_default(handler: Any) -> bool:
     """Python's default SIGINT handler, or a guard's handler left behind (see
-    :class:`InterruptGuard`), which behaves as the default one once its call has ended."""
+    `InterruptGuard`), which behaves as the default one once its call has ended."""
     if handler is signal.default_int_handler:
         return True
     owner = getattr(handler, "__self__", None)

@@ -1,12 +1,12 @@
 """The window's passes over leaves wrapped by a torch.func transform or traced by torch.compile.
 
-The same passes as :mod:`aadl_func._src.kernels`, for leaves that are batched tensors (vmap)
+The same passes as `aadl_func._src.kernels`, for leaves that are batched tensors (vmap)
 or traced values (torch.compile), whose slot index may itself be batched or traced:
 
 * on the CPU, eager and not differentiated, the vmap rules of
-  :mod:`aadl_func._src.vmap_rules` run each member's pass with the eager kernels;
+  `aadl_func._src.vmap_rules` run each member's pass with the eager kernels;
 * traced, whole-vector expressions that the compiler fuses into one read of the window;
-* otherwise (an accelerator, a differentiated pass) chunks gathered with ``torch.stack``
+* otherwise (an accelerator, a differentiated pass) chunks gathered with `torch.stack`
   and batched matrix-vector products.
 """
 
@@ -48,7 +48,7 @@ def gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
 def combine_leaf(
     base: Tensor | None, flats: Sequence[Tensor], w: Tensor, cdt: torch.dtype, template: Tensor
 ) -> Tensor:
-    """The same pass under a torch.func transform: chunks gathered with ``torch.stack``."""
+    """The same pass under a torch.func transform: chunks gathered with `torch.stack`."""
     if vmap_rules.per_member([base, *flats, w]):
         return vmap_rules.combine(base, list(flats), w).reshape(template.shape)
     acc = kernels.accumulator(cdt, base, flats)
@@ -123,9 +123,9 @@ def difference_rows_leaf(
 
 
 def factor_leaf(flats: Sequence[Tensor], order: Tensor, valid: Tensor, factor: Tensor) -> Tensor:
-    """The same pass under a torch.func transform (``order`` and ``valid`` may be batched):
-    chunks gathered with ``torch.stack``, the block formed by a ``Q x Q`` difference matrix
-    (``1 * a - 1 * b`` is one rounding, exactly ``a - b``)."""
+    """The same pass under a torch.func transform (`order` and `valid` may be batched):
+    chunks gathered with `torch.stack`, the block formed by a `Q x Q` difference matrix
+    (`1 * a - 1 * b` is one rounding, exactly `a - b`)."""
     q = len(flats)
     dev = flats[0].device
     acc = wide(flats[0].dtype)

@@ -1,11 +1,11 @@
-"""Validation of ``update``'s arguments against each other and against the state.
+"""Validation of `update`'s arguments against each other and against the state.
 
 Everything here reads metadata only (types, pytree structure, shapes, dtypes, devices), never
-values, so the checks run before any buffer is written and also under ``torch.func.vmap``.
-Messages name the offending leaf by its key path (``params['bn.num_batches_tracked']``,
-``state.residuals[0]['w']``); the paths are built only when an error is raised.
+values, so the checks run before any buffer is written and also under `torch.func.vmap`.
+Messages name the offending leaf by its key path (`params['bn.num_batches_tracked']`,
+`state.residuals[0]['w']`); the paths are built only when an error is raised.
 
-The module also holds the autograd policy of ``init``/``update`` (:func:`autograd_policy`).
+The module also holds the autograd policy of `init`/`update` (`autograd_policy()`).
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ HINT = "was it made by another configuration?"
 
 # -- autograd ---------------------------------------------------------------------------------
 def differentiating() -> bool:
-    """Whether a torch.func transform that differentiates (``grad``, ``vjp``, ``jacrev``,
-    ``jvp``, ``jacfwd``, ``hessian``) is active around the caller.
+    """Whether a torch.func transform that differentiates (`grad`, `vjp`, `jacrev`,
+    `jvp`, `jacfwd`, `hessian`) is active around the caller.
 
-    Always False while ``torch.compile`` traces (it cannot trace the query): a compiled
-    ``update`` runs without grad, and differentiating through one is not supported."""
+    Always False while `torch.compile` traces (it cannot trace the query): a compiled
+    `update` runs without grad, and differentiating through one is not supported."""
     if tree.tracing():
         return False
     if _functorch.maybe_current_level() is None:  # no transform at all: the common case
@@ -72,26 +72,26 @@ def differentiating() -> bool:
 
 
 def autograd_policy() -> contextlib.AbstractContextManager:
-    """The grad mode ``init`` and ``update`` run in.
+    """The grad mode `init` and `update` run in.
 
-    Outside torch.func's differentiating transforms they run under :func:`torch.no_grad`: the
+    Outside torch.func's differentiating transforms they run under `torch.no_grad()`: the
     window, the mix and the safeguard record no autograd graph, whatever the inputs'
-    ``requires_grad`` or history (``dict(model.named_parameters())``, grads from
-    ``torch.autograd.grad(create_graph=True)``), and an in-place step may write into leaves
-    that require grad, as ``torch.optim`` does. Under ``torch.func.grad``/``vjp``/``jvp``
-    (and ``jacrev``, ...) nothing is disabled: a user differentiating *through* a pure
-    ``update`` does so on purpose, and ``torch.no_grad`` inside ``grad`` would silently cut the
+    `requires_grad` or history (`dict(model.named_parameters())`, grads from
+    `torch.autograd.grad(create_graph=True)`), and an in-place step may write into leaves
+    that require grad, as `torch.optim` does. Under `torch.func.grad`/`vjp`/`jvp`
+    (and `jacrev`, ...) nothing is disabled: a user differentiating *through* a pure
+    `update` does so on purpose, and `torch.no_grad` inside `grad` would silently cut the
     gradient to zero.
     """
     return contextlib.nullcontext() if differentiating() else torch.no_grad()
 
 
 def keep_requires_grad(out: Params, params: Params, inplace: bool) -> Params:
-    """``out`` with the ``requires_grad`` flags of ``params``, leaf for leaf.
+    """`out` with the `requires_grad` flags of `params`, leaf for leaf.
 
-    ``update`` runs without grad, so its new tensors (``inplace=False``) do not require grad;
-    a leaf of ``params`` that did gets its counterpart flagged as a new leaf that requires
-    grad, ready for the next ``backward``. In place the returned leaves are the params
+    `update` runs without grad, so its new tensors (`inplace=False`) do not require grad;
+    a leaf of `params` that did gets its counterpart flagged as a new leaf that requires
+    grad, ready for the next `backward`. In place the returned leaves are the params
     themselves, and under torch.func transforms the flags belong to the transform.
     """
     if inplace:
@@ -114,16 +114,16 @@ def check_update_inputs(
     loss_fn: Any,
     inplace: Any = False,
 ) -> tuple[list[Tensor], Any, Params]:
-    """Validates every argument of ``update`` before anything is computed or written.
+    """Validates every argument of `update` before anything is computed or written.
 
-    With ``inplace=True`` the inner optimizer and the window overwrite buffers as soon as the
+    With `inplace=True` the inner optimizer and the window overwrite buffers as soon as the
     step starts, so a mismatch found later would leave a half-updated state behind: every
     check that can be made from metadata alone (types, structure, shapes, dtypes, devices) is
-    made here. Values are never inspected (no ``.item()``), so the checks also run under vmap.
+    made here. Values are never inspected (no `.item()`), so the checks also run under vmap.
 
     Returns:
-      ``(params leaves, params spec, grads)``: ``grads`` cast to the params' dtypes where they
-      differ (float32 grads for float64 params, as ``torch.optim``'s arithmetic promotes them).
+      `(params leaves, params spec, grads)`: `grads` cast to the params' dtypes where they
+      differ (float32 grads for float64 params, as `torch.optim`'s arithmetic promotes them).
     """
     if grads is MISSING:  # update(state, params) or update(grads, state): see check_call
         check_call(state, params, grads, {})
@@ -175,10 +175,10 @@ class _Missing:
         return "<required>"
 
 
-#: ``update``'s ``grads`` when not given (a call made as to a gradient transformation).
+#: `update`'s `grads` when not given (a call made as to a gradient transformation).
 MISSING: Any = _Missing()
 
-#: Where ``anderson`` goes in a composition, for the calls made as to a gradient transformation.
+#: Where `anderson` goes in a composition, for the calls made as to a gradient transformation.
 OUTERMOST = (
     "anderson must be the outermost transformation: call update(state, params, grads); to "
     "clip or decay, put aa.chain(...) as anderson's inner optimizer"
@@ -187,8 +187,8 @@ OUTERMOST = (
 
 def as_a_transformation(argument: str) -> str:
     """The message for a call made as to a gradient transformation, by what gave it away:
-    ``params`` passed by keyword too (torchopt's chain), or ``state`` passed second (optax's
-    chain, ``update(grads, state)``)."""
+    `params` passed by keyword too (torchopt's chain), or `state` passed second (optax's
+    chain, `update(grads, state)`)."""
     how = {
         "params": "`params` passed by keyword too, as in update(updates, state, params=...)",
         "state": "`state` passed second, as in update(updates, state, params)",
@@ -197,13 +197,13 @@ def as_a_transformation(argument: str) -> str:
 
 
 def check_call(state: Any, params: Any, grads: Any, misplaced: dict[str, Any]) -> Any:
-    """``update``'s ``grads`` for a call that named it (``update(state, params, grads=g)``);
-    the call made as to a gradient transformation raises a ``TypeError`` that says where
-    ``anderson`` goes instead (``OUTERMOST``).
+    """`update`'s `grads` for a call that named it (`update(state, params, grads=g)`);
+    the call made as to a gradient transformation raises a `TypeError` that says where
+    `anderson` goes instead (`OUTERMOST`).
 
-    Those calls are torchopt's and optax's chains, ``update(updates, state, params=params,
-    inplace=...)``, and the gradient-transformation order ``update(grads, state)``. Only calls
-    that passed ``grads`` by keyword or not at all come here: the common call pays nothing.
+    Those calls are torchopt's and optax's chains, `update(updates, state, params=params,
+    inplace=...)`, and the gradient-transformation order `update(grads, state)`. Only calls
+    that passed `grads` by keyword or not at all come here: the common call pays nothing.
     """
     if grads is MISSING and set(misplaced) == {"grads"}:
         return misplaced["grads"]
@@ -256,8 +256,8 @@ def _input_path(k: int, num_params: int, spec: Any, g_spec: Any) -> str:
 
 def check_floating(owner: str, leaves: list[Tensor], spec: Any, config: Config) -> None:
     """Every params leaf is a real floating tensor, or every one is complex in a mode that
-    accepts complex params (mode "classic": :data:`aadl_func._src.modes.Mode.complex_params`)
-    with a ``history_dtype`` that has a complex counterpart."""
+    accepts complex params (mode "classic": `aadl_func._src.modes.Mode.complex_params`)
+    with a `history_dtype` that has a complex counterpart."""
     complex_leaves = 0
     for i, p in enumerate(leaves):
         if not p.is_floating_point():  # the real case passes with this one test per leaf
@@ -306,10 +306,10 @@ def _check_complex(
 
 
 def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], spec: Any) -> None:
-    """The state's layout matches this optimizer's options and ``params``.
+    """The state's layout matches this optimizer's options and `params`.
 
     Catches states made by another configuration (e.g. a checkpoint saved with a different
-    ``history_depth``, ``mode``, ``history_dtype`` or inner optimizer) or for other params
+    `history_depth`, `mode`, `history_dtype` or inner optimizer) or for other params
     (structure, shape, dtype, device), which would otherwise mix garbage or fail halfway
     through a step.
     """
@@ -344,7 +344,7 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
 
     empty_anchor = isinstance(state.anchor, tuple) and len(state.anchor) == 0
     # Both modes keep the newest point as an anchor; mode "classic" also keeps a ring of the
-    # differences of its points (``iterates``), mode "aadl" none.
+    # differences of its points (`iterates`), mode "aadl" none.
     iterates = state.iterates if isinstance(state.iterates, tuple) else None
     if not config.rules.keeps_iterates and (iterates is None or len(iterates) != 0 or empty_anchor):
         raise ValueError(
@@ -392,7 +392,7 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
                 f"got {_describe(value, device=True)}; {HINT}"
             )
     # The inner optimizer knows its state's layout: the built-in ones (InnerOptimizer) and any
-    # custom one that offers the same ``check_state`` validate it here, before any write.
+    # custom one that offers the same `check_state` validate it here, before any write.
     check_inner = getattr(config.inner, "check_state", None)
     if callable(check_inner):
         check_inner(state.inner_state, p_leaves, spec, name="state.inner_state", owner=OWNER)
@@ -406,17 +406,17 @@ def check_state(config: Config, state: AndersonState, p_leaves: list[Tensor], sp
 
 
 # -- the state's values -----------------------------------------------------------------------
-# A state is *verified* once its values have been checked (or ``update`` made it): the value
-# checks then cost one dictionary look-up per call. The key is the state's ``count`` tensor,
+# A state is *verified* once its values have been checked (or `update` made it): the value
+# checks then cost one dictionary look-up per call. The key is the state's `count` tensor,
 # held (so its id cannot be reused while listed; the newest few are kept, each a 0-d tensor:
 # a weakref per counter cost more per call), and the value the identities of the state's
-# fields, so a state rebuilt with ``_replace`` is checked again. Tensors written in place by
-# the caller behind ``update``'s back are not noticed.
+# fields, so a state rebuilt with `_replace` is checked again. Tensors written in place by
+# the caller behind `update`'s back are not noticed.
 _VERIFIED: dict[int, tuple[Tensor, tuple]] = {}
 _KEEP = 64  # states listed at most (optimizers stepping in turn, each with its newest state)
 
-#: Counters above this are refused: a float64 (the inner schedules' ``count``) holds every
-#: integer up to it exactly, and ``count + 1`` cannot overflow int64.
+#: Counters above this are refused: a float64 (the inner schedules' `count`) holds every
+#: integer up to it exactly, and `count + 1` cannot overflow int64.
 MAX_COUNT = 2**53
 
 
@@ -425,7 +425,7 @@ def _fingerprint(state: AndersonState) -> tuple:
 
 
 def verified(state: AndersonState) -> bool:
-    """Whether ``state``'s values were checked already (or it was made by ``update``).
+    """Whether `state`'s values were checked already (or it was made by `update`).
 
     Always True where values cannot be read (vmap, torch.compile, counters on an
     accelerator): there only the metadata checks run."""
@@ -449,7 +449,7 @@ def _concrete(counter: Any) -> bool:
 
 
 def mark_verified(state: AndersonState) -> None:
-    """Records ``state`` (returned by an eager ``update``, or checked) as verified."""
+    """Records `state` (returned by an eager `update`, or checked) as verified."""
     count = state.count
     if not (isinstance(count, Tensor) and count.ndim == 0 and count.is_cpu):
         return
@@ -461,15 +461,15 @@ def mark_verified(state: AndersonState) -> None:
 def check_state_values(
     config: Config, state: AndersonState, p_leaves: list[Tensor], spec: Any, owner: str = OWNER
 ) -> None:
-    """The state's values satisfy its invariants (a state from ``torch.load``, the wrapper's
-    ``load_state_dict`` or built by hand); run once per state, before anything is written.
+    """The state's values satisfy its invariants (a state from `torch.load`, the wrapper's
+    `load_state_dict` or built by hand); run once per state, before anything is written.
 
-    Counters: ``0 <= count <= 2**53``, ``head`` in ``[0, Q)``,
-    ``0 <= window_size <= min(history_depth, count)``, the outcome counters (``num_mixed``,
-    ``num_rejected``, ``num_nonfinite``, ``num_averaged``) in ``[0, count]``,
-    ``0 <= skip_streak <= num_skipped``; no two tensors of the state (or the state and the
+    Counters: `0 <= count <= 2**53`, `head` in `[0, Q)`,
+    `0 <= window_size <= min(history_depth, count)`, the outcome counters (`num_mixed`,
+    `num_rejected`, `num_nonfinite`, `num_averaged`) in `[0, count]`,
+    `0 <= skip_streak <= num_skipped`; no two tensors of the state (or the state and the
     params) share memory; and the inner optimizer's own value checks (the built-in ones:
-    ``count`` equal to the state's, Adam's ``exp_avg_sq >= 0``).
+    `count` equal to the state's, Adam's `exp_avg_sq >= 0`).
     """
     counters = {name: getattr(state, name) for name in COUNTERS}
     if any(tree.static_value(t) is None for t in counters.values()):
@@ -510,12 +510,12 @@ def check_state_values(
 
 
 def _first_overlap(leaves: list[Tensor], counts: Any) -> tuple[int, int] | None:
-    """The first pair ``(j, k)``, ``j < k`` in the order of ``leaves``, of tensors that share
-    memory and for which ``counts(j, k)`` holds; None if there is none.
+    """The first pair `(j, k)`, `j < k` in the order of `leaves`, of tensors that share
+    memory and for which `counts(j, k)` holds; None if there is none.
 
     One sort of the tensors' byte spans finds the candidates (normally none: distinct
     allocations, or the disjoint rows of one); a candidate whose spans interleave without
-    sharing an element (``w[0::2]`` and ``w[1::2]``) is cleared by an exact element test."""
+    sharing an element (`w[0::2]` and `w[1::2]`) is cleared by an exact element test."""
     spans = [(*span, k) for k, span in enumerate(map(_span, leaves)) if span is not None]
     spans.sort()
     # The common case in one linear scan: no span starts before the previous ones end.
@@ -563,7 +563,7 @@ def _share_elements(a: Tensor, b: Tensor) -> bool:
 
 
 def _span(t: Tensor) -> tuple | None:
-    """``(first byte, end byte)`` of the memory ``t`` may touch (None if none): a
+    """`(first byte, end byte)` of the memory `t` may touch (None if none): a
     conservative extent, exact for the dense tensors that states and params are. Device
     memory and host memory have distinct addresses (one virtual address space per process);
     meta tensors have none."""
@@ -615,7 +615,7 @@ def check_ring(name: str, ring: tuple, check_window: Any) -> None:
 
     Slot 0 had the full check against the params; the other slots are compared with slot 0
     leaf by leaf (attribute reads only), and a slot that differs gets the full check too, so
-    that the error names its own leaf (``state.residuals[2]['w']``)."""
+    that the error names its own leaf (`state.residuals[2]['w']`)."""
     first, first_spec = tree.flatten(ring[0], f"{name}[0]", owner=OWNER)
     for s in range(1, len(ring)):
         leaves, spec = tree.flatten(ring[s], f"{name}[{s}]", owner=OWNER)

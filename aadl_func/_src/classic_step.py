@@ -1,19 +1,19 @@
-r"""Mode "classic": textbook (type-II) Anderson acceleration on the pairs :math:`(x_i, g(x_i))`.
+r"""Mode "classic": textbook (type-II) Anderson acceleration on the pairs $(x_i, g(x_i))$.
 
-The window holds the newest point :math:`x_{k}` (the anchor, in the params' dtype), a ring of
-the steps :math:`\Delta x_i = x_i - x_{i-1}` between consecutive points and a ring of the
-residuals :math:`f_i = g(x_i) - x_i` (the inner updates). One call:
+The window holds the newest point $x_{k}$ (the anchor, in the params' dtype), a ring of
+the steps $\Delta x_i = x_i - x_{i-1}$ between consecutive points and a ring of the
+residuals $f_i = g(x_i) - x_i$ (the inner updates). One call:
 
-.. math::
+$$
+\alpha = \arg\min_{\sum \alpha = 1} \Big\|\sum_i \alpha_i f_i\Big\|^2 (+\ \text{ridge}),
+\qquad
+x^+ = \sum_i \alpha_i \big(x_i + \beta f_i\big)
+    = x_{k} + \sum_j w_j \Delta x_j + \beta \sum_i \alpha_i f_i,
+$$
 
-    \alpha = \arg\min_{\sum \alpha = 1} \Big\|\sum_i \alpha_i f_i\Big\|^2 (+\ \text{ridge}),
-    \qquad
-    x^+ = \sum_i \alpha_i \big(x_i + \beta f_i\big)
-        = x_{k} + \sum_j w_j \Delta x_j + \beta \sum_i \alpha_i f_i,
-
-:math:`w_j = -\sum_{i<j} \alpha_i` (:func:`aadl_func._src.solve.classic_coefficients`): the
+$w_j = -\sum_{i<j} \alpha_i$ (`aadl_func._src.solve.classic_coefficients()`): the
 points are combined through their steps, so a low-precision window rounds the steps, not
-the points. On a linear map with full history and :math:`\beta = 1` the iterates are
+the points. On a linear map with full history and $\beta = 1$ the iterates are
 GMRES's (Walker & Ni, 2011).
 """
 
@@ -70,7 +70,7 @@ class Window(NamedTuple):
 
 
 def classic_step(call: Call) -> tuple[Any, AndersonState]:
-    """One ``update`` call in mode "classic"."""
+    """One `update` call in mode "classic"."""
     state = call.state
     begin_writes(call)
     unchanged = Window(
@@ -112,8 +112,8 @@ def classic_step(call: Call) -> tuple[Any, AndersonState]:
 
 
 def store_pair(call: Call) -> Window:
-    """The step ``x_k - x_{k-1}`` joins the iterates' ring, the residual ``u = g(x_k) - x_k``
-    the residuals' ring (with its Gram rows), and ``x_k`` becomes the anchor."""
+    """The step `x_k - x_{k-1}` joins the iterates' ring, the residual `u = g(x_k) - x_k`
+    the residuals' ring (with its Gram rows), and `x_k` becomes the anchor."""
     state, anchor, iterates = call.state, call.anchor, call.iterates
     slot, _ = advance(state.head, 1, modulo=call.q)
     point = to_history(call.params, anchor)
@@ -129,7 +129,7 @@ def store_pair(call: Call) -> Window:
 
 
 def extrapolate(call: Call, window: Window) -> tuple[list[Tensor], Tensor]:
-    """The mix :math:`x^+ = x_k + \\sum_j w_j \\Delta x_j + \\beta \\sum_i \\alpha_i f_i`
+    """The mix $x^+ = x_k + \\sum_j w_j \\Delta x_j + \\beta \\sum_i \\alpha_i f_i$
     (compute dtype, history device) and whether it is usable (solved and finite)."""
     solution = solve(
         call, window.ring, window.grams, window.head, window.window_size, window.reduction
@@ -160,9 +160,9 @@ def no_mix(call: Call) -> tuple[list[Tensor], Tensor]:
 
 
 def base_bound(call: Call) -> Tensor:
-    r"""A bound of every iterate :math:`x_i = a - \sum_{j > i} \Delta x_j` on this rank:
-    ``max|a| + Q max|dx|`` over the old anchor and steps and the new ones (``a = x``,
-    ``dx = x - a_old``)."""
+    r"""A bound of every iterate $x_i = a - \sum_{j > i} \Delta x_j$ on this rank:
+    `max|a| + Q max|dx|` over the old anchor and steps and the new ones (`a = x`,
+    `dx = x - a_old`)."""
     device = call.compute_device
     anchor = distributed.max_abs(call.anchor, device)
     newest = distributed.max_abs(call.params, device)
@@ -172,15 +172,15 @@ def base_bound(call: Call) -> Tensor:
 
 
 def mix_bound(options: Any, alpha: Tensor, norms: Tensor, base: Tensor) -> Tensor:
-    r"""A bound of every entry of :math:`x^+ = \sum_i \alpha_i (x_i + \beta f_i)`:
-    :math:`A \sum_i |\alpha_i| + \beta \sum_i |\alpha_i| \|f_i\|`."""
+    r"""A bound of every entry of $x^+ = \sum_i \alpha_i (x_i + \beta f_i)$:
+    $A \sum_i |\alpha_i| + \beta \sum_i |\alpha_i| \|f_i\|$."""
     a = alpha.abs()
     return base * a.sum() + options.relaxation * torch.where(a > 0, a * norms, 0.0).sum()
 
 
 def last_plain_step(call: Call) -> list[Tensor]:
-    """The previous call's plain step :math:`y_{k-1} = x_{k-1} + f_{k-1}`: the anchor plus
+    """The previous call's plain step $y_{k-1} = x_{k-1} + f_{k-1}$: the anchor plus
     the newest residual, added in the params' dtype as the plain step was (exact for a
-    window in the params' dtype; a lower ``history_dtype`` rounds :math:`f_{k-1}`)."""
+    window in the params' dtype; a lower `history_dtype` rounds $f_{k-1}$)."""
     newest = read_slot(call.ring, call.state.head)
     return [a + f.to(a.dtype) for a, f in zip(call.anchor, newest)]

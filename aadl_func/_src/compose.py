@@ -1,25 +1,25 @@
 r"""Gradient transformations to chain in front of an inner optimizer (optax/torchopt style).
 
-:func:`chain` composes :class:`~aadl_func.InnerOptimizer` s (or any torchopt-style
-``init``/``update`` pair): each one's output updates are the next one's input, so
+[`chain()`][aadl_func.chain] composes `InnerOptimizer` s (or any torchopt-style
+`init`/`update` pair): each one's output updates are the next one's input, so
 
-.. code-block:: python
-
-    inner = aa.chain(
-        aa.clip_by_global_norm(1.0),
-        aa.add_decayed_weights(5e-4, mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
-        aa.sgd(0.1, momentum=0.9),
-    )
-    opt = aa.anderson(inner, history_depth=5)
+```python
+inner = aa.chain(
+    aa.clip_by_global_norm(1.0),
+    aa.add_decayed_weights(5e-4, mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+    aa.sgd(0.1, momentum=0.9),
+)
+opt = aa.anderson(inner, history_depth=5)
+```
 
 clips the gradients, adds an L2 term to the weight matrices only and takes SGD's step, which
-Anderson acceleration then treats as its map :math:`g`. :func:`aadl_func.anderson` is always
-the outermost layer (it needs the params and returns them; it is not a gradient
-transformation), so the other transformations go *inside* it, as its ``inner``.
+Anderson acceleration then treats as its map $g$. [`aadl_func.anderson()`][aadl_func.anderson] is
+always the outermost layer (it needs the params and returns them; it is not a gradient
+transformation), so the other transformations go *inside* it, as its `inner`.
 
-Every transformation here is pure, holds tensors only in its state (``torch.save`` with
-``weights_only=True`` loads it), has no data-dependent Python control flow (``vmap``,
-``torch.compile``), and with ``inplace=True`` may overwrite the updates it receives.
+Every transformation here is pure, holds tensors only in its state (`torch.save` with
+`weights_only=True` loads it), has no data-dependent Python control flow (`vmap`,
+`torch.compile`), and with `inplace=True` may overwrite the updates it receives.
 """
 
 from __future__ import annotations
@@ -41,21 +41,23 @@ PyTree = Any
 
 
 class ChainState(NamedTuple):
-    """The states of a :func:`chain`'s transformations, in order."""
+    """The states of a [`chain()`][aadl_func.chain]'s transformations, in order."""
 
     states: tuple
 
 
 def chain(*transforms: Any) -> InnerOptimizer:
-    """Composes transformations: ``update`` runs each in turn on the previous one's output.
+    """Composes transformations: `update` runs each in turn on the previous one's output.
 
     Args:
-      *transforms: ``init``/``update`` pairs in the torchopt protocol (``update(updates,
-        state, params=None, inplace=...) -> (updates, state)``), e.g. :func:`clip_by_global_norm`,
-        :func:`add_decayed_weights`, :func:`aadl_func.sgd`, or torchopt's.
+      *transforms: `init`/`update` pairs in the torchopt protocol (`update(updates,
+        state, params=None, inplace=...) -> (updates, state)`), e.g.
+        [`clip_by_global_norm()`][aadl_func.clip_by_global_norm],
+        [`add_decayed_weights()`][aadl_func.add_decayed_weights],
+        [`aadl_func.sgd()`][aadl_func.sgd], or torchopt's.
 
     Returns:
-      An :class:`~aadl_func.InnerOptimizer` whose state is a :class:`ChainState`.
+      An `InnerOptimizer` whose state is a `ChainState`.
     """
     if not transforms:
         raise ValueError("chain: pass at least one transformation")
@@ -87,11 +89,11 @@ def chain(*transforms: Any) -> InnerOptimizer:
 
 
 def clip_by_global_norm(max_norm: float) -> InnerOptimizer:
-    r"""Scales the updates so that their global 2-norm is at most ``max_norm``.
+    r"""Scales the updates so that their global 2-norm is at most `max_norm`.
 
-    As :func:`torch.nn.utils.clip_grad_norm_`: with :math:`\nu` the 2-norm of the leaves'
-    2-norms, every leaf is multiplied by :math:`\min(1, \mathrm{max\_norm} / (\nu +
-    10^{-6}))`. Under ``vmap`` each member is clipped by its own norm.
+    As `torch.nn.utils.clip_grad_norm_()`: with $\nu$ the 2-norm of the leaves'
+    2-norms, every leaf is multiplied by $\min(1, \mathrm{max\_norm} / (\nu +
+    10^{-6}))$. Under `vmap` each member is clipped by its own norm.
     """
     max_norm = check_float("clip_by_global_norm", "max_norm", max_norm, minimum=0.0, strict=True)
 
@@ -119,16 +121,16 @@ def clip_by_global_norm(max_norm: float) -> InnerOptimizer:
 def add_decayed_weights(
     weight_decay: float, mask: PyTree | Callable[[PyTree], PyTree] | None = None
 ) -> InnerOptimizer:
-    r"""Adds ``weight_decay * params`` to the updates, on the leaves ``mask`` selects.
+    r"""Adds `weight_decay * params` to the updates, on the leaves `mask` selects.
 
     In front of an optimizer, where the updates are gradients, this is L2 regularisation as
-    ``torch.optim``'s (coupled) ``weight_decay`` applies it, restricted to some leaves: the
+    `torch.optim`'s (coupled) `weight_decay` applies it, restricted to some leaves: the
     usual "no decay on biases and norm layers".
 
     Args:
-      weight_decay: ``>= 0``.
-      mask: None (every leaf), a pytree of bools like ``params``, or a function
-        ``params -> pytree of bools`` (called at every update, on the params).
+      weight_decay: `>= 0`.
+      mask: None (every leaf), a pytree of bools like `params`, or a function
+        `params -> pytree of bools` (called at every update, on the params).
     """
     weight_decay = check_float("add_decayed_weights", "weight_decay", weight_decay, minimum=0.0)
 
@@ -166,5 +168,5 @@ def add_decayed_weights(
     return InnerOptimizer(init, update)
 
 
-# The states hold tensors only: ``torch.load(weights_only=True)`` may rebuild them.
+# The states hold tensors only: `torch.load(weights_only=True)` may rebuild them.
 torch.serialization.add_safe_globals([ChainState, EmptyState])

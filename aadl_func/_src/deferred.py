@@ -1,27 +1,27 @@
 r"""The deferred safeguard: a mix judged by the loss the next call brings.
 
-The ``loss_fn`` safeguard (:func:`aadl_func._src.stages.safeguard`) judges a mix before it is
+The `loss_fn` safeguard (`aadl_func._src.stages.safeguard()`) judges a mix before it is
 returned, at the price of two forward passes per mixing call. A training loop computes the
-loss at its params anyway, with the gradient it passes to ``update``; the deferred safeguard
-uses that value instead, one call later. With ``update(state, x_k, grads_k, loss=L(x_k))``:
+loss at its params anyway, with the gradient it passes to `update`; the deferred safeguard
+uses that value instead, one call later. With `update(state, x_k, grads_k, loss=L(x_k))`:
 
-* call :math:`k` returns the mix :math:`x_{k+1}` and records
-  :math:`\ell_k = L(x_k)`, the loss at the point it was made from
-  (``AndersonState.pending_loss``; +inf when the call returned no mix);
-* call :math:`k+1` brings :math:`L(x_{k+1})`. If :math:`L(x_{k+1}) < \ell_k` the mix is
+* call $k$ returns the mix $x_{k+1}$ and records
+  $\ell_k = L(x_k)$, the loss at the point it was made from
+  (`AndersonState.pending_loss`; +inf when the call returned no mix);
+* call $k+1$ brings $L(x_{k+1})$. If $L(x_{k+1}) < \ell_k$ the mix is
   kept and the call proceeds as usual. Otherwise (a NaN or an infinite loss included) the
-  mix is **rejected**: the call returns the plain step :math:`y_k = g(x_k)` of call
-  :math:`k`, read back from the window, and changes nothing else but ``num_rejected`` and,
-  with ``restart_on_reject``, the window's size (it keeps its newest entry). Its gradient,
+  mix is **rejected**: the call returns the plain step $y_k = g(x_k)$ of call
+  $k$, read back from the window, and changes nothing else but `num_rejected` and,
+  with `restart_on_reject`, the window's size (it keeps its newest entry). Its gradient,
   taken at the rejected mix, is not used, and neither is the inner optimizer: its state
-  stays the one of :math:`y_k`. Like a skipped call it is not counted in ``count`` (which
+  stays the one of $y_k$. Like a skipped call it is not counted in `count` (which
   the inner optimizers' step counts and the call-count gates follow).
 
 A rejection therefore costs one gradient evaluation (the one at the rejected point) and a
-kept mix costs nothing: no forward pass is added. The window must hold :math:`y_k`, so the
-option needs ``store_each_nth = 1``. The rejected call's outcome is
-:func:`aadl_func._src.stages.revert`; a ``history_dtype`` below the params' dtype rounds
-:math:`y_k`'s update in mode "classic" (:math:`y_k = x_k + f_k` from the stored residual).
+kept mix costs nothing: no forward pass is added. The window must hold $y_k$, so the
+option needs `store_each_nth = 1`. The rejected call's outcome is
+`aadl_func._src.stages.revert()`; a `history_dtype` below the params' dtype rounds
+$y_k$'s update in mode "classic" ($y_k = x_k + f_k$ from the stored residual).
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ INF = math.inf
 
 
 def empty() -> Tensor:
-    """A ``pending_loss`` with nothing to judge (a fresh state's)."""
+    """A `pending_loss` with nothing to judge (a fresh state's)."""
     return torch.full((), INF, dtype=torch.float64)
 
 
 def check_loss(options: AndersonOptions, loss: Any, loss_fn: Any) -> Tensor:
-    """``loss`` as a 0-d tensor, or a clear error (before anything is computed or written)."""
+    """`loss` as a 0-d tensor, or a clear error (before anything is computed or written)."""
     if loss_fn is not None:
         raise ValueError(
             f"{OWNER}: pass `loss` (the deferred safeguard) or `loss_fn` (the immediate one), "
@@ -74,9 +74,9 @@ def check_loss(options: AndersonOptions, loss: Any, loss_fn: Any) -> Tensor:
 
 
 def rejects(state: AndersonState, loss: Tensor | None) -> Tensor:
-    """The decision "the pending mix is rejected": a mix is pending (``pending_loss`` is
-    finite) and ``loss`` is not below it; a known False without ``loss``. (Sharded params:
-    ``update`` has made ``loss`` identical on every rank, so every rank decides alike.)"""
+    """The decision "the pending mix is rejected": a mix is pending (`pending_loss` is
+    finite) and `loss` is not below it; a known False without `loss`. (Sharded params:
+    `update` has made `loss` identical on every rank, so every rank decides alike.)"""
     if loss is None:
         return flags.FALSE
     pending = state.pending_loss
@@ -87,12 +87,12 @@ def rejects(state: AndersonState, loss: Tensor | None) -> Tensor:
 
 
 def as_pending(loss: Tensor, pending: Tensor) -> Tensor:
-    """``loss`` in ``pending_loss``'s dtype and device."""
+    """`loss` in `pending_loss`'s dtype and device."""
     return loss.to(device=pending.device, dtype=torch.float64)
 
 
 def cleared(state: AndersonState) -> Tensor:
-    """``pending_loss`` when the call returns no mix: the state's own tensor if it already
+    """`pending_loss` when the call returns no mix: the state's own tensor if it already
     says so (eager: nothing to write back), else +inf."""
     if tree.static_value(state.pending_loss) == INF:
         return state.pending_loss
@@ -100,9 +100,9 @@ def cleared(state: AndersonState) -> Tensor:
 
 
 def pending_after(call: Any, use_mix: Tensor, nothing: Tensor) -> Tensor:
-    """``pending_loss`` after a call that returns the mix where ``use_mix`` holds: the call's
-    ``loss`` there (a finite one; a mix made from a point of non-finite loss is not judged),
-    else ``nothing``, the plain step's (:func:`cleared`, so that it is read once a call)."""
+    """`pending_loss` after a call that returns the mix where `use_mix` holds: the call's
+    `loss` there (a finite one; a mix made from a point of non-finite loss is not judged),
+    else `nothing`, the plain step's (`cleared()`, so that it is read once a call)."""
     if call.loss is None:
         return nothing
     known = flags.value(use_mix)

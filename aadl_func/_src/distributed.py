@@ -1,52 +1,52 @@
-r"""Sharded parameters (FSDP2 ``fully_shard`` / DTensor): local windows, one all_reduce a step.
+r"""Sharded parameters (FSDP2 `fully_shard` / DTensor): local windows, one all_reduce a step.
 
 Data parallel training (DDP) needs nothing from this module: every rank holds the same params
-and the same averaged grads, and ``update`` is deterministic, so the ranks stay bit-identical
+and the same averaged grads, and `update` is deterministic, so the ranks stay bit-identical
 without any communication of ours.
 
-With sharded params each rank holds a shard :math:`x^{(r)}` of every parameter, and every
+With sharded params each rank holds a shard $x^{(r)}$ of every parameter, and every
 quantity of Anderson acceleration splits into per-rank pieces:
 
 * the window, the anchor, the inner optimizer's state and the combination
-  :math:`x = a - \sum_s c_s r_s` act coordinate by coordinate, so each rank applies them to its
-  own shards (the :class:`aadl_func.AndersonState` holds local tensors only);
+  $x = a - \sum_s c_s r_s$ act coordinate by coordinate, so each rank applies them to its
+  own shards (the [`aadl_func.AndersonState`][aadl_func.AndersonState] holds local tensors only);
 * the inner products of the Gram matrix are sums over coordinates,
-  :math:`\langle r_s, r_t \rangle = \sum_r \langle r_s^{(r)}, r_t^{(r)} \rangle`, so each rank
-  computes its partial sums and one ``all_reduce`` adds them up.
+  $\langle r_s, r_t \rangle = \sum_r \langle r_s^{(r)}, r_t^{(r)} \rangle$, so each rank
+  computes its partial sums and one `all_reduce` adds them up.
 
 After that reduction every rank holds the same float64 Gram matrix, solves the same small
 problem and takes the same decisions (mix or not, restart on non-finite data), which is what
 keeps the shards of one logical parameter vector consistent.
 
 One all_reduce a step. The safeguard may replace the newest residual *after* the reduction
-(once ``loss_fn`` has accepted the mix). Instead of a second reduction for the new Gram row,
+(once `loss_fn` has accepted the mix). Instead of a second reduction for the new Gram row,
 the state keeps the row of the newest residual as this rank's partial sums and the next step
-adds them up together with its own new rows: a step that appends reduces ``[rows of the
+adds them up together with its own new rows: a step that appends reduces `[rows of the
 previous newest residual in gram and dr_gram (2 Q), the new residual's rows g, h and its
-dr_rhs c (3 Q), base bound (1)]``, i.e. ``5 Q + 1`` float64 values (``3 Q + 1`` for a mix
-without an append: the two head rows and ``dr_rhs``). So in a sharded state ``gram[head]`` and
-``dr_gram[head]`` (rows and columns) and ``dr_rhs`` hold this rank's partial sums and every
+dr_rhs c (3 Q), base bound (1)]`, i.e. `5 Q + 1` float64 values (`3 Q + 1` for a mix
+without an append: the two head rows and `dr_rhs`). So in a sharded state `gram[head]` and
+`dr_gram[head]` (rows and columns) and `dr_rhs` hold this rank's partial sums and every
 other entry the global inner products.
 
-Finiteness without a second reduction. Whether the mixed point :math:`x` is finite is decided
-from reduced quantities, identically on every rank: with :math:`|r_{s,i}| \le \|r_s\|_2 =
-\sqrt{G_{ss}}` and :math:`|a_i| \le A`,
+Finiteness without a second reduction. Whether the mixed point $x$ is finite is decided
+from reduced quantities, identically on every rank: with $|r_{s,i}| \le \|r_s\|_2 =
+\sqrt{G_{ss}}$ and $|a_i| \le A$,
 
-.. math::
-
+$$
     |x_i| \le A + \sum_s |c_s| \sqrt{G_{ss}} =: B,
+$$
 
-and the mix is used only if :math:`B` is at most half the largest finite value of the
-parameter and compute dtypes (the combination and its rounding then cannot overflow). ``A`` is
+and the mix is used only if $B$ is at most half the largest finite value of the
+parameter and compute dtypes (the combination and its rounding then cannot overflow). `A` is
 the sum over ranks of each rank's largest magnitude of the combination's base (an upper bound
 of the global maximum), reduced in the same all_reduce. The unsharded path checks the
-entries themselves; the certificate can differ from it only for a finite mix with :math:`B`
+entries themselves; the certificate can differ from it only for a finite mix with $B$
 above half the largest value (about 1.7e38 for float32 and bfloat16 params, 32752 for float16;
-``A`` overestimates the largest entry by at most the number of ranks).
+`A` overestimates the largest entry by at most the number of ranks).
 
-The loss of the safeguard. ``loss_fn`` receives DTensors. A DTensor loss is read through
-``full_tensor()`` (free for a replicated one); a plain tensor is taken as this rank's loss and
-the pair ``(loss_fn(x), loss_fn(y))`` is averaged over the group with one all_reduce of two
+The loss of the safeguard. `loss_fn` receives DTensors. A DTensor loss is read through
+`full_tensor()` (free for a replicated one); a plain tensor is taken as this rank's loss and
+the pair `(loss_fn(x), loss_fn(y))` is averaged over the group with one all_reduce of two
 float64 values, so every rank takes the same decision.
 """
 
@@ -78,8 +78,8 @@ def is_dtensor(t: Any) -> bool:
 
 
 def max_abs(leaves: list[Tensor], device: torch.device) -> Tensor:
-    """``max_i |t_i|`` over all leaves, a float64 0-d tensor on ``device`` (0 if there are no
-    entries; NaN propagates). Stays on the accelerator when ``device`` is one: no sync."""
+    """`max_i |t_i|` over all leaves, a float64 0-d tensor on `device` (0 if there are no
+    entries; NaN propagates). Stays on the accelerator when `device` is one: no sync."""
     out = torch.zeros((), dtype=torch.float64, device=device)
     for t in leaves:
         if t.numel() > 0:
@@ -90,11 +90,11 @@ def max_abs(leaves: list[Tensor], device: torch.device) -> Tensor:
 
 
 class ShardedCall:
-    """One ``init``/``update`` call on DTensor params: local shards in, DTensors out.
+    """One `init`/`update` call on DTensor params: local shards in, DTensors out.
 
     Holds the params' device mesh, placements and global shapes, the local views of the
-    params (``p.detach().to_local()`` shares the shard's storage, so in-place writes reach the
-    DTensor), and the reduction primitives of :mod:`aadl_func._src.anderson`'s sharded step.
+    params (`p.detach().to_local()` shares the shard's storage, so in-place writes reach the
+    DTensor), and the reduction primitives of `aadl_func._src.anderson`'s sharded step.
     """
 
     def __init__(self, leaves: list[Tensor], owner: str, *, average: bool = False) -> None:
@@ -152,7 +152,7 @@ class ShardedCall:
 
     # -- DTensor <-> local -----------------------------------------------------------------
     def localize(self, leaves: list[Tensor], name: str) -> list[Tensor]:
-        """Local shards of ``leaves`` (grads), which must be sharded exactly like the params."""
+        """Local shards of `leaves` (grads), which must be sharded exactly like the params."""
         out = []
         for i, (t, p) in enumerate(zip(leaves, self.originals)):
             if not is_dtensor(t):
@@ -178,7 +178,7 @@ class ShardedCall:
         """DTensors with the params' mesh, placements and global shapes around local shards.
 
         A local tensor that is the very view of a param (an in-place update) gives back that
-        param itself, so ``nn.Parameter`` objects survive ``inplace=True``.
+        param itself, so `nn.Parameter` objects survive `inplace=True`.
         """
         out = []
         for t, p, view in zip(local_leaves, self.originals, self.locals):
@@ -193,7 +193,7 @@ class ShardedCall:
         return out
 
     def local_loss_fn(self, loss_fn: Callable[[Any], Any], spec: Any) -> Callable[[Any], Any]:
-        """``loss_fn`` seen from local shards: called on DTensors, returning a plain tensor."""
+        """`loss_fn` seen from local shards: called on DTensors, returning a plain tensor."""
 
         def local_loss(local_params: Any) -> Any:
             leaves = tree.flatten(local_params, "params")[0]
@@ -207,7 +207,7 @@ class ShardedCall:
 
     # -- reductions ------------------------------------------------------------------------
     def all_sum(self, values: Tensor) -> Tensor:
-        """Sums a float64 vector over the group: one all_reduce, wherever ``values`` lives."""
+        """Sums a float64 vector over the group: one all_reduce, wherever `values` lives."""
         buffer = values.to(device=self.reduce_device, dtype=torch.float64)
         if buffer is values:
             buffer = buffer.clone()
@@ -215,7 +215,7 @@ class ShardedCall:
         return buffer.to(values.device)
 
     def mean_loss(self, loss: Tensor) -> Tensor:
-        """A loss passed to ``update`` (the deferred safeguard), identical on every rank: a
+        """A loss passed to `update` (the deferred safeguard), identical on every rank: a
         DTensor's global value, else this rank's loss averaged over the group (one
         all_reduce of one float64 value)."""
         if is_dtensor(loss):
@@ -240,9 +240,9 @@ def sharded_call(
 ) -> tuple[ShardedCall | None, Any, Any, Any]:
     """Detects DTensor params and swaps every input for its local counterpart.
 
-    Returns ``(call, params, grads, loss_fn)``: ``call`` is None (inputs unchanged) unless some
+    Returns `(call, params, grads, loss_fn)`: `call` is None (inputs unchanged) unless some
     params leaf is a DTensor; then params and grads are pytrees of local shards and
-    ``loss_fn`` takes local shards.
+    `loss_fn` takes local shards.
     """
     if _dtensor_class() is None:
         return None, params, grads, loss_fn
@@ -274,7 +274,7 @@ def sharded_call(
 
 
 def local_params(params: Any, owner: str, *, average: bool = False) -> Any:
-    """``params`` with DTensor leaves replaced by their local shards (for ``init``)."""
+    """`params` with DTensor leaves replaced by their local shards (for `init`)."""
     if _dtensor_class() is None:
         return params
     leaves, spec = tree.flatten(params, "params", owner=owner)

@@ -1,43 +1,43 @@
 """Functional inner optimizers in the torchopt protocol.
 
-Every optimizer here is a pair of pure functions bundled in an :class:`InnerOptimizer`:
+Every optimizer here is a pair of pure functions bundled in an `InnerOptimizer`:
 
-* ``init(params) -> state``
-* ``update(updates, state, params=None, inplace=True) -> (updates, new_state)``
+* `init(params) -> state`
+* `update(updates, state, params=None, inplace=True) -> (updates, new_state)`
 
-``params`` and ``updates`` (the gradients on input) are arbitrary pytrees of tensors (dicts,
-tuples, lists, nested; traversed with :mod:`optree`, ``None`` is *not* a leaf). The returned
-``updates`` are the deltas to **add** to the parameters, ``new_params = params + updates``,
-exactly like ``torchopt.apply_updates``.
+`params` and `updates` (the gradients on input) are arbitrary pytrees of tensors (dicts,
+tuples, lists, nested; traversed with `optree`, `None` is *not* a leaf). The returned
+`updates` are the deltas to **add** to the parameters, `new_params = params + updates`,
+exactly like `torchopt.apply_updates`.
 
-The optimizers reproduce :class:`torch.optim.SGD`, :class:`torch.optim.Adam` and
-:class:`torch.optim.AdamW` (default single-tensor implementation: not fused, not capturable,
-``maximize=False``, ``amsgrad=False``) operation for operation, so that after
-``params + updates`` the results agree with ``torch.optim`` up to the final rounding of that
-addition (``torch.optim`` fuses it into the parameter update).
+The optimizers reproduce `torch.optim.SGD`, `torch.optim.Adam` and
+`torch.optim.AdamW` (default single-tensor implementation: not fused, not capturable,
+`maximize=False`, `amsgrad=False`) operation for operation, so that after
+`params + updates` the results agree with `torch.optim` up to the final rounding of that
+addition (`torch.optim` fuses it into the parameter update).
 
-Each optimizer is a chain of small stages (:mod:`aadl_func._src.transforms`), as in optax and
-torchopt: ``sgd = chain(add_decayed_weights, trace, scale_by_learning_rate)``,
-``adam = chain(add_decayed_weights, scale_by_adam)`` and
-``adamw = chain(scale_by_adam, add_decayed_weights(decoupled=True))``, each stage present only
+Each optimizer is a chain of small stages (`aadl_func._src.transforms`), as in optax and
+torchopt: `sgd = chain(add_decayed_weights, trace, scale_by_learning_rate)`,
+`adam = chain(add_decayed_weights, scale_by_adam)` and
+`adamw = chain(scale_by_adam, add_decayed_weights(decoupled=True))`, each stage present only
 when its option asks for it. The public state holds the update count, shared by the stages,
 then the stages' buffers, each in the field named like it.
 
-All states are :class:`typing.NamedTuple` s that hold only tensors (the step counter is a 0-d
-``int64`` tensor on the parameters' device), and no hyperparameter logic branches on tensor
-values, so ``init`` and ``update`` compose with :func:`torch.func.vmap` (ensembles of models),
-and with ``inplace=False`` with :func:`torch.func.grad` / :func:`torch.func.jvp` as well.
+All states are `typing.NamedTuple` s that hold only tensors (the step counter is a 0-d
+`int64` tensor on the parameters' device), and no hyperparameter logic branches on tensor
+values, so `init` and `update` compose with `torch.func.vmap()` (ensembles of models),
+and with `inplace=False` with `torch.func.grad()` / `torch.func.jvp()` as well.
 
-Schedules. ``lr`` and ``weight_decay`` take, besides a number, a 0-d tensor (read at every
-update: in-place changes take effect, and under ``vmap`` a batched one gives every member its
-own value) or a schedule ``count -> value`` (optax's and torchopt's ``ScalarOrSchedule``). A
-schedule is called at every update with ``count``, the number of updates done so far (0 on the
+Schedules. `lr` and `weight_decay` take, besides a number, a 0-d tensor (read at every
+update: in-place changes take effect, and under `vmap` a batched one gives every member its
+own value) or a schedule `count -> value` (optax's and torchopt's `ScalarOrSchedule`). A
+schedule is called at every update with `count`, the number of updates done so far (0 on the
 first), read from the state: a scheduled run is a pure function of its state, so it saves and
-resumes bit-identically. ``count`` is a 0-d float64 tensor on the parameters' device, so that
-schedule arithmetic such as ``0.5 ** (count // 30)`` or ``(count + 1) / 100`` runs in float64
-like ``torch.optim``'s Python floats (an int64 tensor would compute in float32). The value may
-be a Python number or a 0-d tensor. The other hyperparameters (``momentum``, ``dampening``,
-``nesterov``, ``betas``, ``eps``) are numbers only, as in optax and torchopt: they decide the
+resumes bit-identically. `count` is a 0-d float64 tensor on the parameters' device, so that
+schedule arithmetic such as `0.5 ** (count // 30)` or `(count + 1) / 100` runs in float64
+like `torch.optim`'s Python floats (an int64 tensor would compute in float32). The value may
+be a Python number or a 0-d tensor. The other hyperparameters (`momentum`, `dampening`,
+`nesterov`, `betas`, `eps`) are numbers only, as in optax and torchopt: they decide the
 state's layout and are validated once, at construction.
 """
 
@@ -81,21 +81,21 @@ __all__ = [
 ]
 
 PyTree = Any
-#: A hyperparameter: a number, a 0-d tensor, or a schedule ``count -> number or 0-d tensor``.
+#: A hyperparameter: a number, a 0-d tensor, or a schedule `count -> number or 0-d tensor`.
 ScalarOrSchedule = float | Tensor | Callable[[Tensor], float | Tensor]
 
 
 class InnerOptimizer(NamedTuple):
-    """A functional optimizer: a pair of pure functions (torchopt's ``GradientTransformation``).
+    """A functional optimizer: a pair of pure functions (torchopt's `GradientTransformation`).
 
     Attributes:
-        init: ``init(params) -> state``. Builds the optimizer state for a pytree of parameter
+        init: `init(params) -> state`. Builds the optimizer state for a pytree of parameter
             tensors.
-        update: ``update(updates, state, params=None, inplace=True) -> (updates, new_state)``.
-            Maps gradients ``updates`` (same pytree structure as ``params``) to the parameter
-            deltas, so that ``new_params = params + updates`` leaf by leaf. With
-            ``inplace=True`` the gradient and state buffers may be overwritten and reused;
-            with ``inplace=False`` no input is mutated.
+        update: `update(updates, state, params=None, inplace=True) -> (updates, new_state)`.
+            Maps gradients `updates` (same pytree structure as `params`) to the parameter
+            deltas, so that `new_params = params + updates` leaf by leaf. With
+            `inplace=True` the gradient and state buffers may be overwritten and reused;
+            with `inplace=False` no input is mutated.
     """
 
     init: Callable[[PyTree], Any]
@@ -104,14 +104,14 @@ class InnerOptimizer(NamedTuple):
     def check_state(
         self, state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str
     ) -> None:
-        """Validates ``state`` for params ``(leaves, spec)`` from metadata only.
+        """Validates `state` for params `(leaves, spec)` from metadata only.
 
-        Used by :func:`aadl_func.anderson` before any buffer is written. The built-in optimizers
-        check the state's type and every field (counter, buffers' structure, shapes, dtypes and
-        devices); an :class:`InnerOptimizer` built from other functions checks nothing.
+        Used by [`aadl_func.anderson()`][aadl_func.anderson] before any buffer is written. The
+        built-in optimizers check the state's type and every field (counter, buffers' structure,
+        shapes, dtypes and devices); an `InnerOptimizer` built from other functions checks nothing.
 
         Raises:
-            TypeError: ``state`` is another optimizer's state, or a field has the wrong type
+            TypeError: `state` is another optimizer's state, or a field has the wrong type
                 or dtype.
             ValueError: a field's structure, shape or device does not fit the params, or the
                 state was made with other options (e.g. without momentum).
@@ -121,13 +121,13 @@ class InnerOptimizer(NamedTuple):
             check(state, leaves, spec, name=name, owner=owner)
 
     def check_values(self, state: Any, *, count: int | None, name: str, owner: str) -> None:
-        """Validates the values of a ``state`` that passed :meth:`check_state` and comes from
-        outside (a checkpoint): ``0 <= count <= 2**53`` and, when the state is kept by
-        :func:`aadl_func.anderson`, equal to its ``count`` (both advance together);
-        :func:`adam` / :func:`adamw`: ``exp_avg_sq >= 0`` (NaN passes: it is a possible
-        result of a run, a negative value is not). Reads values (one pass over the second
-        moments), so :func:`aadl_func.anderson` calls it once per state from outside, never
-        on its own states. An :class:`InnerOptimizer` built from other functions checks
+        """Validates the values of a `state` that passed `check_state()` and comes from
+        outside (a checkpoint): `0 <= count <= 2**53` and, when the state is kept by
+        [`aadl_func.anderson()`][aadl_func.anderson], equal to its `count` (both advance together);
+        [`adam()`][aadl_func.adam] / [`adamw()`][aadl_func.adamw]: `exp_avg_sq >= 0` (NaN passes: it
+        is a possible result of a run, a negative value is not). Reads values (one pass over the
+        second moments), so [`aadl_func.anderson()`][aadl_func.anderson] calls it once per state
+        from outside, never on its own states. An `InnerOptimizer` built from other functions checks
         nothing."""
         check = getattr(self.update, "check_values", None)
         if check is not None:
@@ -135,14 +135,14 @@ class InnerOptimizer(NamedTuple):
 
 
 class SgdState(NamedTuple):
-    """State of :func:`sgd`.
+    """State of [`sgd()`][aadl_func.sgd].
 
     Attributes:
-        count: 0-d ``int64`` tensor, the number of updates done so far.
+        count: 0-d `int64` tensor, the number of updates done so far.
         momentum_buffer: pytree shaped like the parameters holding the momentum buffers
-            :math:`b` (same dtype, device and memory format as the parameters; the
-            :func:`~aadl_func._src.transforms.trace` stage's), or ``()`` when
-            ``momentum == 0`` (no parameter-sized memory is kept then).
+            $b$ (same dtype, device and memory format as the parameters; the
+            `trace()` stage's), or `()` when
+            `momentum == 0` (no parameter-sized memory is kept then).
     """
 
     count: Tensor
@@ -150,14 +150,14 @@ class SgdState(NamedTuple):
 
 
 class AdamState(NamedTuple):
-    """State of :func:`adam` and :func:`adamw`.
+    """State of [`adam()`][aadl_func.adam] and [`adamw()`][aadl_func.adamw].
 
     Attributes:
-        count: 0-d ``int64`` tensor, the number of updates done so far (:math:`t - 1` during
-            update :math:`t`).
-        exp_avg: pytree shaped like the parameters, first moment estimates :math:`m`.
-        exp_avg_sq: pytree shaped like the parameters, second moment estimates :math:`v`
-            (both the :func:`~aadl_func._src.transforms.scale_by_adam` stage's).
+        count: 0-d `int64` tensor, the number of updates done so far ($t - 1$ during
+            update $t$).
+        exp_avg: pytree shaped like the parameters, first moment estimates $m$.
+        exp_avg_sq: pytree shaped like the parameters, second moment estimates $v$
+            (both the `scale_by_adam()` stage's).
     """
 
     count: Tensor
@@ -165,7 +165,7 @@ class AdamState(NamedTuple):
     exp_avg_sq: PyTree
 
 
-# Let users ``torch.load(..., weights_only=True)`` saved states without registering anything.
+# Let users `torch.load(..., weights_only=True)` saved states without registering anything.
 if hasattr(torch.serialization, "add_safe_globals"):  # torch >= 2.4
     torch.serialization.add_safe_globals([SgdState, AdamState])
 
@@ -176,8 +176,8 @@ if hasattr(torch.serialization, "add_safe_globals"):  # torch >= 2.4
 
 
 def _value_at(fn: str, name: str, hyper: ScalarOrSchedule, count: Tensor) -> float | Tensor:
-    """The hyperparameter's value for the update after ``count`` updates: numbers and tensors
-    as they are, a schedule called with ``count`` as a float64 0-d tensor (and its value
+    """The hyperparameter's value for the update after `count` updates: numbers and tensors
+    as they are, a schedule called with `count` as a float64 0-d tensor (and its value
     checked)."""
     if isinstance(hyper, (float, Tensor)):
         return hyper
@@ -190,8 +190,8 @@ def _is_zero(hyper: ScalarOrSchedule) -> bool:
 
 
 def _zero_count(leaves: list[Tensor]) -> Tensor:
-    # ``new_zeros`` of a (possibly vmapped) parameter gives a counter batched like it, so that
-    # ``vmap(init)`` returns one independent, writable counter per ensemble member.
+    # `new_zeros` of a (possibly vmapped) parameter gives a counter batched like it, so that
+    # `vmap(init)` returns one independent, writable counter per ensemble member.
     if leaves:
         return leaves[0].new_zeros((), dtype=torch.int64)
     return torch.zeros((), dtype=torch.int64)
@@ -205,12 +205,12 @@ def _optimizer(
     weight_decay: ScalarOrSchedule,
     check_state: Callable[..., None],
 ) -> InnerOptimizer:
-    """The torchopt protocol around ``chain(*stages)``, over the leaves of the pytrees.
+    """The torchopt protocol around `chain(*stages)`, over the leaves of the pytrees.
 
-    The state is a ``state_type``: the update count, shared by the stages, then the stages'
+    The state is a `state_type`: the update count, shared by the stages, then the stages'
     buffers as pytrees, field after field in chain order (fields no stage has keep their
-    defaults). ``update`` evaluates ``lr`` and ``weight_decay`` before any stage runs, and
-    asks for params when ``weight_decay`` is not the number 0.
+    defaults). `update` evaluates `lr` and `weight_decay` before any stage runs, and
+    asks for params when `weight_decay` is not the number 0.
     """
     transform = chain(*stages)
     # The stages' state types, read from an init on no leaves (which allocates nothing), and
@@ -285,7 +285,7 @@ def _optimizer(
 
 
 def _pack(state_type: type, spec: Any, count: Tensor, stage_states: tuple) -> Any:
-    """The public state: ``count``, then the stages' buffers as pytrees, in order."""
+    """The public state: `count`, then the stages' buffers as pytrees, in order."""
     fields = [optree.tree_unflatten(spec, leaves) for s in stage_states for leaves in s]
     return state_type(count, *fields)
 
@@ -302,44 +302,44 @@ def sgd(
     nesterov: bool = False,
     weight_decay: ScalarOrSchedule = 0.0,
 ) -> InnerOptimizer:
-    r"""Stochastic gradient descent, step for step equal to :class:`torch.optim.SGD`.
+    r"""Stochastic gradient descent, step for step equal to `torch.optim.SGD`.
 
-    With gradient :math:`g_t`, parameters :math:`\theta_{t-1}`, learning rate :math:`\gamma_t`,
-    weight decay :math:`\lambda_t`, momentum :math:`\mu` and dampening :math:`\tau`, update
-    :math:`t = 1, 2, \dots` computes
+    With gradient $g_t$, parameters $\theta_{t-1}$, learning rate $\gamma_t$,
+    weight decay $\lambda_t$, momentum $\mu$ and dampening $\tau$, update
+    $t = 1, 2, \dots$ computes
 
-    .. math::
+    $$
+    d_t &= g_t + \lambda_t \theta_{t-1} \\
+    b_t &= d_t \text{ if } t = 1 \text{ else } \mu b_{t-1} + (1 - \tau) d_t \\
+    d_t &\leftarrow d_t + \mu b_t \text{ (nesterov) or } b_t \text{ (otherwise; only if }
+        \mu \neq 0) \\
+    \Delta_t &= -\gamma_t d_t
+    $$
 
-        d_t &= g_t + \lambda_t \theta_{t-1} \\
-        b_t &= d_t \text{ if } t = 1 \text{ else } \mu b_{t-1} + (1 - \tau) d_t \\
-        d_t &\leftarrow d_t + \mu b_t \text{ (nesterov) or } b_t \text{ (otherwise; only if }
-            \mu \neq 0) \\
-        \Delta_t &= -\gamma_t d_t
-
-    and returns :math:`\Delta_t` (``theta_t = theta_{t-1} + Delta_t``). The first-step case
-    is selected with ``torch.where`` on ``state.count`` (no Python branching on tensors), so
-    the update works under :func:`torch.func.vmap`. With a schedule,
-    :math:`\gamma_t = \mathrm{lr}(t - 1)`, the value ``torch.optim.lr_scheduler.LambdaLR``
-    gives update :math:`t` with ``lr_lambda = lambda epoch: lr(epoch) / base_lr``.
+    and returns $\Delta_t$ (`theta_t = theta_{t-1} + Delta_t`). The first-step case
+    is selected with `torch.where` on `state.count` (no Python branching on tensors), so
+    the update works under `torch.func.vmap()`. With a schedule,
+    $\gamma_t = \mathrm{lr}(t - 1)$, the value `torch.optim.lr_scheduler.LambdaLR`
+    gives update $t$ with `lr_lambda = lambda epoch: lr(epoch) / base_lr`.
 
     Args:
-        lr: learning rate :math:`\gamma \ge 0`: a number, a 0-d tensor or a schedule
-            ``count -> value`` (see the module docstring).
-        momentum: momentum factor :math:`\mu \ge 0`. With ``0`` no momentum buffer is stored.
-        dampening: dampening :math:`\tau \ge 0` of the momentum.
-        nesterov: use Nesterov momentum; requires ``momentum > 0`` and ``dampening == 0``.
-        weight_decay: L2 penalty :math:`\lambda \ge 0` (added to the gradient): a number, a
+        lr: learning rate $\gamma \ge 0$: a number, a 0-d tensor or a schedule
+            `count -> value` (see the module docstring).
+        momentum: momentum factor $\mu \ge 0$. With `0` no momentum buffer is stored.
+        dampening: dampening $\tau \ge 0$ of the momentum.
+        nesterov: use Nesterov momentum; requires `momentum > 0` and `dampening == 0`.
+        weight_decay: L2 penalty $\lambda \ge 0$ (added to the gradient): a number, a
             0-d tensor or a schedule.
 
     Returns:
-        An :class:`InnerOptimizer` whose state is an :class:`SgdState`. ``update`` needs
-        ``params`` only when ``weight_decay`` is not the number 0.
+        An `InnerOptimizer` whose state is an `SgdState`. `update` needs
+        `params` only when `weight_decay` is not the number 0.
 
     Raises:
-        TypeError: a hyperparameter is not a real number (``lr``, ``weight_decay``: nor a 0-d
-            real tensor or a callable; ``nesterov``: not a bool).
-        ValueError: a hyperparameter is negative or not finite, or ``nesterov`` is set with
-            ``momentum <= 0`` or ``dampening != 0``.
+        TypeError: a hyperparameter is not a real number (`lr`, `weight_decay`: nor a 0-d
+            real tensor or a callable; `nesterov`: not a bool).
+        ValueError: a hyperparameter is negative or not finite, or `nesterov` is set with
+            `momentum <= 0` or `dampening != 0`.
     """
     fn = "sgd"
     lr = check_hyperparameter(fn, "lr", lr)
@@ -407,41 +407,41 @@ def adam(
     eps: float = 1e-8,
     weight_decay: ScalarOrSchedule = 0.0,
 ) -> InnerOptimizer:
-    r"""Adam, step for step equal to :class:`torch.optim.Adam` (``amsgrad=False``).
+    r"""Adam, step for step equal to `torch.optim.Adam` (`amsgrad=False`).
 
-    With gradient :math:`g_t`, parameters :math:`\theta_{t-1}`, learning rate :math:`\gamma`,
-    betas :math:`(\beta_1, \beta_2)` and weight decay :math:`\lambda` (an L2 penalty added to
-    the gradient), update :math:`t = 1, 2, \dots` computes
+    With gradient $g_t$, parameters $\theta_{t-1}$, learning rate $\gamma$,
+    betas $(\beta_1, \beta_2)$ and weight decay $\lambda$ (an L2 penalty added to
+    the gradient), update $t = 1, 2, \dots$ computes
 
-    .. math::
+    $$
+    g_t &\leftarrow g_t + \lambda \theta_{t-1} \\
+    m_t &= m_{t-1} + (1 - \beta_1)(g_t - m_{t-1}) \\
+    v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+    \Delta_t &= -\frac{\gamma}{1 - \beta_1^t} \, m_t \Big/
+        \Big(\frac{\sqrt{v_t}}{\sqrt{1 - \beta_2^t}} + \epsilon\Big)
+    $$
 
-        g_t &\leftarrow g_t + \lambda \theta_{t-1} \\
-        m_t &= m_{t-1} + (1 - \beta_1)(g_t - m_{t-1}) \\
-        v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
-        \Delta_t &= -\frac{\gamma}{1 - \beta_1^t} \, m_t \Big/
-            \Big(\frac{\sqrt{v_t}}{\sqrt{1 - \beta_2^t}} + \epsilon\Big)
-
-    and returns :math:`\Delta_t` (``theta_t = theta_{t-1} + Delta_t``). The bias corrections
-    are computed from ``state.count`` with float64 tensor operations (no ``.item()``), so the
-    update works under :func:`torch.func.vmap`. Complex parameters are handled as pairs of
-    reals, like ``torch.optim``.
+    and returns $\Delta_t$ (`theta_t = theta_{t-1} + Delta_t`). The bias corrections
+    are computed from `state.count` with float64 tensor operations (no `.item()`), so the
+    update works under `torch.func.vmap()`. Complex parameters are handled as pairs of
+    reals, like `torch.optim`.
 
     Args:
-        lr: learning rate :math:`\gamma \ge 0`: a number, a 0-d tensor or a schedule
-            ``count -> value`` (see the module docstring).
-        betas: :math:`(\beta_1, \beta_2)`, each in :math:`[0, 1)`.
-        eps: :math:`\epsilon \ge 0` added to the denominator.
-        weight_decay: L2 penalty :math:`\lambda \ge 0`: a number, a 0-d tensor or a schedule.
+        lr: learning rate $\gamma \ge 0$: a number, a 0-d tensor or a schedule
+            `count -> value` (see the module docstring).
+        betas: $(\beta_1, \beta_2)$, each in $[0, 1)$.
+        eps: $\epsilon \ge 0$ added to the denominator.
+        weight_decay: L2 penalty $\lambda \ge 0$: a number, a 0-d tensor or a schedule.
 
     Returns:
-        An :class:`InnerOptimizer` whose state is an :class:`AdamState`. ``update`` needs
-        ``params`` only when ``weight_decay`` is not the number 0.
+        An `InnerOptimizer` whose state is an `AdamState`. `update` needs
+        `params` only when `weight_decay` is not the number 0.
 
     Raises:
-        TypeError: a hyperparameter is not a real number (``lr``, ``weight_decay``: nor a 0-d
-            real tensor or a callable), or ``betas`` is not a pair.
+        TypeError: a hyperparameter is not a real number (`lr`, `weight_decay`: nor a 0-d
+            real tensor or a callable), or `betas` is not a pair.
         ValueError: a hyperparameter is out of range (negative, not finite, beta not in
-            :math:`[0, 1)`).
+            $[0, 1)$).
     """
     return _adam("adam", lr, betas, eps, weight_decay, decoupled=False)
 
@@ -452,37 +452,37 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: ScalarOrSchedule = 1e-2,
 ) -> InnerOptimizer:
-    r"""AdamW, step for step equal to :class:`torch.optim.AdamW` (``amsgrad=False``).
+    r"""AdamW, step for step equal to `torch.optim.AdamW` (`amsgrad=False`).
 
-    Adam with decoupled weight decay: the parameters are shrunk by :math:`1 - \gamma\lambda`
+    Adam with decoupled weight decay: the parameters are shrunk by $1 - \gamma\lambda$
     before the Adam step, and the decay never enters the moments:
 
-    .. math::
+    $$
+    m_t &= m_{t-1} + (1 - \beta_1)(g_t - m_{t-1}) \\
+    v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+    \Delta_t &= -\gamma\lambda\,\theta_{t-1} - \frac{\gamma}{1 - \beta_1^t} \, m_t \Big/
+        \Big(\frac{\sqrt{v_t}}{\sqrt{1 - \beta_2^t}} + \epsilon\Big)
+    $$
 
-        m_t &= m_{t-1} + (1 - \beta_1)(g_t - m_{t-1}) \\
-        v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
-        \Delta_t &= -\gamma\lambda\,\theta_{t-1} - \frac{\gamma}{1 - \beta_1^t} \, m_t \Big/
-            \Big(\frac{\sqrt{v_t}}{\sqrt{1 - \beta_2^t}} + \epsilon\Big)
-
-    so that ``theta_t = theta_{t-1} + Delta_t = (1 - lr * wd) * theta_{t-1} + adam_step``.
+    so that `theta_t = theta_{t-1} + Delta_t = (1 - lr * wd) * theta_{t-1} + adam_step`.
 
     Args:
-        lr: learning rate :math:`\gamma \ge 0`: a number, a 0-d tensor or a schedule
-            ``count -> value`` (see the module docstring); the decay uses the same
-            :math:`\gamma_t`, as ``torch.optim.AdamW`` under an LR scheduler does.
-        betas: :math:`(\beta_1, \beta_2)`, each in :math:`[0, 1)`.
-        eps: :math:`\epsilon \ge 0` added to the denominator.
-        weight_decay: decoupled weight decay :math:`\lambda \ge 0`: a number, a 0-d tensor
+        lr: learning rate $\gamma \ge 0$: a number, a 0-d tensor or a schedule
+            `count -> value` (see the module docstring); the decay uses the same
+            $\gamma_t$, as `torch.optim.AdamW` under an LR scheduler does.
+        betas: $(\beta_1, \beta_2)$, each in $[0, 1)$.
+        eps: $\epsilon \ge 0$ added to the denominator.
+        weight_decay: decoupled weight decay $\lambda \ge 0$: a number, a 0-d tensor
             or a schedule.
 
     Returns:
-        An :class:`InnerOptimizer` whose state is an :class:`AdamState`. ``update`` needs
-        ``params`` whenever ``weight_decay`` is not the number 0 (the default is 1e-2).
+        An `InnerOptimizer` whose state is an `AdamState`. `update` needs
+        `params` whenever `weight_decay` is not the number 0 (the default is 1e-2).
 
     Raises:
-        TypeError: a hyperparameter is not a real number (``lr``, ``weight_decay``: nor a 0-d
-            real tensor or a callable), or ``betas`` is not a pair.
+        TypeError: a hyperparameter is not a real number (`lr`, `weight_decay`: nor a 0-d
+            real tensor or a callable), or `betas` is not a pair.
         ValueError: a hyperparameter is out of range (negative, not finite, beta not in
-            :math:`[0, 1)`).
+            $[0, 1)$).
     """
     return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True)

@@ -1,31 +1,31 @@
 r"""The window's passes over one parameter leaf, eager (no torch.func transform, not traced).
 
-Each pass reads the ``Q`` slots of one leaf once (:math:`O(Q n)`) and never builds a
+Each pass reads the `Q` slots of one leaf once ($O(Q n)$) and never builds a
 window-sized temporary:
 
-* :func:`gram_leaf` -- :math:`\langle s_j, v \rangle` for every slot, accumulated in float64
+* `gram_leaf()` -- $\langle s_j, v \rangle$ for every slot, accumulated in float64
   from the stored values (products of float32 or bf16 numbers are exact in float64); a
-  complex window's in complex128, :math:`\langle s, v \rangle = \sum_i \overline{s_i} v_i`
-  (``block.conj()``, which is the block itself for real data: :mod:`aadl_func._src.scalars`);
-* :func:`combine_leaf` -- :math:`b + \sum_j w_j s_j` in the compute dtype;
-* :func:`difference_rows_leaf` -- the Gram rows of a newly written slot;
-* :func:`factor_leaf` -- a streaming float64 QR factor of the slots' differences.
+  complex window's in complex128, $\langle s, v \rangle = \sum_i \overline{s_i} v_i$
+  (`block.conj()`, which is the block itself for real data: `aadl_func._src.scalars`);
+* `combine_leaf()` -- $b + \sum_j w_j s_j$ in the compute dtype;
+* `difference_rows_leaf()` -- the Gram rows of a newly written slot;
+* `factor_leaf()` -- a streaming float64 QR factor of the slots' differences.
 
-How fast they run depends on the layout :func:`aadl_func._src.window.new_ring` chooses: the
-``Q`` slots of a leaf are equally spaced rows of one buffer, which :func:`slot_runs` sees as one
-strided ``(Q, n)`` matrix without copying it, so
+How fast they run depends on the layout `aadl_func._src.window.new_ring()` chooses: the
+`Q` slots of a leaf are equally spaced rows of one buffer, which `slot_runs()` sees as one
+strided `(Q, n)` matrix without copying it, so
 
 * a pass whose dtypes already match is a single BLAS matrix-vector product over the window
-  (``torch.mv``/``torch.addmv`` on the strided view), exactly the two passes that bound any
+  (`torch.mv`/`torch.addmv` on the strided view), exactly the two passes that bound any
   Anderson step from below;
 * a pass that must widen the data (a float32 or bf16 window into the float64 Gram) streams it
-  in chunks of ``Q x chunk`` elements: each chunk is converted with one copy into a small
+  in chunks of `Q x chunk` elements: each chunk is converted with one copy into a small
   float64 buffer that stays in cache, then multiplied there; a float32 window on the CPU
-  takes the native kernel (:mod:`aadl_func._src.native`) instead where it is built.
+  takes the native kernel (`aadl_func._src.native`) instead where it is built.
 
-Slots that are not rows of one buffer (the pure ``inplace=False`` path replaces a slot by a
+Slots that are not rows of one buffer (the pure `inplace=False` path replaces a slot by a
 new tensor each step) take the same chunked route, one copy per slot and chunk. The passes
-for batched (vmap) or traced (torch.compile) leaves are in :mod:`aadl_func._src.batched`.
+for batched (vmap) or traced (torch.compile) leaves are in `aadl_func._src.batched`.
 """
 
 from __future__ import annotations
@@ -66,25 +66,25 @@ _DEVICE_CHUNK_ELEMENTS = 1 << 22
 
 
 def chunk_size(num_slots: int, device: torch.device | None = None) -> int:
-    """Elements per slot in one chunk of a streaming pass over ``num_slots`` slots."""
+    """Elements per slot in one chunk of a streaming pass over `num_slots` slots."""
     total = _CHUNK_ELEMENTS if device is None or device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
     return max(_MIN_CHUNK, total // max(num_slots, 1))
 
 
 def buffer_width(num_slots: int, numel: int, device: torch.device) -> int:
-    """Chunk width of a widening pass: a chunk size, capped so that the ``num_slots x width``
-    float64 buffer is at most about one float32 parameter (``4 numel`` bytes)."""
+    """Chunk width of a widening pass: a chunk size, capped so that the `num_slots x width`
+    float64 buffer is at most about one float32 parameter (`4 numel` bytes)."""
     cap = max(_MIN_CHUNK, numel // (2 * max(num_slots, 1)))
     return min(chunk_size(num_slots, device), cap, numel)
 
 
 def slot_runs(flats: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
-    """Groups consecutive slots into ``(first slot, (k, n) view)`` runs.
+    """Groups consecutive slots into `(first slot, (k, n) view)` runs.
 
-    Slots ``i .. i + k - 1`` form a run when they are equally spaced, non-overlapping,
-    contiguous views of one storage (as :func:`new_ring` makes them); the run is then a
+    Slots `i .. i + k - 1` form a run when they are equally spaced, non-overlapping,
+    contiguous views of one storage (as `new_ring()` makes them); the run is then a
     strided matrix over that storage, no copy made. Any other slot is a run of one. The
-    slots are flat views or C-contiguous tensors of any shape (their ``n`` elements in
+    slots are flat views or C-contiguous tensors of any shape (their `n` elements in
     order either way).
     """
     runs: list[tuple[int, Tensor]] = []
@@ -137,7 +137,7 @@ def gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
         return None
     runs = slot_runs(flats)
     # float64, or complex128 for a complex window, whose products <s, v> = conj(s) . v are
-    # formed as ``mv(block.conj(), v)`` (``conj()`` of a real tensor is that tensor).
+    # formed as `mv(block.conj(), v)` (`conj()` of a real tensor is that tensor).
     acc = wide(v.dtype)
     partial = torch.zeros(q, dtype=acc, device=v.device)
     if v.dtype == acc and all(block.dtype == acc for _, block in runs):
@@ -175,12 +175,12 @@ def gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
 
 
 def combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, result: Tensor) -> None:
-    """Writes ``base + sum_s w[s] flats[s]`` into the flat ``result``."""
+    """Writes `base + sum_s w[s] flats[s]` into the flat `result`."""
     cdt, numel = result.dtype, result.shape[0]
     if numel == 0:
         return
     runs = slot_runs(flats)
-    # ``base`` may be ``result`` itself: the sum is then accumulated in place, which reads
+    # `base` may be `result` itself: the sum is then accumulated in place, which reads
     # and writes one buffer instead of reading one and writing another.
     in_place = base is not None and same(base, result)
     if all(block.dtype == cdt for _, block in runs) and (base is None or base.dtype == cdt):
@@ -231,7 +231,7 @@ def combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, result
 def accumulator(cdt: torch.dtype, base: Tensor | None, flats: Sequence[Tensor]) -> torch.dtype:
     """The dtype a combination accumulates in: float64 for a float32 result widened from
     narrower operands (a bf16/fp16 window or params), so that it is rounded once and comes
-    out the same on every path (see :func:`combine_leaf`); else the compute dtype."""
+    out the same on every path (see `combine_leaf()`); else the compute dtype."""
     operands = [*flats, base] if base is not None else flats
     if cdt == torch.float32 and any(t.dtype != cdt for t in operands):
         return torch.float64
@@ -261,7 +261,7 @@ def difference_rows_leaf(
         b = buffer if width == step else buffer[:, :width]
         for first, k, chunks in pieces:
             b[first : first + k].copy_(chunks[i])
-        # ``resolve_conj``: with the lazily conjugated block (which shares memory with its
+        # `resolve_conj`: with the lazily conjugated block (which shares memory with its
         # row argument) torch 2.5's addmv_ gave wrong complex products under vmap's
         # per-member rule; a real block has no conjugate bit, so it costs real windows nothing.
         bh = b.conj().resolve_conj()

@@ -1,8 +1,8 @@
-"""``mix``: AADL's extrapolation over an explicit, stacked window (no state, no ring).
+"""`mix`: AADL's extrapolation over an explicit, stacked window (no state, no ring).
 
-It is the package's reference for the step: ``update`` does not call it, but mixes with the
-same solver (:func:`aadl_func._src.solve.solve_factor` for float64 windows) and the same
-coefficients (:func:`aadl_func._src.solve.aadl_coefficients`) over its ring, and the tests
+It is the package's reference for the step: `update` does not call it, but mixes with the
+same solver (`aadl_func._src.solve.solve_factor()` for float64 windows) and the same
+coefficients (`aadl_func._src.solve.aadl_coefficients()`) over its ring, and the tests
 hold the two to each other and both to NumPy references written from the mathematics.
 """
 
@@ -22,11 +22,11 @@ __all__ = ["mix", "mixing_weights"]
 
 
 def _window_leaves(history: Any) -> tuple[list[Tensor], Any, int]:
-    """The tensor leaves of ``history`` and its tree spec, checked to share a window dim >= 3.
+    """The tensor leaves of `history` and its tree spec, checked to share a window dim >= 3.
 
-    A leaf of shape ``(k,)`` holds ``k`` scalar iterates, which makes sense next to leaves of
+    A leaf of shape `(k,)` holds `k` scalar iterates, which makes sense next to leaves of
     higher rank (a scalar parameter of a model); a history whose leaves are all 1-d is refused,
-    since a single vector of ``n`` numbers would otherwise be read as ``n`` scalar iterates.
+    since a single vector of `n` numbers would otherwise be read as `n` scalar iterates.
     """
     leaves, spec = tree.flatten(history, "history")
     if not leaves:
@@ -65,15 +65,15 @@ def _window_leaves(history: Any) -> tuple[list[Tensor], Any, int]:
 def _solve(leaves: list[Tensor], window: int, reg: float) -> tuple[MixingWeights, list]:
     r"""The AADL weights of the window, with the float64 iterates and steps of every leaf.
 
-    The steps :math:`\Delta X` are formed in float64 (element by element, exact for float32
-    or bf16 windows); :math:`A = [\Delta R \mid \Delta X_{:, -1}]` is then reduced, chunk of
-    coordinates by chunk, leaf by leaf, to its ``(m + 1) x (m + 1)`` factor by Householder
-    QR (:func:`aadl_func._src.window.difference_factor`, a TSQR; the second differences are
-    formed chunk by chunk, exactly as ``numpy.diff`` forms them), and the small problem is
-    solved from it by :func:`aadl_func._src.solve.solve_factor`. No normal equations: the
-    condition number of :math:`\Delta R` enters once, which makes this the most accurate path
-    of the library (and :math:`O(m^2 n)`, where the incremental window of
-    :func:`aadl_func.anderson` is :math:`O(m n)` for float32/bf16 windows).
+    The steps $\Delta X$ are formed in float64 (element by element, exact for float32
+    or bf16 windows); $A = [\Delta R \mid \Delta X_{:, -1}]$ is then reduced, chunk of
+    coordinates by chunk, leaf by leaf, to its `(m + 1) x (m + 1)` factor by Householder
+    QR (`aadl_func._src.window.difference_factor()`, a TSQR; the second differences are
+    formed chunk by chunk, exactly as `numpy.diff` forms them), and the small problem is
+    solved from it by `aadl_func._src.solve.solve_factor()`. No normal equations: the
+    condition number of $\Delta R$ enters once, which makes this the most accurate path
+    of the library (and $O(m^2 n)$, where the incremental window of
+    [`aadl_func.anderson()`][aadl_func.anderson] is $O(m n)$ for float32/bf16 windows).
     """
     solve_device = leaves[0].device
     per_leaf = []
@@ -90,13 +90,13 @@ def _solve(leaves: list[Tensor], window: int, reg: float) -> tuple[MixingWeights
 
 
 def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:
-    r"""Diagnostics of :func:`mix`: the AADL least-squares coefficients for a window.
+    r"""Diagnostics of [`mix()`][aadl_func.mix]: the AADL least-squares coefficients for a window.
 
-    Returns :class:`MixingWeights` ``(gamma, alpha, residual_norm, ok)`` for the residuals
-    ``DX[:, i] = X[:, i+1] - X[:, i]`` of ``history`` (see :func:`mix`): ``gamma`` minimises
-    :math:`\|\Delta X_{:, -1} - \Delta R\,\gamma\|^2 + \mathrm{reg}\,\|\gamma\|^2`,
-    ``residual_norm`` is :math:`\|\Delta X_{:, -1} - \Delta R\,\gamma\|` and ``ok`` is False
-    when the window's float64 differences or their factor overflowed (then ``gamma = 0``).
+    Returns [`MixingWeights`][aadl_func.MixingWeights] `(gamma, alpha, residual_norm, ok)` for the
+    residuals `DX[:, i] = X[:, i+1] - X[:, i]` of `history` (see [`mix()`][aadl_func.mix]): `gamma`
+    minimises $\|\Delta X_{:, -1} - \Delta R\,\gamma\|^2 + \mathrm{reg}\,\|\gamma\|^2$,
+    `residual_norm` is $\|\Delta X_{:, -1} - \Delta R\,\gamma\|$ and `ok` is False
+    when the window's float64 differences or their factor overflowed (then `gamma = 0`).
     """
     reg = check_float("mixing_weights", "reg", reg, minimum=0.0)
     leaves, _, window = _window_leaves(history)
@@ -107,38 +107,38 @@ def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:
 def mix(history: Any, *, relaxation: float = 1.0, reg: float = 0.0) -> Any:
     r"""AADL's Anderson extrapolation of a window of iterates (pure, float64 inside).
 
-    ``history`` is a tensor or pytree whose leaves share a leading window dimension
-    :math:`k \ge 3`, oldest first; the leaves together form the columns
-    :math:`X = [x_0, \dots, x_{k-1}]`. With :math:`\Delta X[:, i] = x_{i+1} - x_i` and
-    :math:`\Delta R[:, i] = \Delta X[:, i+1] - \Delta X[:, i]`:
+    `history` is a tensor or pytree whose leaves share a leading window dimension
+    $k \ge 3$, oldest first; the leaves together form the columns
+    $X = [x_0, \dots, x_{k-1}]$. With $\Delta X[:, i] = x_{i+1} - x_i$ and
+    $\Delta R[:, i] = \Delta X[:, i+1] - \Delta X[:, i]$:
 
-    .. math::
+    $$
+    \gamma &= \arg\min_\gamma \|\Delta X[:, -1] - \Delta R\,\gamma\|^2
+              + \mathrm{reg}\,\|\gamma\|^2 \\
+    x_{\mathrm{extr}} &= X[:, -2] + \Delta X[:, -1] - (\Delta X[:, :-1] + \Delta R)\,\gamma \\
+    x &= \beta\, x_{\mathrm{extr}} + (1 - \beta)\, X[:, :-1]\,\alpha, \quad
+    \alpha = (\gamma_0, \gamma_1 - \gamma_0, \dots, 1 - \gamma_{k-3})
+    $$
 
-        \gamma &= \arg\min_\gamma \|\Delta X[:, -1] - \Delta R\,\gamma\|^2
-                  + \mathrm{reg}\,\|\gamma\|^2 \\
-        x_{\mathrm{extr}} &= X[:, -2] + \Delta X[:, -1] - (\Delta X[:, :-1] + \Delta R)\,\gamma \\
-        x &= \beta\, x_{\mathrm{extr}} + (1 - \beta)\, X[:, :-1]\,\alpha, \quad
-        \alpha = (\gamma_0, \gamma_1 - \gamma_0, \dots, 1 - \gamma_{k-3})
-
-    with :math:`\beta` = ``relaxation``. The differences and the combination are formed in
-    float64; :math:`\gamma` comes from a float64 Householder QR of
-    :math:`[\Delta R \mid \Delta X[:, -1]]` and an SVD of its small triangular factor
-    (:func:`aadl_func._src.solve.solve_factor`: singular values of :math:`\Delta R` with
-    :math:`\sigma^2 + \mathrm{reg} \le (10^{-13} s)^2` dropped, :math:`s` the largest column
+    with $\beta$ = `relaxation`. The differences and the combination are formed in
+    float64; $\gamma$ comes from a float64 Householder QR of
+    $[\Delta R \mid \Delta X[:, -1]]$ and an SVD of its small triangular factor
+    (`aadl_func._src.solve.solve_factor()`: singular values of $\Delta R$ with
+    $\sigma^2 + \mathrm{reg} \le (10^{-13} s)^2$ dropped, $s$ the largest column
     norm, which gives the minimum-norm answer on rank-deficient windows). The error is about
-    :math:`\epsilon_{64}\,\mathrm{cond}(\Delta R)` relative, never squared, and near
-    :math:`\epsilon_{64}` when the ill-conditioning is only the columns' scales. The result is
+    $\epsilon_{64}\,\mathrm{cond}(\Delta R)$ relative, never squared, and near
+    $\epsilon_{64}$ when the ill-conditioning is only the columns' scales. The result is
     cast back to each leaf's dtype. Finite input gives finite output: should the float64
     differences, the factor or the combination overflow, the newest iterate is returned
     instead.
 
     Args:
       history: tensor or pytree of tensors with a leading window dimension, oldest first.
-      relaxation: :math:`\beta > 0` (1 is undamped, above 1 over-relaxes).
-      reg: absolute Tikhonov weight on :math:`\gamma`, ``>= 0``.
+      relaxation: $\beta > 0$ (1 is undamped, above 1 over-relaxes).
+      reg: absolute Tikhonov weight on $\gamma$, `>= 0`.
 
     Returns:
-      One slice of ``history``'s structure: the extrapolated point.
+      One slice of `history`'s structure: the extrapolated point.
 
     References:
       Walker & Ni, "Anderson acceleration for fixed-point iterations", SINUM 2011.

@@ -1,9 +1,9 @@
-"""The modes of :func:`aadl_func.anderson`, one record each.
+"""The modes of [`aadl_func.anderson()`][aadl_func.anderson], one record each.
 
 Everything that differs between the modes is here or in the step function a record names:
 the ring's layout, how much window a mix needs, whether AADL's moving average applies, the
 step itself, and the bounds behind a sharded step's finiteness certificate
-(:func:`aadl_func._src.stages.certified_finite`). Adding a mode is adding a record.
+(`aadl_func._src.stages.certified_finite()`). Adding a mode is adding a record.
 """
 
 from __future__ import annotations
@@ -19,23 +19,23 @@ __all__ = ["MODES", "Mode"]
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """One mode of :func:`aadl_func.anderson`.
+    """One mode of [`aadl_func.anderson()`][aadl_func.anderson].
 
     Attributes:
-      name: the ``mode`` option's value.
-      num_slots: ring slots for a ``history_depth``.
+      name: the `mode` option's value.
+      num_slots: ring slots for a `history_depth`.
       min_window: window entries (aadl: iterates, classic: pairs) before a mix.
-      keeps_iterates: the state holds a second ring (``AndersonState.iterates``) of steps.
-      averages: AADL's moving average (``average=True``) is defined for it.
+      keeps_iterates: the state holds a second ring (`AndersonState.iterates`) of steps.
+      averages: AADL's moving average (`average=True`) is defined for it.
       complex_params: complex params are accepted (a complex window, Hermitian Grams).
-      step: ``step(call) -> (params, state)``, one ``update`` call
-        (:class:`aadl_func._src.stages.Call`).
-      base_bound: ``base_bound(call)``, this rank's bound of the combination's base.
-      mix_bound: ``mix_bound(options, alpha, norms, base)``, a bound of every entry of the mix
+      step: `step(call) -> (params, state)`, one `update` call
+        (`aadl_func._src.stages.Call`).
+      base_bound: `base_bound(call)`, this rank's bound of the combination's base.
+      mix_bound: `mix_bound(options, alpha, norms, base)`, a bound of every entry of the mix
         from the summed base bound and the residual norms.
-      last_plain_step: ``last_plain_step(call)``, the previous call's plain step read from
+      last_plain_step: `last_plain_step(call)`, the previous call's plain step read from
         the window (history device), where a rejected mix goes back to
-        (:mod:`aadl_func._src.deferred`).
+        (`aadl_func._src.deferred`).
     """
 
     name: str

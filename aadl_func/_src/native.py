@@ -1,28 +1,28 @@
 r"""An optional C kernel for the window's Gram-row pass on the CPU.
 
-:func:`float64_dots` returns :math:`\langle r_j, v \rangle` for float32 or bfloat16 rows
-:math:`r_j` and a vector :math:`v` of the same dtype, summed in float64. torch has no
+`float64_dots()` returns $\langle r_j, v \rangle$ for float32 or bfloat16 rows
+$r_j$ and a vector $v$ of the same dtype, summed in float64. torch has no
 operation that multiplies float32 data in float64 without first writing a float64 copy, and
 on a CPU that copy costs more than reading the window (about twice a BLAS pass at
-``n = 2^22``, ``m = 10`` on a 2-core machine). The kernel in ``_dots.c`` widens each element
+`n = 2^22`, `m = 10` on a 2-core machine). The kernel in `_dots.c` widens each element
 in a register instead; it computes the same exact products (a product of two float32 numbers
 is exact in float64) and sums them in float64 in a fixed order, so its result does not
 depend on the number of threads.
 
-The C file is compiled when the package is installed (``setup.py``: an optional extension,
-plain ``-O3``, no CPU-specific flags) into a shared library next to this module, and loaded
-from there with :mod:`ctypes` on first use; it is not a Python module. Nothing is built,
+The C file is compiled when the package is installed (`setup.py`: an optional extension,
+plain `-O3`, no CPU-specific flags) into a shared library next to this module, and loaded
+from there with `ctypes` on first use; it is not a Python module. Nothing is built,
 cached or written at run time: the library is part of the installed package, as trusted as
 this file. Where the install had no compiler (the build only warns), with
-``AADL_FUNC_NATIVE=0``, or if the library does not load, :func:`float64_dots` returns None
+`AADL_FUNC_NATIVE=0`, or if the library does not load, `float64_dots()` returns None
 and the caller uses its torch path, which gives the same values up to float64 summation
-order; :func:`status` (public: ``aa.kernel_info()``) says which is in use. A kernel missing or
+order; `status()` (public: `aa.kernel_info()`) says which is in use. A kernel missing or
 broken (not one turned off) warns once per process, when the first state with a CPU window is
-made (:func:`warn_if_missing`).
+made (`warn_if_missing()`).
 
-The blocks of the pass are shared among ``torch.get_num_threads()`` OpenMP threads. The file
-is built with ``-fopenmp`` and loaded after torch, so it binds to the OpenMP runtime torch
-already loaded (the same ``libgomp.so.1``) and runs on torch's own threads, which would
+The blocks of the pass are shared among `torch.get_num_threads()` OpenMP threads. The file
+is built with `-fopenmp` and loaded after torch, so it binds to the OpenMP runtime torch
+already loaded (the same `libgomp.so.1`) and runs on torch's own threads, which would
 otherwise spin idle right after torch's previous operation and slow a second pool down (a
 torch built on another OpenMP runtime leaves the kernel its own libgomp pool: the same
 results, some thread contention). A compiler without OpenMP gives a single-threaded build.
@@ -76,8 +76,8 @@ _enabled = os.environ.get("AADL_FUNC_NATIVE", "1") != "0"
 def set_enabled(enabled: bool) -> bool:
     """Turns the kernel on or off for this process; returns the previous setting.
 
-    Off, :func:`float64_dots` returns None (callers use their torch path). Tests use this to
-    check both paths; ``AADL_FUNC_NATIVE=0`` sets the initial value.
+    Off, `float64_dots()` returns None (callers use their torch path). Tests use this to
+    check both paths; `AADL_FUNC_NATIVE=0` sets the initial value.
     """
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
@@ -100,15 +100,15 @@ def kernel_info() -> dict[str, str | None]:
     """Which implementation runs the window's Gram-row pass on the CPU, and why.
 
     The pass reads every window entry once per step. Installing the package compiles a small
-    C kernel for it (``aadl_func/_src/_dots.c``); where no compiler was found, the build only
+    C kernel for it (`aadl_func/_src/_dots.c`); where no compiler was found, the build only
     warned and the pass runs in torch instead: the same values up to the float64 summation
     order, about twice as slow on large windows (docs/performance.md). On other devices, and
-    under ``torch.compile`` or ``vmap``, the torch path runs anyway.
+    under `torch.compile` or `vmap`, the torch path runs anyway.
 
     Returns:
-      A dict: ``"kernel"``, ``"native"`` or ``"torch"``; ``"library"``, the loaded shared
-      library's path, or None; ``"reason"``, one line saying what was loaded or why not
-      (``AADL_FUNC_NATIVE=0`` turns the kernel off).
+      A dict: `"kernel"`, `"native"` or `"torch"`; `"library"`, the loaded shared
+      library's path, or None; `"reason"`, one line saying what was loaded or why not
+      (`AADL_FUNC_NATIVE=0` turns the kernel off).
 
     Examples:
       >>> aa.kernel_info()["kernel"]
@@ -129,10 +129,10 @@ _warned = False
 def warn_if_missing(stacklevel: int) -> None:
     """Warns, once per process, where the kernel should run but is not there (not built, or
     broken; not where it is turned off): the window pass then costs about twice as much, and
-    only a verbose ``pip install`` said why.
+    only a verbose `pip install` said why.
 
-    Called where a state with a CPU window is made (``anderson.init``): a warning turned into
-    an error there (``-W error``) stops the call before anything is written."""
+    Called where a state with a CPU window is made (`anderson.init`): a warning turned into
+    an error there (`-W error`) stops the call before anything is written."""
     global _warned
     if torch.compiler.is_compiling() or _warned or not _enabled:
         return
@@ -163,7 +163,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 
 def _check_complete(path: Path) -> None:
-    """Raises ``OSError`` if ``path`` is an ELF file shorter than its own headers say.
+    """Raises `OSError` if `path` is an ELF file shorter than its own headers say.
 
     The dynamic loader maps a library's segments as its program headers describe them; a
     truncated file maps pages past its end, and the process dies of SIGBUS as soon as the
@@ -222,8 +222,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _plain_vectors(tensors: Sequence[Tensor], dtype: torch.dtype, n: int) -> bool:
-    """Plain CPU tensors of ``dtype`` whose ``n`` elements lie contiguously in memory (a 1-d
-    stride-1 vector, or any C-contiguous tensor: the kernels only see a pointer and ``n``)."""
+    """Plain CPU tensors of `dtype` whose `n` elements lie contiguously in memory (a 1-d
+    stride-1 vector, or any C-contiguous tensor: the kernels only see a pointer and `n`)."""
     for t in tensors:
         if (
             type(t) is not torch.Tensor
@@ -252,8 +252,8 @@ def _pointers(rows: Sequence[Tensor]) -> ctypes.Array:
 
 
 def _call(kernel: Callable, q: int, n: int, *leading: Any) -> Tensor:
-    """Runs a kernel whose arguments end in ``(n, block, threads, partial, out)``; returns
-    ``out``, the ``(q,)`` float64 sums."""
+    """Runs a kernel whose arguments end in `(n, block, threads, partial, out)`; returns
+    `out`, the `(q,)` float64 sums."""
     if n == 0:
         return torch.zeros(q, dtype=torch.float64)
     out = torch.empty(q, dtype=torch.float64)  # every entry written by the kernel
@@ -267,11 +267,11 @@ def _call(kernel: Callable, q: int, n: int, *leading: Any) -> Tensor:
 
 
 def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
-    r"""``out[j] = sum_i f64(rows[j][i]) * f64(vector[i])`` as a ``(len(rows),)`` float64 tensor.
+    r"""`out[j] = sum_i f64(rows[j][i]) * f64(vector[i])` as a `(len(rows),)` float64 tensor.
 
-    Returns None when the kernel is off or unavailable, or when ``vector`` is not a 1-d,
-    stride-1 CPU tensor of length ``n`` in float32 or bfloat16 and the rows contiguous CPU
-    tensors of ``n`` elements of its dtype (the caller then takes its torch path). Plain
+    Returns None when the kernel is off or unavailable, or when `vector` is not a 1-d,
+    stride-1 CPU tensor of length `n` in float32 or bfloat16 and the rows contiguous CPU
+    tensors of `n` elements of its dtype (the caller then takes its torch path). Plain
     tensors only: under a torch.func transform the caller never gets here.
     """
     if not _enabled or not rows or vector.dtype not in _KERNELS or vector.dim() != 1:
@@ -287,9 +287,9 @@ def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
 
 
 def can_append(rows: Sequence[Tensor], slot: int, newest: Tensor, anchor: Tensor) -> bool:
-    """Whether :func:`append_differences` applies to one leaf: float32 CPU tensors of one
-    size, each contiguous (C order, any shape), the slot overlapping neither ``newest`` nor
-    ``anchor`` nor these each other, and the kernel available."""
+    """Whether `append_differences()` applies to one leaf: float32 CPU tensors of one
+    size, each contiguous (C order, any shape), the slot overlapping neither `newest` nor
+    `anchor` nor these each other, and the kernel available."""
     if not _enabled or not rows or not 0 <= slot < len(rows):
         return False
     n = newest.numel()
@@ -305,13 +305,13 @@ def can_append(rows: Sequence[Tensor], slot: int, newest: Tensor, anchor: Tensor
 def append_differences(
     leaves: Sequence[tuple[Sequence[Tensor], Tensor, Tensor]], slot: int
 ) -> list[Tensor] | None:
-    r"""For every leaf ``(rows, newest, anchor)``, in one pass: ``rows[slot] = newest -
-    anchor``, ``anchor = newest`` (in place) and the float64 dots of every row with the new
-    ``rows[slot]``, as :func:`float64_dots` returns them (one ``(q,)`` tensor per leaf).
+    r"""For every leaf `(rows, newest, anchor)`, in one pass: `rows[slot] = newest -
+    anchor`, `anchor = newest` (in place) and the float64 dots of every row with the new
+    `rows[slot]`, as `float64_dots()` returns them (one `(q,)` tensor per leaf).
 
     The window's append step (a subtraction into the ring slot, the anchor copy and the
-    Gram-row pass) fused for float32 windows; the subtraction rounds as ``torch.sub`` does.
-    All or nothing: returns None, having written nothing, unless :func:`can_append` holds for
+    Gram-row pass) fused for float32 windows; the subtraction rounds as `torch.sub` does.
+    All or nothing: returns None, having written nothing, unless `can_append()` holds for
     every leaf.
     """
     if not all(can_append(rows, slot, newest, anchor) for rows, newest, anchor in leaves):

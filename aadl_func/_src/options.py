@@ -1,10 +1,13 @@
-"""``AndersonOptions``: the options of :func:`aadl_func.anderson`, defined and validated once.
+"""`AndersonOptions`: the options of [`aadl_func.anderson()`][aadl_func.anderson], defined and
+validated once.
 
-:func:`aadl_func.anderson`, :class:`aadl_func.AcceleratedOptimizer` and
-:func:`aadl_func.accelerate` all build one of these; its fields, in order and with their
-defaults, are :func:`aadl_func.anderson`'s keyword arguments (a test holds the signature,
-this class and the README's signature block to the same list). Construction validates every
-field and raises an error that names the argument; the instance is immutable and hashable.
+[`aadl_func.anderson()`][aadl_func.anderson],
+[`aadl_func.AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer] and
+[`aadl_func.accelerate()`][aadl_func.accelerate] all build one of these; its fields, in order and
+with their defaults, are [`aadl_func.anderson()`][aadl_func.anderson]'s keyword arguments (a test
+holds the signature, this class and the README's signature block to the same list). Construction
+validates every field and raises an error that names the argument; the instance is immutable and
+hashable.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ OWNER = "anderson"
 
 @dataclasses.dataclass(frozen=True)
 class AndersonOptions:
-    """The validated options of :func:`aadl_func.anderson` (see its docstring for each).
+    """The validated options of [`aadl_func.anderson()`][aadl_func.anderson] (see its docstring for
+    each).
 
-    Besides the fields: ``rules``, the mode's :class:`~aadl_func._src.modes.Mode` record
-    (slot layout, window minimum, step function, bounds), and ``num_slots``, the ring's
-    slots for ``history_depth`` in that mode.
+    Besides the fields: `rules`, the mode's `Mode` record
+    (slot layout, window minimum, step function, bounds), and `num_slots`, the ring's
+    slots for `history_depth` in that mode.
     """
 
     rules: ClassVar[Mode]
@@ -103,26 +107,27 @@ class AndersonOptions:
             raise ValueError(f"{OWNER}: `max_consecutive_skips` needs `skip_nonfinite=True`")
         for name, value in checked.items():  # the normalised values (ints, floats, devices)
             object.__setattr__(self, name, value)
-        # Derived once: every step reads them (not fields: they follow from ``mode``).
+        # Derived once: every step reads them (not fields: they follow from `mode`).
         object.__setattr__(self, "rules", MODES[mode])
         object.__setattr__(self, "num_slots", MODES[mode].num_slots(checked["history_depth"]))
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        """The option names after ``inner``, in :func:`aadl_func.anderson`'s order."""
+        """The option names after `inner`, in [`aadl_func.anderson()`][aadl_func.anderson]'s
+        order."""
         return tuple(field.name for field in dataclasses.fields(cls))[1:]
 
     def values(self) -> dict[str, Any]:
-        """The options after ``inner`` by name (what a checkpoint records)."""
+        """The options after `inner` by name (what a checkpoint records)."""
         return {name: getattr(self, name) for name in self.names()}
 
     def history_device_of(self, p: Tensor) -> torch.device:
         return self.history_device if self.history_device is not None else p.device
 
     def history_dtype_of(self, p: Tensor) -> torch.dtype:
-        """The window's dtype for leaf ``p``: ``history_dtype`` (default ``p``'s dtype); for a
-        complex leaf, the complex dtype whose parts are ``history_dtype`` (float32:
-        complex64, float64: complex128; :data:`~aadl_func._src.scalars.COMPLEX_HISTORY`)."""
+        """The window's dtype for leaf `p`: `history_dtype` (default `p`'s dtype); for a
+        complex leaf, the complex dtype whose parts are `history_dtype` (float32:
+        complex64, float64: complex128; `COMPLEX_HISTORY`)."""
         if self.history_dtype is None:
             return p.dtype
         if p.is_complex():

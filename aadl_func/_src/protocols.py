@@ -1,12 +1,12 @@
-"""The types of :class:`aadl_func.Anderson`'s ``init`` and ``update``, for annotations.
+"""The types of [`aadl_func.Anderson`][aadl_func.Anderson]'s `init` and `update`, for annotations.
 
-``anderson(...)`` returns plain functions; these protocols describe their calls to a type
-checker (``opt.update(state, params, grads)`` returns params of the type passed in, and the
-state), and let code that takes an accelerated optimizer as an argument say so::
+`anderson(...)` returns plain functions; these protocols describe their calls to a type
+checker (`opt.update(state, params, grads)` returns params of the type passed in, and the
+state), and let code that takes an accelerated optimizer as an argument say so:
 
     def train(init: aa.AndersonInit, update: aa.AndersonUpdate) -> None: ...
 
-``inplace`` changes what is written, not what is returned, so ``update`` needs no overloads.
+`inplace` changes what is written, not what is returned, so `update` needs no overloads.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ P = TypeVar("P")  # a pytree of tensors: the params (and grads) of one call
 
 
 class AndersonInit(Protocol):
-    """``init(params) -> AndersonState``: a fresh state for ``params`` (a pytree of tensors)."""
+    """`init(params) -> AndersonState`: a fresh state for `params` (a pytree of tensors)."""
 
     def __call__(self, params: Any, /) -> AndersonState: ...
 
 
 class AndersonUpdate(Protocol):
-    """``update(state, params, grads, *, inplace=False, loss_fn=None, loss=None)``.
+    """`update(state, params, grads, *, inplace=False, loss_fn=None, loss=None)`.
 
-    Returns ``(params, state)``: the new params, a pytree like ``params`` (dict in, dict
-    out), and the new state. ``state`` and ``params`` are passed by position (see
-    :func:`aadl_func.anderson` for the keywords).
+    Returns `(params, state)`: the new params, a pytree like `params` (dict in, dict
+    out), and the new state. `state` and `params` are passed by position (see
+    [`aadl_func.anderson()`][aadl_func.anderson] for the keywords).
     """
 
     def __call__(

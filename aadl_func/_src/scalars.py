@@ -1,17 +1,17 @@
 r"""The window's scalar field: real (float64 Grams) or complex (complex128 Grams).
 
 Mode "classic" accepts complex params. Everything the window computes is then an inner
-product :math:`\langle a, b \rangle = a^H b = \sum_i \overline{a_i}\, b_i` (conjugate-linear
-in the first argument), its Gram matrices are Hermitian, :math:`G = F^H F`, and its least
+product $\langle a, b \rangle = a^H b = \sum_i \overline{a_i}\, b_i$ (conjugate-linear
+in the first argument), its Gram matrices are Hermitian, $G = F^H F$, and its least
 squares problem is solved over complex coefficients. The passes write that as
-``torch.mv(block.conj(), v)``; for a real tensor ``conj()`` returns the tensor itself, so the
+`torch.mv(block.conj(), v)`; for a real tensor `conj()` returns the tensor itself, so the
 real window's arithmetic is unchanged, bit for bit. The few decisions that do depend on the
 field are here (besides the argument checks, which refuse what complex data cannot do):
 
-* :func:`wide` -- the dtype inner products and the state's Grams are kept in (float64, or
+* `wide()` -- the dtype inner products and the state's Grams are kept in (float64, or
   complex128 for complex data: params are all real or all complex, so one leaf decides);
-* :func:`real_view` -- a complex tensor as its real and imaginary parts (finiteness, bounds);
-* :func:`abs2` -- :math:`|z|^2`, real.
+* `real_view()` -- a complex tensor as its real and imaginary parts (finiteness, bounds);
+* `abs2()` -- $|z|^2$, real.
 """
 
 from __future__ import annotations
@@ -25,27 +25,27 @@ __all__ = ["COMPLEX_HISTORY", "EXACT", "abs2", "real_view", "wide"]
 #: by element): float64 and, for complex windows, complex128.
 EXACT = (torch.float64, torch.complex128)
 
-#: The window dtype of a complex leaf for each ``history_dtype``: the complex dtype of that
+#: The window dtype of a complex leaf for each `history_dtype`: the complex dtype of that
 #: precision. float16/bfloat16 have none that torch computes with on every device.
 COMPLEX_HISTORY = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
 def wide(dtype: torch.dtype) -> torch.dtype:
-    """The dtype inner products of ``dtype`` data accumulate in: complex128 for complex data
+    """The dtype inner products of `dtype` data accumulate in: complex128 for complex data
     (its parts float64), float64 otherwise."""
     return torch.complex128 if dtype.is_complex else torch.float64
 
 
 def real_view(t: Tensor) -> Tensor:
-    """``t``'s numbers as reals: a complex tensor viewed as ``(..., 2)`` (real, imaginary)
+    """`t`'s numbers as reals: a complex tensor viewed as `(..., 2)` (real, imaginary)
     pairs, no copy (an Inf/NaN or a too large value is one of the parts); others as they
     are."""
     return torch.view_as_real(t) if t.is_complex() else t
 
 
 def abs2(t: Tensor) -> Tensor:
-    """:math:`|t|^2` elementwise, real: ``t * t`` for real ``t`` (the same operation as
-    before complex support), ``re^2 + im^2`` for complex ``t``."""
+    """$|t|^2$ elementwise, real: `t * t` for real `t` (the same operation as
+    before complex support), `re^2 + im^2` for complex `t`."""
     if t.is_complex():
         return t.real * t.real + t.imag * t.imag
     return t * t

@@ -1,33 +1,34 @@
 r"""The small least-squares problem of Anderson acceleration, solved once, in float64.
 
-Two routes lead to the same problem, :math:`\gamma = \arg\min_\gamma \|f_{\mathrm{last}} -
-\Delta F \gamma\|^2 + \mathrm{reg}\,\|\gamma\|^2`:
+Two routes lead to the same problem, $\gamma = \arg\min_\gamma \|f_{\mathrm{last}} -
+\Delta F \gamma\|^2 + \mathrm{reg}\,\|\gamma\|^2$:
 
-* from a **triangular factor** (:func:`solve_factor`, the accurate route): the float64 ``R`` of
-  a Householder QR of :math:`[\Delta F \mid f_{\mathrm{last}}]` (built by
-  :func:`stack_factors` from blocks of rows), then an SVD of its small ``m x m`` block. The
-  condition number of :math:`\Delta F` enters once: the coefficients are accurate to about
-  :math:`\epsilon\,\mathrm{cond}(\Delta F)`, and to near :math:`\epsilon` when the
+* from a **triangular factor** (`solve_factor()`, the accurate route): the float64 `R` of
+  a Householder QR of $[\Delta F \mid f_{\mathrm{last}}]$ (built by
+  `stack_factors()` from blocks of rows), then an SVD of its small `m x m` block. The
+  condition number of $\Delta F$ enters once: the coefficients are accurate to about
+  $\epsilon\,\mathrm{cond}(\Delta F)$, and to near $\epsilon$ when the
   ill-conditioning comes from the columns' scales (residuals decaying as an iteration
-  converges, the common case). :func:`aadl_func.mix` and float64 windows of
-  :func:`aadl_func.anderson` (sharded or not) take it;
-* from **float64 inner products** (:func:`solve_differences`, :func:`solve_weights`): the
-  normal equations :math:`\Delta F^\top \Delta F`, solved by a symmetric eigen-decomposition.
-  They square the condition number, but the inner products of a float32 or bf16 window cost
-  one :math:`O(m n)` pass; that window's own precision is the tighter limit (README, Numerics).
+  converges, the common case). [`aadl_func.mix()`][aadl_func.mix] and float64 windows of
+  [`aadl_func.anderson()`][aadl_func.anderson] (sharded or not) take it;
+* from **float64 inner products** (`solve_differences()`,
+  [`solve_weights()`][aadl_func.solve_weights]): the normal equations $\Delta F^\top \Delta F$,
+  solved by a symmetric eigen-decomposition. They square the condition number, but the inner
+  products of a float32 or bf16 window cost one $O(m n)$ pass; that window's own precision is the
+  tighter limit (README, Numerics).
 
-Both truncate in the same way: with :math:`\sigma_i` the singular values of
-:math:`\Delta F` and :math:`s` the solver's scale (factor route: the largest column norm of
-:math:`[\Delta F \mid f_{\mathrm{last}}]`; Gram route: the largest residual norm
-:math:`\max_i \|f_i\|`), directions with
-:math:`\sigma_i^2 + \mathrm{reg} \le (\tau s)^2` are dropped (a minimum-norm, truncated-SVD
+Both truncate in the same way: with $\sigma_i$ the singular values of
+$\Delta F$ and $s$ the solver's scale (factor route: the largest column norm of
+$[\Delta F \mid f_{\mathrm{last}}]$; Gram route: the largest residual norm
+$\max_i \|f_i\|$), directions with
+$\sigma_i^2 + \mathrm{reg} \le (\tau s)^2$ are dropped (a minimum-norm, truncated-SVD
 answer: one well-defined result for rank-deficient windows, and bounded coefficients), with
-:math:`\tau` = :data:`RCOND` on the factor route and :math:`\sqrt{\mathrm{RTOL}}` on the Gram
-route, whose eigenvalues carry rounding :math:`\epsilon\, s^2`.
+$\tau$ = `RCOND` on the factor route and $\sqrt{\mathrm{RTOL}}$ on the Gram
+route, whose eigenvalues carry rounding $\epsilon\, s^2$.
 
 Keeping this in one place, with the SVD of the small factor always on the CPU (one LAPACK
 routine whatever the device), is what makes CPU and GPU agree: AADL's users got different
-answers from ``torch.linalg.lstsq`` on the two devices (pivoted QR on CPU, unpivoted QR on
+answers from `torch.linalg.lstsq` on the two devices (pivoted QR on CPU, unpivoted QR on
 CUDA) exactly when the window was rank deficient."""
 
 from __future__ import annotations
@@ -70,16 +71,16 @@ RTOL = 1e-13
 
 
 class MixingWeights(NamedTuple):
-    """Solution of the mixing problem for residuals ``f_0, ..., f_{q-1}`` (oldest first).
+    """Solution of the mixing problem for residuals `f_0, ..., f_{q-1}` (oldest first).
 
     Attributes:
-      gamma: ``(q - 1,)`` float64, the least-squares coefficients on the residual differences.
-      alpha: ``(q,)`` float64 affine weights, ``alpha = (gamma_0, gamma_1 - gamma_0, ...,
-        1 - gamma_{q-2})``; they sum to one and minimise ``||sum_i alpha_i f_i||``.
-      residual_norm: 0-d float64, ``||sum_i alpha_i f_i||`` (the mixed residual); None
-        where the caller did not ask for it (``update``).
+      gamma: `(q - 1,)` float64, the least-squares coefficients on the residual differences.
+      alpha: `(q,)` float64 affine weights, `alpha = (gamma_0, gamma_1 - gamma_0, ...,
+        1 - gamma_{q-2})`; they sum to one and minimise `||sum_i alpha_i f_i||`.
+      residual_norm: 0-d float64, `||sum_i alpha_i f_i||` (the mixed residual); None
+        where the caller did not ask for it (`update`).
       ok: 0-d bool, False when the Gram matrix or the factor was not finite (the weights
-        then fall back to ``alpha = e_last``, the plain iterate).
+        then fall back to `alpha = e_last`, the plain iterate).
     """
 
     gamma: Tensor
@@ -89,12 +90,12 @@ class MixingWeights(NamedTuple):
 
 
 def stack_factors(blocks: Sequence[Tensor]) -> Tensor:
-    r"""The triangular factor ``R`` (``q x q``, float64) of the rows of ``blocks`` stacked.
+    r"""The triangular factor `R` (`q x q`, float64) of the rows of `blocks` stacked.
 
-    Each block is a ``(p_i, q)`` matrix of rows of the same tall matrix :math:`A` (for example
-    the ``R`` of some of its rows: a TSQR step); the result satisfies
-    :math:`R^\top R = \sum_i B_i^\top B_i = A^\top A` and comes from a Householder QR, so it
-    is backward stable whatever the grouping. Fewer than ``q`` rows are padded with zero rows
+    Each block is a `(p_i, q)` matrix of rows of the same tall matrix $A$ (for example
+    the `R` of some of its rows: a TSQR step); the result satisfies
+    $R^\top R = \sum_i B_i^\top B_i = A^\top A$ and comes from a Householder QR, so it
+    is backward stable whatever the grouping. Fewer than `q` rows are padded with zero rows
     (an already triangular block passes through exactly: its reflectors are the identity).
     """
     q = blocks[0].shape[-1]
@@ -111,8 +112,8 @@ _ENDS: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
 
 def _affine_weights(gamma: Tensor) -> Tensor:
-    """``alpha = (gamma_0, gamma_1 - gamma_0, ..., 1 - gamma_{m-1})``: the differences of
-    ``[0, gamma, 1]``, one operation (each difference rounded once).
+    """`alpha = (gamma_0, gamma_1 - gamma_0, ..., 1 - gamma_{m-1})`: the differences of
+    `[0, gamma, 1]`, one operation (each difference rounded once).
 
     The two ends are constants, kept per device and dtype (read only), except under
     torch.compile, which makes them in the graph."""
@@ -128,42 +129,42 @@ def _affine_weights(gamma: Tensor) -> Tensor:
 def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> MixingWeights:
     r"""Solves the regularised Anderson least-squares problem from a triangular factor.
 
-    ``factor`` is the upper-triangular ``R`` (``(m + 1) x (m + 1)``, float64) of a QR
-    factorisation of :math:`A = [\Delta F \mid f]` (:math:`\Delta F` the ``m`` columns of
-    residual differences, oldest first, :math:`f` the newest residual), e.g. from
-    :func:`stack_factors`. With :math:`R = \begin{bmatrix} R_{11} & r_{12} \\ 0 & \rho
-    \end{bmatrix}`, :math:`\|f - \Delta F \gamma\|^2 = \|r_{12} - R_{11}\gamma\|^2 +
-    \rho^2`, so with the SVD :math:`R_{11} = U \Sigma V^\top` and :math:`b = U^\top r_{12}`
+    `factor` is the upper-triangular `R` (`(m + 1) x (m + 1)`, float64) of a QR
+    factorisation of $A = [\Delta F \mid f]$ ($\Delta F$ the `m` columns of
+    residual differences, oldest first, $f$ the newest residual), e.g. from
+    `stack_factors()`. With $R = \begin{bmatrix} R_{11} & r_{12} \\ 0 & \rho
+    \end{bmatrix}$, $\|f - \Delta F \gamma\|^2 = \|r_{12} - R_{11}\gamma\|^2 +
+    \rho^2$, so with the SVD $R_{11} = U \Sigma V^\top$ and $b = U^\top r_{12}$
 
-    .. math::
+    $$
+    \gamma = V \varphi(\Sigma)\, b, \qquad
+    \varphi(\sigma) = \begin{cases} \sigma / (\sigma^2 + \mathrm{reg}) &
+        \sigma^2 + \mathrm{reg} > (\mathrm{RCOND}\, s)^2 \\ 0 & \text{otherwise}
+        \end{cases}, \qquad
+    \|f - \Delta F\gamma\|^2 = \rho^2 + \sum_i (1 - \sigma_i \varphi(\sigma_i))^2
+        b_i^2,
+    $$
 
-        \gamma = V \varphi(\Sigma)\, b, \qquad
-        \varphi(\sigma) = \begin{cases} \sigma / (\sigma^2 + \mathrm{reg}) &
-            \sigma^2 + \mathrm{reg} > (\mathrm{RCOND}\, s)^2 \\ 0 & \text{otherwise}
-            \end{cases}, \qquad
-        \|f - \Delta F\gamma\|^2 = \rho^2 + \sum_i (1 - \sigma_i \varphi(\sigma_i))^2
-            b_i^2,
-
-    :math:`s` being the largest column norm of :math:`A` (that of :math:`R`). The condition
-    number of :math:`\Delta F` enters once, not squared as in the normal equations. Dropped
+    $s$ being the largest column norm of $A$ (that of $R$). The condition
+    number of $\Delta F$ enters once, not squared as in the normal equations. Dropped
     directions make a rank-deficient window's answer the minimum-norm one among the kept
-    directions, and bound :math:`\|\gamma\|_2 \le \sqrt{m}\, \|f\| / (\mathrm{RCOND}\, s)`.
+    directions, and bound $\|\gamma\|_2 \le \sqrt{m}\, \|f\| / (\mathrm{RCOND}\, s)$.
 
-    The SVD runs on the CPU whatever ``factor``'s device (``m x m`` values, one LAPACK
-    routine everywhere; under ``torch.compile`` on ``factor``'s device instead, so that the
-    compiled step never waits for the host); ``gamma`` comes back on ``factor``'s device.
-    Columns where ``valid`` is False are zeroed first and get :math:`\gamma_j = 0`. A
-    non-finite factor gives ``ok = False`` and :math:`\gamma = 0`. No data-dependent Python
-    control flow: it runs under ``torch.func.vmap``.
+    The SVD runs on the CPU whatever `factor`'s device (`m x m` values, one LAPACK
+    routine everywhere; under `torch.compile` on `factor`'s device instead, so that the
+    compiled step never waits for the host); `gamma` comes back on `factor`'s device.
+    Columns where `valid` is False are zeroed first and get $\gamma_j = 0$. A
+    non-finite factor gives `ok = False` and $\gamma = 0$. No data-dependent Python
+    control flow: it runs under `torch.func.vmap`.
 
     Args:
-      factor: ``(m + 1, m + 1)`` upper-triangular float64 ``R`` of :math:`[\Delta F \mid f]`.
-      valid: ``(m,)`` bool, the columns of :math:`\Delta F` that take part.
-      reg: Tikhonov weight on :math:`\gamma` (``>= 0``): a number, or an ``(m,)`` tensor of
-        one weight per column (solved as the augmented problem, see :func:`ridge`).
+      factor: `(m + 1, m + 1)` upper-triangular float64 `R` of $[\Delta F \mid f]$.
+      valid: `(m,)` bool, the columns of $\Delta F$ that take part.
+      reg: Tikhonov weight on $\gamma$ (`>= 0`): a number, or an `(m,)` tensor of
+        one weight per column (solved as the augmented problem, see `ridge()`).
 
     Returns:
-      :class:`MixingWeights`, ``residual_norm`` being :math:`\|f - \Delta F \gamma\|`.
+      [`MixingWeights`][aadl_func.MixingWeights], `residual_norm` being $\|f - \Delta F \gamma\|$.
     """
     q = factor.shape[-1]
     m = q - 1
@@ -225,40 +226,40 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
 def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> MixingWeights:
     r"""Solves the regularised Anderson least-squares problem from a residual Gram matrix.
 
-    With residuals :math:`F = [f_0, \dots, f_{q-1}]` (oldest first), their differences
-    :math:`\Delta F = [f_1 - f_0, \dots, f_{q-1} - f_{q-2}] = F D` and the Gram matrix
-    :math:`G = F^\top F`, this returns
+    With residuals $F = [f_0, \dots, f_{q-1}]$ (oldest first), their differences
+    $\Delta F = [f_1 - f_0, \dots, f_{q-1} - f_{q-2}] = F D$ and the Gram matrix
+    $G = F^\top F$, this returns
 
-    .. math::
-
-        \gamma = \arg\min_\gamma \|f_{q-1} - \Delta F \gamma\|^2 + \mathrm{reg}\,\|\gamma\|^2
-               = (D^\top G D + \mathrm{reg}\, I)^{+} D^\top G e_{q-1},
+    $$
+    \gamma = \arg\min_\gamma \|f_{q-1} - \Delta F \gamma\|^2 + \mathrm{reg}\,\|\gamma\|^2
+    = (D^\top G D + \mathrm{reg}\, I)^{+} D^\top G e_{q-1},
+    $$
 
     the pseudo-inverse taken through a symmetric eigen-decomposition in float64 with
-    eigenvalues below ``RTOL * max_i G_ii`` dropped. For a rank-deficient window this is the
+    eigenvalues below `RTOL * max_i G_ii` dropped. For a rank-deficient window this is the
     minimum-norm solution, a single well-defined answer on every device (pivoted and unpivoted
     QR return different ones). The float64 Gram squares the condition number of
-    :math:`\Delta F`; with 16 digits that still resolves cond(DF) up to ~1e6, far beyond the
+    $\Delta F$; with 16 digits that still resolves cond(DF) up to ~1e6, far beyond the
     float32 data the window holds, and the Gram is never formed in the history's precision.
 
-    Forming :math:`D^\top G D` from :math:`G` cancels when the residuals change little across
-    the window: the entries of :math:`G` carry rounding of order
-    :math:`\epsilon \max_i \|f_i\|^2`, so :math:`\gamma` is accurate to about
-    :math:`\epsilon\, (\max_i \|f_i\| / \sigma_{\min}(\Delta F))^2` rather than
-    :math:`\epsilon\, \mathrm{cond}(\Delta F)^2`. Callers holding the differences should
-    use :func:`solve_differences`, as :func:`aadl_func.mix` and the incremental window do.
+    Forming $D^\top G D$ from $G$ cancels when the residuals change little across
+    the window: the entries of $G$ carry rounding of order
+    $\epsilon \max_i \|f_i\|^2$, so $\gamma$ is accurate to about
+    $\epsilon\, (\max_i \|f_i\| / \sigma_{\min}(\Delta F))^2$ rather than
+    $\epsilon\, \mathrm{cond}(\Delta F)^2$. Callers holding the differences should
+    use `solve_differences()`, as [`aadl_func.mix()`][aadl_func.mix] and the incremental window do.
 
-    Only the last ``num_valid`` residuals take part (the window may not be full yet); the
+    Only the last `num_valid` residuals take part (the window may not be full yet); the
     others get zero weight. Written without data-dependent Python control flow, so it runs
-    under ``torch.func.vmap``.
+    under `torch.func.vmap`.
 
     Args:
-      gram: ``(q, q)`` float64 Gram matrix of the residuals in chronological order.
+      gram: `(q, q)` float64 Gram matrix of the residuals in chronological order.
       num_valid: how many of the newest residuals are valid (0-d tensor or int).
-      reg: absolute Tikhonov weight on :math:`\gamma` (``reg >= 0``).
+      reg: absolute Tikhonov weight on $\gamma$ (`reg >= 0`).
 
     Returns:
-      :class:`MixingWeights`.
+      [`MixingWeights`][aadl_func.MixingWeights].
     """
     q = gram.shape[-1]
     if q < 2:
@@ -294,30 +295,30 @@ def solve_coefficients(
     reg: float = 0.0,
     valid: Tensor | None = None,
 ) -> Tensor:
-    r"""The regularised least-squares coefficients from the normal equations of :math:`\Delta F`.
+    r"""The regularised least-squares coefficients from the normal equations of $\Delta F$.
 
-    Returns :math:`\gamma = (H + \mathrm{reg}\, I)^{+} c` with :math:`H = \Delta F^\top \Delta F`
-    (``dr_gram``) and :math:`c = \Delta F^\top f_{q-1}` (``dr_rhs``), the pseudo-inverse taken
+    Returns $\gamma = (H + \mathrm{reg}\, I)^{+} c$ with $H = \Delta F^\top \Delta F$
+    (`dr_gram`) and $c = \Delta F^\top f_{q-1}$ (`dr_rhs`), the pseudo-inverse taken
     through a float64 symmetric eigen-decomposition whose eigenvalues below
-    ``RTOL * residual_scale`` are dropped (``residual_scale`` is :math:`\max_i \|f_i\|^2`, so
+    `RTOL * residual_scale` are dropped (`residual_scale` is $\max_i \|f_i\|^2$, so
     differences at the rounding level of the residuals never produce huge coefficients; a
     rank-deficient problem gets its minimum-norm solution).
 
-    This is the single place where the small problem is solved; :func:`solve_differences`
+    This is the single place where the small problem is solved; `solve_differences()`
     (validity masks, scaling, the affine weights) is its one caller, reached from explicit
-    differences (:func:`aadl_func.mix`, the incremental window) or from a residual Gram matrix
-    (:func:`solve_weights`).
+    differences ([`aadl_func.mix()`][aadl_func.mix], the incremental window) or from a residual Gram
+    matrix ([`solve_weights()`][aadl_func.solve_weights]).
 
     Args:
-      dr_gram: ``(m, m)`` float64 :math:`H`.
-      dr_rhs: ``(m,)`` float64 :math:`c`.
-      residual_scale: 0-d float64, :math:`\max_i \|f_i\|^2` (1 is used when it is 0).
-      reg: Tikhonov weight, ``>= 0``: a number, or an ``(m,)`` tensor, one per unknown.
-      valid: optional ``(m,)`` bool mask; the other unknowns are decoupled and get
-        :math:`\gamma_j = 0`.
+      dr_gram: `(m, m)` float64 $H$.
+      dr_rhs: `(m,)` float64 $c$.
+      residual_scale: 0-d float64, $\max_i \|f_i\|^2$ (1 is used when it is 0).
+      reg: Tikhonov weight, `>= 0`: a number, or an `(m,)` tensor, one per unknown.
+      valid: optional `(m,)` bool mask; the other unknowns are decoupled and get
+        $\gamma_j = 0$.
 
     Returns:
-      ``(m,)`` float64 :math:`\gamma`.
+      `(m,)` float64 $\gamma$.
     """
     if isinstance(residual_scale, Tensor):
         unit = torch.where(residual_scale > 0, residual_scale, torch.ones_like(residual_scale))
@@ -362,25 +363,25 @@ def solve_differences(
 ) -> MixingWeights:
     r"""Solves the mixing problem from the inner products of the residual differences.
 
-    The incremental window keeps, in float64, :math:`H = \Delta F^\top \Delta F`,
-    :math:`c = \Delta F^\top f_{q-1}` and :math:`\|f_i\|^2`, each entry computed from the
-    differences :math:`f_{j+1} - f_j` formed element by element (exact in float64 for float32
-    data). Unlike differencing :math:`F^\top F` (:func:`solve_weights`), nothing cancels when
-    the residuals change little across the window, so the weights agree with
-    :func:`aadl_func.mix` to :math:`\epsilon\, \mathrm{cond}(\Delta F)^2`.
+    The incremental window keeps, in float64, $H = \Delta F^\top \Delta F$,
+    $c = \Delta F^\top f_{q-1}$ and $\|f_i\|^2$, each entry computed from the
+    differences $f_{j+1} - f_j$ formed element by element (exact in float64 for float32
+    data). Unlike differencing $F^\top F$ ([`solve_weights()`][aadl_func.solve_weights]), nothing
+    cancels when the residuals change little across the window, so the weights agree with
+    [`aadl_func.mix()`][aadl_func.mix] to $\epsilon\, \mathrm{cond}(\Delta F)^2$.
 
     Args:
-      dr_gram: ``(q - 1, q - 1)`` float64 :math:`H`, chronological.
-      dr_rhs: ``(q - 1,)`` float64 :math:`c`, chronological.
-      residual_sq: ``(q,)`` float64 :math:`\|f_i\|^2`, chronological.
+      dr_gram: `(q - 1, q - 1)` float64 $H$, chronological.
+      dr_rhs: `(q - 1,)` float64 $c$, chronological.
+      residual_sq: `(q,)` float64 $\|f_i\|^2$, chronological.
       num_valid: how many of the newest residuals are valid (0-d tensor or int).
-      reg: Tikhonov weight on :math:`\gamma`, ``>= 0``: a number or one per column.
-      residual_norm: False skips computing it (``update`` does not use it); the field is
+      reg: Tikhonov weight on $\gamma$, `>= 0`: a number or one per column.
+      residual_norm: False skips computing it (`update` does not use it); the field is
         then None.
 
     Returns:
-      :class:`MixingWeights`; ``residual_norm`` is
-      :math:`(\|f_{q-1}\|^2 - 2 \gamma^\top c + \gamma^\top H \gamma)^{1/2}`.
+      [`MixingWeights`][aadl_func.MixingWeights]; `residual_norm` is
+      $(\|f_{q-1}\|^2 - 2 \gamma^\top c + \gamma^\top H \gamma)^{1/2}$.
     """
     q = residual_sq.shape[-1]
     dev = residual_sq.device
@@ -424,16 +425,16 @@ def solve_differences(
 
 
 def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False) -> Tensor:
-    r"""Weights ``c`` with ``mix = x_last - sum_j c_j DX[:, j]`` (float64, oldest first).
+    r"""Weights `c` with `mix = x_last - sum_j c_j DX[:, j]` (float64, oldest first).
 
-    Writing every window entry through the newest one, :math:`x_i = x_{k-1} - \sum_{j \ge i}
-    \Delta x_j`, the relaxed AADL point
-    :math:`\sum_i \alpha_i((1-\beta) x_i + \beta x_{i+1})` becomes
-    :math:`x_{k-1} - \sum_j (A_j - \beta \alpha_j) \Delta x_j` with
-    :math:`A = \mathrm{cumsum}(\alpha)`.
+    Writing every window entry through the newest one, $x_i = x_{k-1} - \sum_{j \ge i}
+    \Delta x_j$, the relaxed AADL point
+    $\sum_i \alpha_i((1-\beta) x_i + \beta x_{i+1})$ becomes
+    $x_{k-1} - \sum_j (A_j - \beta \alpha_j) \Delta x_j$ with
+    $A = \mathrm{cumsum}(\alpha)$.
 
-    ``negated=True`` returns ``-c``, formed by the swapped subtraction (``b - a`` rounds to
-    exactly ``-(a - b)``), one operation fewer than negating ``c``.
+    `negated=True` returns `-c`, formed by the swapped subtraction (`b - a` rounds to
+    exactly `-(a - b)`), one operation fewer than negating `c`.
     """
     if negated:
         return relaxation * alpha - torch.cumsum(alpha, 0)
@@ -441,12 +442,12 @@ def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False
 
 
 def classic_coefficients(alpha: Tensor) -> Tensor:
-    r"""Weights ``w`` with :math:`\sum_i \alpha_i x_i = x_{\mathrm{last}} + \sum_j w_j
-    \Delta x_j` (float64, oldest first), :math:`\Delta x_j = x_j - x_{j-1}`.
+    r"""Weights `w` with $\sum_i \alpha_i x_i = x_{\mathrm{last}} + \sum_j w_j
+    \Delta x_j$ (float64, oldest first), $\Delta x_j = x_j - x_{j-1}$.
 
-    Writing every point through the newest one, :math:`x_i = x_{\mathrm{last}} - \sum_{j > i}
-    \Delta x_j`, and using :math:`\sum_i \alpha_i = 1`:
-    :math:`w_j = -\sum_{i < j} \alpha_i`, so :math:`w_0 = 0`: the oldest difference (to a
+    Writing every point through the newest one, $x_i = x_{\mathrm{last}} - \sum_{j > i}
+    \Delta x_j$, and using $\sum_i \alpha_i = 1$:
+    $w_j = -\sum_{i < j} \alpha_i$, so $w_0 = 0$: the oldest difference (to a
     point outside the window) is never used. Mode "classic" keeps its points this way.
     """
     partial = torch.cumsum(alpha, 0)
@@ -454,19 +455,19 @@ def classic_coefficients(alpha: Tensor) -> Tensor:
 
 
 def ridge(options: Any, dr_chrono: Tensor, num_valid: Tensor) -> float | Tensor:
-    r"""The Tikhonov weight of the small problem for :func:`aadl_func.anderson`'s ``options``:
-    :math:`\lambda_j = \mathrm{reg} + \mathrm{reg\_relative}\, \|\Delta F\|_F^2 / m
-    + \mathrm{reg\_column}\, \|\Delta f_j\|^2` on :math:`\gamma_j`: a number, or with
-    ``reg_column`` one weight per column (zero for invalid columns).
+    r"""The Tikhonov weight of the small problem for [`aadl_func.anderson()`][aadl_func.anderson]'s
+    `options`: $\lambda_j = \mathrm{reg} + \mathrm{reg\_relative}\, \|\Delta F\|_F^2 / m
+    + \mathrm{reg\_column}\, \|\Delta f_j\|^2$ on $\gamma_j$: a number, or with
+    `reg_column` one weight per column (zero for invalid columns).
 
-    :math:`\Delta F` holds the :math:`m` valid differences of consecutive residuals (the
-    columns of :math:`\gamma`), so the relative part is their mean squared norm, the
-    diagonal of ``dr_chrono`` (:math:`\Delta F^\top \Delta F`, chronological) over the
-    valid columns: no pass over the window. Scaling every residual by :math:`s` scales
-    both sides of the normal equations by :math:`s^2`, so this part leaves
-    :math:`\gamma` unchanged (scale-free, unlike the absolute ``reg``). So does the
-    per-column part, SciPy's ``w0`` (``reg_column = w0**2``: ``scipy.optimize.anderson``
-    adds :math:`w_0^2 \|\Delta f_j\|^2` to the diagonal), which damps each column by its
+    $\Delta F$ holds the $m$ valid differences of consecutive residuals (the
+    columns of $\gamma$), so the relative part is their mean squared norm, the
+    diagonal of `dr_chrono` ($\Delta F^\top \Delta F$, chronological) over the
+    valid columns: no pass over the window. Scaling every residual by $s$ scales
+    both sides of the normal equations by $s^2$, so this part leaves
+    $\gamma$ unchanged (scale-free, unlike the absolute `reg`). So does the
+    per-column part, SciPy's `w0` (`reg_column = w0**2`: `scipy.optimize.anderson`
+    adds $w_0^2 \|\Delta f_j\|^2$ to the diagonal), which damps each column by its
     own norm rather than by the window's mean.
     """
     if options.reg_relative == 0.0 and options.reg_column == 0.0:

@@ -1,17 +1,17 @@
-r"""Anderson acceleration as a solver: fixed points :math:`g(x) = x` and roots :math:`F(x) = 0`.
+r"""Anderson acceleration as a solver: fixed points $g(x) = x$ and roots $F(x) = 0$.
 
-Both solvers drive the package's own :func:`aadl_func.anderson` update (mode ``"classic"`` by
-default) around an *identity* inner optimizer: the "gradient" handed to ``update`` is the step
-:math:`r(x) = g(x) - x` (fixed point) or :math:`\alpha F(x)` (root), the identity turns it into
-the update, so the inner step is :math:`y = x + r(x) = g(x)` and type-II Anderson acceleration
-of the map :math:`g` follows. There is no second Anderson implementation here: this module
+Both solvers drive the package's own [`aadl_func.anderson()`][aadl_func.anderson] update (mode
+`"classic"` by default) around an *identity* inner optimizer: the "gradient" handed to `update` is
+the step $r(x) = g(x) - x$ (fixed point) or $\alpha F(x)$ (root), the identity turns it into
+the update, so the inner step is $y = x + r(x) = g(x)$ and type-II Anderson acceleration
+of the map $g$ follows. There is no second Anderson implementation here: this module
 only adds the loop, the stopping test, the bookkeeping, SciPy's backtracking line search, the
-masked fixed-budget variant for ``vmap``/``torch.compile``, and implicit differentiation.
+masked fixed-budget variant for `vmap`/`torch.compile`, and implicit differentiation.
 
 Residual norm: the 2-norm over all leaves of the pytree,
-:math:`\|r\| = (\sum_\ell \sum_i |r_{\ell,i}|^2)^{1/2}`, accumulated in float64, of
-:math:`g(x) - x` (``fixed_point``) or of :math:`F(x)` (``root``). The solver stops at the first
-iterate with :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\,\|r_0\|)`.
+$\|r\| = (\sum_\ell \sum_i |r_{\ell,i}|^2)^{1/2}$, accumulated in float64, of
+$g(x) - x$ (`fixed_point`) or of $F(x)$ (`root`). The solver stops at the first
+iterate with $\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\,\|r_0\|)$.
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ REASONS = ("converged", "max_iter", "nonfinite", "callback")
 
 
 class SolverInfo(NamedTuple):
-    """What a solve did. Tensors only, so the record also comes out of ``vmap``.
+    """What a solve did. Tensors only, so the record also comes out of `vmap`.
 
     Attributes:
-      iterations: 0-d int64, accepted steps (updates of ``x``).
-      evaluations: 0-d int64, calls of ``g`` or ``F`` (line-search trials included).
-      residual_norms: 1-d float64, :math:`\\|r_k\\|` after ``k`` steps, ``k = 0, 1, ...``
-        (eager: ``iterations + 1`` entries; masked: one per round of the batch, a member that
+      iterations: 0-d int64, accepted steps (updates of `x`).
+      evaluations: 0-d int64, calls of `g` or `F` (line-search trials included).
+      residual_norms: 1-d float64, $\\|r_k\\|$ after `k` steps, `k = 0, 1, ...`
+        (eager: `iterations + 1` entries; masked: one per round of the batch, a member that
         has stopped repeating its last value).
       converged: 0-d bool, the tolerance was met.
-      status: 0-d int64, the reason code: 0 converged, 1 ``max_iter`` reached, 2 a non-finite
+      status: 0-d int64, the reason code: 0 converged, 1 `max_iter` reached, 2 a non-finite
         residual (the step that produced it was not taken), 3 the callback asked to stop.
     """
 
@@ -145,8 +145,9 @@ def _accelerator(
 def _check_x0(
     owner: str, x0: PyTree, mode: str | None = None, name: str = "x0"
 ) -> tuple[list[Tensor], Any]:
-    """``x0``'s leaves: real floating, or (``mode="classic"``) all complex; ``mode`` None
-    (:func:`implicit_fixed_point`, whose ``name`` is ``z0``) takes real ones only."""
+    """`x0`'s leaves: real floating, or (`mode="classic"`) all complex; `mode` None
+    ([`implicit_fixed_point()`][aadl_func.implicit_fixed_point], whose `name` is `z0`) takes real
+    ones only."""
     leaves, spec = tree.flatten(x0, name, owner=owner)
     if not leaves:
         raise ValueError(f"{owner}: `{name}` must contain at least one tensor")
@@ -183,14 +184,14 @@ def _check_x0(
 # -- pytree arithmetic -----------------------------------------------------------------------
 def _norm(leaves: list[Tensor]) -> Tensor:
     r"""The 2-norm over all leaves, accumulated in float64 (a 0-d tensor); of a complex leaf,
-    that of its moduli, :math:`(\sum_i |z_i|^2)^{1/2}` (accumulated in complex128, whose
+    that of its moduli, $(\sum_i |z_i|^2)^{1/2}$ (accumulated in complex128, whose
     norm is real)."""
     squares = [torch.linalg.vector_norm(t, dtype=wide(t.dtype)).square() for t in leaves]
     return torch.stack(squares).sum().sqrt()
 
 
 def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
-    """``a * x + y`` leaf by leaf (``a`` a number or a 0-d tensor)."""
+    """`a * x + y` leaf by leaf (`a` a number or a 0-d tensor)."""
     return [(a * xi).to(yi.dtype) + yi for xi, yi in zip(x, y)]
 
 
@@ -199,8 +200,8 @@ def _where(flag: Tensor, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
 
 
 def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
-    """The masked fixed-budget loop under ``torch.compile`` or ``vmap``, where the stopping
-    test cannot be read on the host; ``masked`` overrides the choice."""
+    """The masked fixed-budget loop under `torch.compile` or `vmap`, where the stopping
+    test cannot be read on the host; `masked` overrides the choice."""
     if masked is not None:
         return masked
     if tree.tracing():
@@ -214,10 +215,10 @@ def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
 
 # -- the residual of a problem ---------------------------------------------------------------
 class _Problem:
-    """Evaluates a problem's residual at ``x``: the step handed to ``update`` and its norm.
+    """Evaluates a problem's residual at `x`: the step handed to `update` and its norm.
 
-    ``residual(x)`` is :math:`g(x) - x` or :math:`F(x)`; the step is ``scale`` times it (the
-    root's :math:`\\alpha`, fixed once from the first evaluation); the norm is the residual's.
+    `residual(x)` is $g(x) - x$ or $F(x)$; the step is `scale` times it (the
+    root's $\\alpha$, fixed once from the first evaluation); the norm is the residual's.
     """
 
     def __init__(self, owner: str, fn: Callable, spec: Any, ref: list[Tensor], kind: str):
@@ -248,10 +249,10 @@ def _is_one(value: Any) -> bool:
 def _armijo(
     phi: Callable[[float], float], phi0: float, derphi0: float, c1: float = 1e-4, amin: float = 1e-2
 ) -> float | None:
-    """``scipy.optimize._linesearch.scalar_search_armijo`` (BSD licence), as SciPy's ``nonlin``
-    calls it: the first ``s`` found with :math:`\\phi(s) \\le \\phi(0) + c_1 s \\phi'(0)`, trying
-    ``s = 1``, then the minimiser of a quadratic, then of cubic interpolants through the last
-    two trials, down to ``amin``; None if none is found. Kept line for line, SciPy's
+    """`scipy.optimize._linesearch.scalar_search_armijo` (BSD licence), as SciPy's `nonlin`
+    calls it: the first `s` found with $\\phi(s) \\le \\phi(0) + c_1 s \\phi'(0)$, trying
+    `s = 1`, then the minimiser of a quadratic, then of cubic interpolants through the last
+    two trials, down to `amin`; None if none is found. Kept line for line, SciPy's
     safeguard included: its two conditions together always hold, so after each rejected cubic
     trial the next interpolation starts from half the previous step."""
     alpha0 = 1.0
@@ -286,9 +287,9 @@ def _armijo(
 def _line_search(
     problem: _Problem, x: list[Tensor], proposal: list[Tensor], norm: float
 ) -> tuple[list[Tensor], list[Tensor], Tensor, int]:
-    """SciPy ``nonlin``'s Armijo search on :math:`\\phi(s) = \\|r(x + s d)\\|^2` along the
-    Anderson step :math:`d` = ``proposal - x``, with :math:`\\phi'(0)` taken as
-    :math:`-\\phi(0)` (exact for a Newton direction), ``c1 = 1e-4`` and ``amin = 1e-2``. When
+    """SciPy `nonlin`'s Armijo search on $\\phi(s) = \\|r(x + s d)\\|^2$ along the
+    Anderson step $d$ = `proposal - x`, with $\\phi'(0)$ taken as
+    $-\\phi(0)$ (exact for a Newton direction), `c1 = 1e-4` and `amin = 1e-2`. When
     no step length qualifies the full step is taken, as SciPy does.
 
     Returns the new point, its step and norm, and the number of evaluations spent.
@@ -372,9 +373,9 @@ def _all_stopped(done: Tensor) -> bool:
 def _masked_loop(
     problem: _Problem, x: list[Tensor], opt: Anderson, options: _Options, spec: Any
 ) -> tuple[list[Tensor], SolverInfo]:
-    """A fixed budget of ``max_iter`` rounds in which every decision is a mask: a problem
-    that has stopped keeps its ``x`` (its evaluations are computed and discarded), so a
-    ``vmap`` batch stops problem by problem and ``torch.compile`` sees one straight graph."""
+    """A fixed budget of `max_iter` rounds in which every decision is a mask: a problem
+    that has stopped keeps its `x` (its evaluations are computed and discarded), so a
+    `vmap` batch stops problem by problem and `torch.compile` sees one straight graph."""
     step, norm = problem(x)
     threshold = torch.clamp(options.rtol * norm, min=options.tol)
     finite = torch.isfinite(norm)
@@ -451,9 +452,9 @@ def _solve(
 
 
 def _root_alpha(problem: _Problem, x: list[Tensor], alpha: Any, masked: bool) -> Any:
-    r"""The root solver's :math:`\alpha` (the map is :math:`x + \alpha F(x)`): as given, or
-    SciPy's rule :math:`\alpha = \tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|` (1 when
-    :math:`F(x_0) = 0`). The extra evaluation of :math:`F(x_0)` is not counted."""
+    r"""The root solver's $\alpha$ (the map is $x + \alpha F(x)$): as given, or
+    SciPy's rule $\alpha = \tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|$ (1 when
+    $F(x_0) = 0$). The extra evaluation of $F(x_0)$ is not counted."""
     if alpha is not None:
         return alpha
     f0 = _norm(problem.residual(x))
@@ -484,68 +485,69 @@ def fixed_point(
     masked: bool | None = None,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
-    r"""Solves :math:`x = g(x)` by Anderson acceleration; returns ``(x, info)``.
+    r"""Solves $x = g(x)$ by Anderson acceleration; returns `(x, info)`.
 
-    Each step evaluates :math:`g` once at the current :math:`x_k` and calls
-    :func:`aadl_func.anderson`'s ``update`` (an identity inner optimizer, so its plain step is
-    :math:`g(x_k)`). In mode ``"classic"`` over the last ``history_depth`` pairs:
+    Each step evaluates $g$ once at the current $x_k$ and calls
+    [`aadl_func.anderson()`][aadl_func.anderson]'s `update` (an identity inner optimizer, so its
+    plain step is $g(x_k)$). In mode `"classic"` over the last `history_depth` pairs:
 
-    .. math::
+    $$
+    x_{k+1} = \sum_i \alpha_i \big((1 - \beta) x_i + \beta g(x_i)\big), \qquad
+    \alpha = \arg\min_{\sum_i \alpha_i = 1} \Big\| \sum_i \alpha_i (g(x_i) - x_i) \Big\|,
+    $$
 
-        x_{k+1} = \sum_i \alpha_i \big((1 - \beta) x_i + \beta g(x_i)\big), \qquad
-        \alpha = \arg\min_{\sum_i \alpha_i = 1} \Big\| \sum_i \alpha_i (g(x_i) - x_i) \Big\|,
-
-    :math:`\beta` = ``relaxation``; with ``reg``/``reg_relative`` the least-squares problem in
-    its difference form gets the ridge :math:`\lambda \|\gamma\|^2`, :math:`\lambda` =
-    ``reg`` + ``reg_relative`` times the mean squared norm of the residual differences (see
-    :func:`aadl_func.anderson`). It stops at the first :math:`x_k` with
-    :math:`\|g(x_k) - x_k\| \le \max(\mathrm{tol}, \mathrm{rtol} \|g(x_0) - x_0\|)`, the
+    $\beta$ = `relaxation`; with `reg`/`reg_relative` the least-squares problem in
+    its difference form gets the ridge $\lambda \|\gamma\|^2$, $\lambda$ =
+    `reg` + `reg_relative` times the mean squared norm of the residual differences (see
+    [`aadl_func.anderson()`][aadl_func.anderson]). It stops at the first $x_k$ with
+    $\|g(x_k) - x_k\| \le \max(\mathrm{tol}, \mathrm{rtol} \|g(x_0) - x_0\|)$, the
     2-norm over all leaves of the pytree (in float64).
 
-    Mode ``"classic"`` is the default because it is Anderson's method for equations: the
-    pairs :math:`(x_i, g(x_i))` are taken as they are, so it is a multisecant (Broyden-like)
-    method, GMRES on an affine map. Mode ``"aadl"`` is meant for optimizer steps: its residual
-    proxy :math:`x_{i+1} - x_i` is the true residual only when :math:`x_i` was a plain step, so
+    Mode `"classic"` is the default because it is Anderson's method for equations: the
+    pairs $(x_i, g(x_i))$ are taken as they are, so it is a multisecant (Broyden-like)
+    method, GMRES on an affine map. Mode `"aadl"` is meant for optimizer steps: its residual
+    proxy $x_{i+1} - x_i$ is the true residual only when $x_i$ was a plain step, so
     as a root finder it is a weaker method, which diverges on SciPy's pressure-network and
     linear test problems and is 10-20x slower on others (issue 25).
 
     Args:
       g: the map, pytree -> pytree of the structure, shapes (and dtypes, after a cast) of
-        ``x0``.
+        `x0`.
       x0: the starting point, a pytree of real floating tensors, or (mode "classic") of
         complex ones: the norm is then that of the moduli (docs/solver.md, "Complex tensors").
-      tol: absolute tolerance (``>= 0``) on the residual norm.
-      rtol: relative tolerance (``>= 0``): the solve stops at
-        :math:`\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\, \|r_0\|)`.
-      max_iter: the most steps (``>= 0``); the eager loop stops earlier.
-      history_depth: pairs in the window (``>= 3``); SciPy's ``M`` is ``history_depth - 1``.
-      relaxation: :math:`\beta > 0`, 1 undamped.
-      reg: absolute Tikhonov weight, ``>= 0``.
-      reg_relative: Tikhonov weight relative to the window, ``>= 0``.
-      mode: ``"classic"`` (default, see above) or ``"aadl"``.
-      line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s backtracking
-        search on :math:`\|g(x) - x\|^2` along the Anderson step (eager loop only).
-      callback: ``callback(k, x, residual_norm)`` after each step ``k = 1, 2, ...``; eagerly
-        a truthy return stops the solve (status ``"callback"``); in the masked loop it is
+      tol: absolute tolerance (`>= 0`) on the residual norm.
+      rtol: relative tolerance (`>= 0`): the solve stops at
+        $\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\, \|r_0\|)$.
+      max_iter: the most steps (`>= 0`); the eager loop stops earlier.
+      history_depth: pairs in the window (`>= 3`); SciPy's `M` is `history_depth - 1`.
+      relaxation: $\beta > 0$, 1 undamped.
+      reg: absolute Tikhonov weight, `>= 0`.
+      reg_relative: Tikhonov weight relative to the window, `>= 0`.
+      mode: `"classic"` (default, see above) or `"aadl"`.
+      line_search: None/False (default) or True/`"armijo"`: SciPy `nonlin`'s backtracking
+        search on $\|g(x) - x\|^2$ along the Anderson step (eager loop only).
+      callback: `callback(k, x, residual_norm)` after each step `k = 1, 2, ...`; eagerly
+        a truthy return stops the solve (status `"callback"`); in the masked loop it is
         called once per round with tensors and its return value is ignored.
-      masked: None (default) picks the masked fixed-budget loop under ``vmap`` and
-        ``torch.compile`` and the eager loop otherwise; True/False force one.
-      **anderson_options: any other option of :func:`aadl_func.anderson` (e.g.
-        ``history_dtype``, ``compute_device``, or ``reg_column``, the per-column
-        regularisation: SciPy's ``w0`` is ``reg_column = w0**2``), passed through.
+      masked: None (default) picks the masked fixed-budget loop under `vmap` and
+        `torch.compile` and the eager loop otherwise; True/False force one.
+      **anderson_options: any other option of [`aadl_func.anderson()`][aadl_func.anderson] (e.g.
+        `history_dtype`, `compute_device`, or `reg_column`, the per-column
+        regularisation: SciPy's `w0` is `reg_column = w0**2`), passed through.
 
     Returns:
-      ``(x, info)``: the last iterate (of ``x0``'s structure) and a :class:`SolverInfo`.
+      `(x, info)`: the last iterate (of `x0`'s structure) and a
+      [`SolverInfo`][aadl_func.SolverInfo].
 
     Composition. Eagerly the loop reads the residual norm on the host once per step. Under
-    ``torch.func.vmap`` a batch of problems runs the masked loop: each stops on its own (its
-    ``x`` is frozen once it meets the tolerance), and the loop ends when all have stopped (or
-    after ``max_iter`` rounds if that cannot be read without a device synchronisation). Under
-    ``torch.compile`` the masked loop runs the full budget of ``max_iter`` rounds in one graph.
+    `torch.func.vmap` a batch of problems runs the masked loop: each stops on its own (its
+    `x` is frozen once it meets the tolerance), and the loop ends when all have stopped (or
+    after `max_iter` rounds if that cannot be read without a device synchronisation). Under
+    `torch.compile` the masked loop runs the full budget of `max_iter` rounds in one graph.
     The line search needs the eager loop. The result carries no autograd graph; to
-    differentiate through the fixed point use :func:`implicit_fixed_point` (under
-    ``torch.func.grad``/``vjp``/``jvp`` the solver raises ``RuntimeError`` rather than
-    differentiate through its iterations).
+    differentiate through the fixed point use
+    [`implicit_fixed_point()`][aadl_func.implicit_fixed_point] (under `torch.func.grad`/`vjp`/`jvp`
+    the solver raises `RuntimeError` rather than differentiate through its iterations).
     """
     owner = "fixed_point"
     check_callable(owner, "g", g)
@@ -572,38 +574,38 @@ def root(
     masked: bool | None = None,
     **anderson_options: Any,
 ) -> tuple[PyTree, SolverInfo]:
-    r"""Solves :math:`F(x) = 0` by Anderson acceleration of :math:`g(x) = x + \alpha F(x)`.
+    r"""Solves $F(x) = 0$ by Anderson acceleration of $g(x) = x + \alpha F(x)$.
 
-    This is ``scipy.optimize.anderson``'s method: SciPy's initial Jacobian guess is
-    :math:`-1/\alpha` (so the plain step is :math:`x + \alpha F(x)`, with SciPy's sign), and
-    with ``history_depth = M + 1``, ``relaxation = 1``, no regularisation (SciPy's
-    ``w0 = 0``) and no line search the iterates are SciPy's. ``alpha=None`` takes SciPy's
-    default :math:`\tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|`; a negative ``alpha`` suits an
-    :math:`F` whose Jacobian is near a positive multiple of the identity. The tolerance is on
-    :math:`\|F(x_k)\|` (2-norm over all leaves, float64; SciPy defaults to the max-norm).
-    The default mode is ``"classic"``, for the reason :func:`fixed_point` gives.
+    This is `scipy.optimize.anderson`'s method: SciPy's initial Jacobian guess is
+    $-1/\alpha$ (so the plain step is $x + \alpha F(x)$, with SciPy's sign), and
+    with `history_depth = M + 1`, `relaxation = 1`, no regularisation (SciPy's
+    `w0 = 0`) and no line search the iterates are SciPy's. `alpha=None` takes SciPy's
+    default $\tfrac12 \max(\|x_0\|, 1) / \|F(x_0)\|$; a negative `alpha` suits an
+    $F$ whose Jacobian is near a positive multiple of the identity. The tolerance is on
+    $\|F(x_k)\|$ (2-norm over all leaves, float64; SciPy defaults to the max-norm).
+    The default mode is `"classic"`, for the reason [`fixed_point()`][aadl_func.fixed_point] gives.
 
     Args:
-      F: the function, pytree -> pytree of ``x0``'s structure and shapes.
-      x0: the starting point, as :func:`fixed_point`'s.
+      F: the function, pytree -> pytree of `x0`'s structure and shapes.
+      x0: the starting point, as [`fixed_point()`][aadl_func.fixed_point]'s.
       alpha: None (SciPy's rule) or a finite non-zero real number.
-      line_search: None/False (default) or True/``"armijo"``: SciPy ``nonlin``'s default
-        backtracking search on :math:`\|F\|^2` (``scipy.optimize.anderson`` uses it unless
-        given ``line_search=None``).
-      tol: as :func:`fixed_point`'s, on :math:`\|F(x)\|`.
-      rtol: as :func:`fixed_point`'s.
-      max_iter: as :func:`fixed_point`'s.
-      history_depth: as :func:`fixed_point`'s.
-      relaxation: as :func:`fixed_point`'s.
-      reg: as :func:`fixed_point`'s.
-      reg_relative: as :func:`fixed_point`'s.
-      mode: as :func:`fixed_point`'s.
-      callback: as :func:`fixed_point`'s.
-      masked: as :func:`fixed_point`'s.
-      **anderson_options: as :func:`fixed_point`'s.
+      line_search: None/False (default) or True/`"armijo"`: SciPy `nonlin`'s default
+        backtracking search on $\|F\|^2$ (`scipy.optimize.anderson` uses it unless
+        given `line_search=None`).
+      tol: as [`fixed_point()`][aadl_func.fixed_point]'s, on $\|F(x)\|$.
+      rtol: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      max_iter: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      history_depth: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      relaxation: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      reg: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      reg_relative: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      mode: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      callback: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      masked: as [`fixed_point()`][aadl_func.fixed_point]'s.
+      **anderson_options: as [`fixed_point()`][aadl_func.fixed_point]'s.
 
     Returns:
-      ``(x, info)``, as :func:`fixed_point`.
+      `(x, info)`, as [`fixed_point()`][aadl_func.fixed_point].
     """
     owner = "root"
     check_callable(owner, "F", F)
@@ -618,10 +620,11 @@ def root(
 
 # -- implicit differentiation ----------------------------------------------------------------
 class _ImplicitFixedPoint(torch.autograd.Function):
-    """``z* = f(z*, theta)`` forward by :func:`fixed_point`; backward by the implicit function
-    theorem. Inputs: the static ``(f, z_spec, theta_spec, n_z, options, adjoint_options)``, then
-    the leaves of ``z0`` and of ``theta``; outputs: the leaves of ``z*``, then the
-    :class:`SolverInfo` fields (not differentiable)."""
+    """`z* = f(z*, theta)` forward by [`fixed_point()`][aadl_func.fixed_point]; backward by the
+    implicit function theorem. Inputs: the static
+    `(f, z_spec, theta_spec, n_z, options, adjoint_options)`, then the leaves of `z0` and of
+    `theta`; outputs: the leaves of `z*`, then the [`SolverInfo`][aadl_func.SolverInfo] fields (not
+    differentiable)."""
 
     generate_vmap_rule = True
 
@@ -664,9 +667,9 @@ class _ImplicitFixedPoint(torch.autograd.Function):
 def _adjoint(
     f: Callable, z_star: PyTree, theta: PyTree, spec: Any, cotangent: list[Tensor], options: dict
 ) -> PyTree:
-    r"""The adjoint fixed point :math:`u = J_z f(z^*, \theta)^\top u + \bar z` by
-    :func:`fixed_point` (the map is affine, so classic Anderson acceleration is GMRES on
-    :math:`(I - J^\top) u = \bar z`); raises if it does not converge."""
+    r"""The adjoint fixed point $u = J_z f(z^*, \theta)^\top u + \bar z$ by
+    [`fixed_point()`][aadl_func.fixed_point] (the map is affine, so classic Anderson acceleration is
+    GMRES on $(I - J^\top) u = \bar z$); raises if it does not converge."""
     _, vjp_z = torch.func.vjp(lambda z: f(z, theta), z_star)
     rhs = tree.unflatten(spec, cotangent)
 
@@ -694,38 +697,38 @@ def implicit_fixed_point(
     adjoint_options: dict[str, Any] | None = None,
     **options: Any,
 ) -> tuple[PyTree, SolverInfo]:
-    r"""The fixed point :math:`z^* = f(z^*, \theta)`, differentiable in :math:`\theta` by the
-    implicit function theorem; returns ``(z*, info)``.
+    r"""The fixed point $z^* = f(z^*, \theta)$, differentiable in $\theta$ by the
+    implicit function theorem; returns `(z*, info)`.
 
-    The forward solve is :func:`fixed_point` on :math:`z \mapsto f(z, \theta)` from ``z0``
-    with ``options``; no iteration is recorded for autograd. The backward pass, given
-    :math:`\bar z = \partial L / \partial z^*`, solves the adjoint fixed point
+    The forward solve is [`fixed_point()`][aadl_func.fixed_point] on $z \mapsto f(z, \theta)$ from
+    `z0` with `options`; no iteration is recorded for autograd. The backward pass, given
+    $\bar z = \partial L / \partial z^*$, solves the adjoint fixed point
 
-    .. math::
+    $$
+    u = J_z f(z^*, \theta)^\top u + \bar z \quad \big(\text{i.e. } u = (I - J_z^\top)^{-1}
+    \bar z\big), \qquad \frac{\partial L}{\partial \theta} = J_\theta f(z^*, \theta)^\top u,
+    $$
 
-        u = J_z f(z^*, \theta)^\top u + \bar z \quad \big(\text{i.e. } u = (I - J_z^\top)^{-1}
-        \bar z\big), \qquad \frac{\partial L}{\partial \theta} = J_\theta f(z^*, \theta)^\top u,
+    with the same solver (`adjoint_options`, default: `options`), the products
+    $J^\top v$ being `torch.func.vjp()` of `f` at $(z^*, \theta)$. This is
+    exact at an exact fixed point where $I - J_z$ is invertible (e.g. `f` a
+    contraction in `z`); its error follows the two tolerances.
 
-    with the same solver (``adjoint_options``, default: ``options``), the products
-    :math:`J^\top v` being :func:`torch.func.vjp` of ``f`` at :math:`(z^*, \theta)`. This is
-    exact at an exact fixed point where :math:`I - J_z` is invertible (e.g. ``f`` a
-    contraction in ``z``); its error follows the two tolerances.
-
-    It is a :class:`torch.autograd.Function` (with ``setup_context`` and a generated vmap
-    rule), so ``loss.backward()``, :func:`torch.func.grad`/``vjp`` and :func:`torch.func.vmap`
+    It is a `torch.autograd.Function` (with `setup_context` and a generated vmap
+    rule), so `loss.backward()`, `torch.func.grad()`/`vjp` and `torch.func.vmap()`
     of either work. Only first derivatives: the backward pass is not itself differentiable.
 
     Args:
-      f: ``f(z, theta) -> z``, pure in its arguments: every tensor whose gradient you want
-        must come in through ``theta`` (a tensor ``f`` closes over gets no gradient).
-      z0: the starting point (no gradient flows to it: :math:`z^*` does not depend on it).
+      f: `f(z, theta) -> z`, pure in its arguments: every tensor whose gradient you want
+        must come in through `theta` (a tensor `f` closes over gets no gradient).
+      z0: the starting point (no gradient flows to it: $z^*$ does not depend on it).
       theta: a pytree of tensors, the parameters.
-      adjoint_options: :func:`fixed_point` options for the adjoint solve (default: the
-        forward's). A non-converged adjoint raises ``RuntimeError`` (eager loop).
-      **options: :func:`fixed_point` options for the forward solve.
+      adjoint_options: [`fixed_point()`][aadl_func.fixed_point] options for the adjoint solve
+        (default: the forward's). A non-converged adjoint raises `RuntimeError` (eager loop).
+      **options: [`fixed_point()`][aadl_func.fixed_point] options for the forward solve.
 
     Returns:
-      ``(z*, info)``: ``z*`` like ``z0``, and the forward solve's :class:`SolverInfo`.
+      `(z*, info)`: `z*` like `z0`, and the forward solve's [`SolverInfo`][aadl_func.SolverInfo].
     """
     owner = "implicit_fixed_point"
     check_callable(owner, "f", f)

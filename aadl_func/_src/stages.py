@@ -1,22 +1,22 @@
-r"""The stages of one ``update`` call that both modes share.
+r"""The stages of one `update` call that both modes share.
 
-A mode's step function (:mod:`aadl_func._src.aadl_step`, :mod:`aadl_func._src.classic_step`)
+A mode's step function (`aadl_func._src.aadl_step`, `aadl_func._src.classic_step`)
 is a short sequence of these stages:
 
-1. :func:`plain_step` -- the inner optimizer's step :math:`y = g(x)`;
-2. :func:`append` -- the new residual joins the ring and its Gram rows the float64 Grams;
-3. :func:`commit_plain` -- the commit point: the caller now holds a finished plain step;
-4. :func:`solve` -- the mixing weights of the window's least-squares problem;
-5. the mode's own combination (:func:`aadl_func._src.window.combine`), then :func:`finite`
-   and :func:`safeguard` -- accept or reject the mix;
-6. :func:`output` and :func:`commit` -- the returned params and the final state.
+1. `plain_step()` -- the inner optimizer's step $y = g(x)$;
+2. `append()` -- the new residual joins the ring and its Gram rows the float64 Grams;
+3. `commit_plain()` -- the commit point: the caller now holds a finished plain step;
+4. `solve()` -- the mixing weights of the window's least-squares problem;
+5. the mode's own combination (`aadl_func._src.window.combine()`), then `finite()`
+   and `safeguard()` -- accept or reject the mix;
+6. `output()` and `commit()` -- the returned params and the final state.
 
-Every stage takes the :class:`Call` (the call's inputs, read-only) and returns what it
+Every stage takes the `Call` (the call's inputs, read-only) and returns what it
 computed; nothing is handed from one stage to another through shared attributes. The
 execution concerns a stage meets are left to the module that owns them: a gate without a
-value (vmap, torch.compile) to the call's :class:`aadl_func._src.blend.Blend`, the window passes'
-backends to :mod:`aadl_func._src.window`, an eager in-place commit to
-:mod:`aadl_func._src.atomic`, sharded params' reductions to :class:`Reduction` below.
+value (vmap, torch.compile) to the call's `aadl_func._src.blend.Blend`, the window passes'
+backends to `aadl_func._src.window`, an eager in-place commit to
+`aadl_func._src.atomic`, sharded params' reductions to `Reduction` below.
 """
 
 from __future__ import annotations
@@ -78,31 +78,31 @@ Params = Any
 
 
 class Call:
-    """One call of ``update``: its inputs and what follows from them alone, fixed before the
+    """One call of `update`: its inputs and what follows from them alone, fixed before the
     first stage runs and never written afterwards.
 
     Attributes:
-      options: the :class:`~aadl_func._src.options.AndersonOptions`.
+      options: the `AndersonOptions`.
       state: the state passed in (in an eager in-place call, the tensors every commit writes).
-      params, spec: the params' leaves ``x`` and their tree structure.
-      updates: the inner optimizer's update leaves ``u`` (``y = x + u``).
+      params, spec: the params' leaves `x` and their tree structure.
+      updates: the inner optimizer's update leaves `u` (`y = x + u`).
       inner_state: the inner optimizer's state after this call's update.
-      inplace, loss_fn: as given to ``update``.
-      loss: the training loss at ``params`` given to ``update`` (the deferred safeguard,
-        :mod:`aadl_func._src.deferred`), a 0-d tensor, or None.
-      shards: sharded params only, the call's :class:`aadl_func._src.distributed.ShardedCall`.
-      guard: eager in-place calls only, the :class:`~aadl_func._src.atomic.InterruptGuard`.
+      inplace, loss_fn: as given to `update`.
+      loss: the training loss at `params` given to `update` (the deferred safeguard,
+        `aadl_func._src.deferred`), a 0-d tensor, or None.
+      shards: sharded params only, the call's `aadl_func._src.distributed.ShardedCall`.
+      guard: eager in-place calls only, the `InterruptGuard`.
       plain: the wrapper's recovery: record the plain step, never mix.
       count, count_value: the call's number (1-based) as a counter and, eagerly, as an int.
       q: ring slots.
-      ring, anchor, iterates: the state's window leaves (``iterates``: mode "classic").
+      ring, anchor, iterates: the state's window leaves (`iterates`: mode "classic").
       compute_device: where the Grams and the small problem live.
       compute_dtypes: per params leaf, the dtype the mix is computed in.
       overflow_limit: half the largest value of the params' and compute dtypes.
       exact: a float64 window, solved through a QR factor instead of its Grams.
-      blend: the call's :class:`~aadl_func._src.blend.Blend` (``select`` and masked writes).
-      progress: eager in-place calls only, the :class:`~aadl_func._src.atomic.Progress` of
-        the call's writes, for :func:`recover`.
+      blend: the call's `Blend` (`select` and masked writes).
+      progress: eager in-place calls only, the `Progress` of
+        the call's writes, for `recover()`.
     """
 
     __slots__ = (
@@ -180,12 +180,12 @@ class Call:
 
 
 class Reduction(NamedTuple):
-    """Sharded params: what the call's one all_reduce summed over ranks (:func:`reduce_rows`).
+    """Sharded params: what the call's one all_reduce summed over ranks (`reduce_rows()`).
 
     Attributes:
-      rows: ``(g, h, c)``, the newest residual's rows of ``gram``, ``dr_gram`` and ``dr_rhs``.
+      rows: `(g, h, c)`, the newest residual's rows of `gram`, `dr_gram` and `dr_rhs`.
       factor: a float64 window's QR factor of the whole window's differences (else None).
-      base_bound: the bound of the combination's base, for :func:`certified_finite`.
+      base_bound: the bound of the combination's base, for `certified_finite()`.
     """
 
     rows: tuple
@@ -194,13 +194,13 @@ class Reduction(NamedTuple):
 
 
 class Solution(NamedTuple):
-    """:func:`solve`'s result.
+    """`solve()`'s result.
 
     Attributes:
-      weights: the :class:`~aadl_func._src.solve.MixingWeights` (chronological).
-      order: the chronological slot order for :func:`to_ring_order`.
-      reduction: sharded params only, the call's :class:`Reduction` (else None).
-      norms: sharded params only, :math:`\\|f_i\\|` chronological (else None).
+      weights: the [`MixingWeights`][aadl_func.MixingWeights] (chronological).
+      order: the chronological slot order for `to_ring_order()`.
+      reduction: sharded params only, the call's `Reduction` (else None).
+      norms: sharded params only, $\\|f_i\\|$ chronological (else None).
     """
 
     weights: MixingWeights
@@ -211,7 +211,7 @@ class Solution(NamedTuple):
 
 # -- the plain step ---------------------------------------------------------------------------
 def plain_step(call: Call) -> list[Tensor]:
-    """``y = x + u``: the plain step, written into the params' buffers if ``inplace``."""
+    """`y = x + u`: the plain step, written into the params' buffers if `inplace`."""
     if call.inplace:
         if call.progress is not None and not call.blend.active():
             stepped = call.progress.stepped  # each leaf recorded in its add's statement
@@ -227,10 +227,10 @@ def plain_step(call: Call) -> list[Tensor]:
 
 
 def owned(call: Call, values: list[Tensor], callers: list[Tensor]) -> list[Tensor]:
-    """``values`` with copies of those that are the caller's own tensors.
+    """`values` with copies of those that are the caller's own tensors.
 
     The window must own its buffers, or a caller writing into what it passed or got back
-    (``x.copy_(new)``, a later in-place step) corrupts it. In-place steps copy into the
+    (`x.copy_(new)`, a later in-place step) corrupts it. In-place steps copy into the
     window's slots anyway, so nothing needs cloning there.
     """
     if call.inplace:
@@ -241,9 +241,9 @@ def owned(call: Call, values: list[Tensor], callers: list[Tensor]) -> list[Tenso
 def store_anchor(
     call: Call, anchor: list[Tensor], values: list[Tensor], callers: list[Tensor]
 ) -> list[Tensor]:
-    """The anchor after ``anchor = values`` (the newest entry, in the params' dtype): copied
-    into its buffers in place, else ``values`` owned by the window (``callers``: the caller's
-    tensors that ``values`` may be, see :func:`owned`)."""
+    """The anchor after `anchor = values` (the newest entry, in the params' dtype): copied
+    into its buffers in place, else `values` owned by the window (`callers`: the caller's
+    tensors that `values` may be, see `owned()`)."""
     if call.inplace:
         for a, v in zip(anchor, values):
             call.blend.assign(a, v)
@@ -254,7 +254,7 @@ def store_anchor(
 def to_history(leaves: list[Tensor], like: list[Tensor]) -> list[Tensor]:
     """Leaves moved to the window's device/dtype/layout (O(n) per leaf, no-op if there).
 
-    A copy from CUDA to a CPU window lands in page-locked memory (``non_blocking``), all
+    A copy from CUDA to a CPU window lands in page-locked memory (`non_blocking`), all
     leaves in flight at once; the CPU reads the window right away, so we wait for those
     copies once before handing the leaves over (reading them earlier would race).
     """
@@ -278,7 +278,7 @@ def to_params(call: Call, leaves: list[Tensor]) -> list[Tensor]:
 
 # -- the call-count gates ---------------------------------------------------------------------
 def may_mix(call: Call) -> Tensor:
-    """The call-count gates of a mix: past ``wait_iterations`` and on the ``frequency``;
+    """The call-count gates of a mix: past `wait_iterations` and on the `frequency`;
     eagerly read from the call's number."""
     options = call.options
     if call.count_value is not None:
@@ -288,8 +288,8 @@ def may_mix(call: Call) -> Tensor:
 
 
 def gate(call: Call, window_size: Tensor) -> Tensor:
-    """Whether this call mixes: past ``wait_iterations``, on the ``frequency``, with the
-    mode's minimum window (and never in the wrapper's ``plain`` recovery)."""
+    """Whether this call mixes: past `wait_iterations`, on the `frequency`, with the
+    mode's minimum window (and never in the wrapper's `plain` recovery)."""
     if call.plain:
         return flags.FALSE
     minimum = call.options.rules.min_window
@@ -302,7 +302,7 @@ def gate(call: Call, window_size: Tensor) -> Tensor:
 
 
 def stores(call: Call) -> Tensor:
-    """Whether this call stores its plain step in the window (every ``store_each_nth``)."""
+    """Whether this call stores its plain step in the window (every `store_each_nth`)."""
     if call.count_value is not None:
         return flags.known(call.count_value % call.options.store_each_nth == 0)
     return call.count % call.options.store_each_nth == 0
@@ -310,18 +310,18 @@ def stores(call: Call) -> Tensor:
 
 # -- the ring and its Grams -------------------------------------------------------------------
 def _slot_valid(q: int, head: Tensor, num_residuals: Tensor) -> Tensor:
-    """Ring-order mask of slots holding one of the newest ``num_residuals`` residuals."""
+    """Ring-order mask of slots holding one of the newest `num_residuals` residuals."""
     age = (head - torch.arange(q, device=head.device)) % q
     return age < num_residuals
 
 
 def _chronological(q: int, head: Tensor) -> Tensor:
-    """Ring slots from oldest to newest (the newest is ``head``)."""
+    """Ring slots from oldest to newest (the newest is `head`)."""
     return (head + 1 + torch.arange(q, device=head.device)) % q
 
 
 def _difference_valid(q: int, num_residuals: Tensor) -> Tensor:
-    """Chronological mask of the differences ``f_{j+1} - f_j`` between valid residuals."""
+    """Chronological mask of the differences `f_{j+1} - f_j` between valid residuals."""
     return torch.arange(q - 1) >= q - num_residuals
 
 
@@ -334,16 +334,16 @@ def append(
     residual: list[Tensor],
     g: Tensor | None = None,
 ) -> tuple[tuple, tuple, Tensor, Tensor, Tensor, Reduction | None]:
-    """Writes ``residual`` into the next slot and updates ``grams = (gram, dr_gram, dr_rhs)``.
+    """Writes `residual` into the next slot and updates `grams = (gram, dr_gram, dr_rhs)`.
 
-    ``g``: the residual's Gram row when :func:`~aadl_func._src.window.append_difference`
+    `g`: the residual's Gram row when `append_difference()`
     already computed it.
 
     A residual whose Gram rows are not finite (an Inf/NaN iterate) is zeroed and the window
     restarts from the newest entry, so poisoned data never reaches a later mix.
 
-    Returns ``(ring, grams, head, num_residuals, poisoned, reduction)``; ``reduction`` (sharded
-    params only) holds the sums over ranks that :func:`solve` then uses.
+    Returns `(ring, grams, head, num_residuals, poisoned, reduction)`; `reduction` (sharded
+    params only) holds the sums over ranks that `solve()` then uses.
     """
     q = call.q
     slot, _ = advance(head, 1, modulo=q)
@@ -385,12 +385,12 @@ def append(
 
 
 def replace_newest(call: Call, ring: tuple, grams: tuple, head: Tensor, residual: list[Tensor]):
-    """``ring[head] = residual`` (the safeguard moved the newest entry) and its Gram rows.
+    """`ring[head] = residual` (the safeguard moved the newest entry) and its Gram rows.
 
-    Only the newest residual changed, so the rows of ``head`` and ``dr_rhs`` are recomputed;
+    Only the newest residual changed, so the rows of `head` and `dr_rhs` are recomputed;
     the difference it forms with its successor belongs to the oldest slot, which is unused.
-    Sharded, the rows come from this rank's data alone (``direct``): the row of the
-    previous residual in ``grams`` was summed over ranks by this call's reduction.
+    Sharded, the rows come from this rank's data alone (`direct`): the row of the
+    previous residual in `grams` was summed over ranks by this call's reduction.
     """
     ring = write_slot(ring, head, residual, call.inplace, call.blend)
     g, h, c = difference_rows(
@@ -401,7 +401,7 @@ def replace_newest(call: Call, ring: tuple, grams: tuple, head: Tensor, residual
 
 # -- the least-squares problem ----------------------------------------------------------------
 def _factor(call: Call, ring: tuple, head: Tensor, num_residuals: Tensor) -> Tensor:
-    """The float64 QR factor of ``[DF | f_head]`` over the valid residuals of ``ring``
+    """The float64 QR factor of `[DF | f_head]` over the valid residuals of `ring`
     (this rank's rows only when sharded): one streaming pass, O(Q^2 n) flops."""
     order = _chronological(call.q, head)
     valid = _difference_valid(call.q, num_residuals)
@@ -417,16 +417,16 @@ def solve(
     reduction: Reduction | None = None,
 ) -> Solution:
     """The mixing weights of the window (chronological) and the chronological slot order
-    (a tensor of ring slots; eagerly, the newest slot as an int: see :func:`to_ring_order`).
+    (a tensor of ring slots; eagerly, the newest slot as an int: see `to_ring_order()`).
 
-    A float64 window: a float64 QR factor of ``[DF | f_last]`` streamed from the ring
+    A float64 window: a float64 QR factor of `[DF | f_last]` streamed from the ring
     (summed over ranks by stacking every rank's factor) and
-    :func:`aadl_func._src.solve.solve_factor`, accurate to ``eps * cond(DF)``. Other
+    `aadl_func._src.solve.solve_factor()`, accurate to `eps * cond(DF)`. Other
     windows: the incrementally kept float64 Gram matrices and
-    :func:`aadl_func._src.solve.solve_differences` (normal equations, ``O(Q^2)``).
+    `aadl_func._src.solve.solve_differences()` (normal equations, `O(Q^2)`).
 
-    Sharded params: ``reduction`` is :func:`append`'s, or made here on a call that stored
-    nothing; the :class:`Solution` carries it on to :func:`finite`.
+    Sharded params: `reduction` is `append()`'s, or made here on a call that stored
+    nothing; the `Solution` carries it on to `finite()`.
     """
     q = call.q
     gram, dr_gram, dr_rhs = grams
@@ -443,7 +443,7 @@ def solve(
     else:
         slots = _chronological(q, head).to(call.compute_device)
         later = slots[1:]  # d at chronological position j + 1 is the column of gamma_j
-    # ||f_i||^2, oldest first (real: ``.real`` of a real tensor is that tensor).
+    # ||f_i||^2, oldest first (real: `.real` of a real tensor is that tensor).
     residual_sq = torch.diagonal(gram).real.index_select(0, slots)
     dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
     dr_rhs = dr_rhs.index_select(0, later)
@@ -468,7 +468,7 @@ def solve(
 
 def to_ring_order(chrono_values: Tensor, order: Tensor | int) -> Tensor:
     """Values by chronological position (oldest first) moved to their ring slots;
-    ``order`` from :func:`solve`."""
+    `order` from `solve()`."""
     if isinstance(order, int):  # the newest slot: position j is slot (order + 1 + j) % Q
         return chrono_values.roll(order + 1)
     return torch.zeros_like(chrono_values).index_copy(0, order, chrono_values)
@@ -476,7 +476,7 @@ def to_ring_order(chrono_values: Tensor, order: Tensor | int) -> Tensor:
 
 # -- accept or reject -------------------------------------------------------------------------
 def finite(call: Call, leaves: list[Tensor], solution: Solution) -> Tensor:
-    """Whether the mix ``leaves`` is finite in the params' dtypes (and the solve was)."""
+    """Whether the mix `leaves` is finite in the params' dtypes (and the solve was)."""
     solved = flags.decision(solution.weights.ok, call.compute_device)
     if call.shards is not None:
         # A local check would differ between ranks; the certificate is the same on all.
@@ -509,7 +509,7 @@ def finite(call: Call, leaves: list[Tensor], solution: Solution) -> Tensor:
 
 
 def safeguard(call: Call, gate: Tensor, x: list[Tensor], y: list[Tensor]) -> Tensor:
-    """``gate`` and ``loss_fn(x) < loss_fn(y)`` (both finite); ``gate`` without ``loss_fn``."""
+    """`gate` and `loss_fn(x) < loss_fn(y)` (both finite); `gate` without `loss_fn`."""
     loss_fn = call.loss_fn
     if loss_fn is None:
         return gate
@@ -530,7 +530,7 @@ def safeguard(call: Call, gate: Tensor, x: list[Tensor], y: list[Tensor]) -> Ten
 
 
 def restarted(call: Call, window_size: Tensor, rejected: Tensor) -> Tensor:
-    """``restart_on_reject``: the window size after a rejected mix is cut to the newest
+    """`restart_on_reject`: the window size after a rejected mix is cut to the newest
     entry (aadl) or pair (classic); older slots count again only once overwritten."""
     if not call.options.restart_on_reject:
         return window_size
@@ -543,13 +543,13 @@ def restarted(call: Call, window_size: Tensor, rejected: Tensor) -> Tensor:
 def output(
     call: Call, use_mix: Tensor, x: list[Tensor], y: list[Tensor], final: AndersonState
 ) -> list[Tensor]:
-    """The returned params: ``x`` where ``use_mix`` else ``y``, in the params' buffers if
-    ``inplace`` (``y`` already lives there). ``final``: the call's final state, which
-    :func:`commit` then makes the caller's.
+    """The returned params: `x` where `use_mix` else `y`, in the params' buffers if
+    `inplace` (`y` already lives there). `final`: the call's final state, which
+    `commit()` then makes the caller's.
 
     In an eager in-place call the final writes start here: from now on an exception
-    finishes the call (these copies, then the final commit, see :func:`recover`) instead
-    of going back to the plain step. It is called after the last ``loss_fn`` call and every
+    finishes the call (these copies, then the final commit, see `recover()`) instead
+    of going back to the plain step. It is called after the last `loss_fn` call and every
     computation of the step."""
     chosen = call.blend.select(use_mix, lambda: x, y)
     if call.inplace:
@@ -565,8 +565,8 @@ def output(
 
 # -- the state and its commits ----------------------------------------------------------------
 def window_tree(call: Call, name: str, leaves: Any) -> Any:
-    """The state field ``name`` (``anchor``: one list of leaves; ``residuals`` and
-    ``iterates``: one list per slot) as trees like ``params``. When every leaf is the
+    """The state field `name` (`anchor`: one list of leaves; `residuals` and
+    `iterates`: one list per slot) as trees like `params`. When every leaf is the
     caller's own tensor (a window written in place, or not written) this is the caller's
     own field object: nothing to rebuild, and nothing to write back at a commit."""
     mine = {"anchor": call.anchor, "residuals": call.ring, "iterates": call.iterates}[name]
@@ -589,7 +589,7 @@ def commit_plain(
     **fields: Any,
 ) -> AndersonState:
     """The commit point: the state after this call's plain step (the window after its
-    append, and the mode's own ``fields``), made the caller's; a Ctrl-C deferred so far is
+    append, and the mode's own `fields`), made the caller's; a Ctrl-C deferred so far is
     raised here."""
     state = call.state
     plain = state._replace(
@@ -616,7 +616,7 @@ def commit_plain(
 
 
 def reset_streak(call: Call) -> Tensor:
-    """``skip_streak`` after a call that takes a step: 0 (the state's own tensor if it is
+    """`skip_streak` after a call that takes a step: 0 (the state's own tensor if it is
     already 0, so that there is nothing to write back)."""
     streak = call.state.skip_streak
     return call.blend.select(
@@ -636,7 +636,7 @@ def count_outcome(
     poisoned: Tensor,
     **fields: Any,
 ) -> AndersonState:
-    """The final state: ``plain`` with the mix's outcome counted (and the mode's ``fields``)."""
+    """The final state: `plain` with the mix's outcome counted (and the mode's `fields`)."""
     mixable = flags.both(gate, ok)
     rejected = flags.both(mixable, flags.negate(use_mix))
     failed = flags.both(gate, flags.both(flags.negate(ok), flags.negate(poisoned)))
@@ -653,20 +653,20 @@ def count_outcome(
 
 
 def revert(call: Call, *, blended: bool) -> tuple[Any, AndersonState]:
-    """The call whose ``loss`` rejected the pending mix (:mod:`aadl_func._src.deferred`):
+    """The call whose `loss` rejected the pending mix (`aadl_func._src.deferred`):
     the previous call's plain step, read from the window by the mode's
-    ``last_plain_step``, and the state with only ``num_rejected``,
-    ``pending_loss``, ``skip_streak`` and (``restart_on_reject``) ``window_size`` changed;
+    `last_plain_step`, and the state with only `num_rejected`,
+    `pending_loss`, `skip_streak` and (`restart_on_reject`) `window_size` changed;
     the inner optimizer's state stays that of the plain step.
 
-    Eagerly the params are written in place through :func:`output` (an exception then
-    finishes the call) and the state is committed. ``blended`` (the decision has no value:
+    Eagerly the params are written in place through `output()` (an exception then
+    finishes the call) and the state is committed. `blended` (the decision has no value:
     vmap, compile): the leaves are returned out of place, and the caller writes them after
     blending them with the kept call's outcome."""
     state = call.state
     y = to_params(call, call.options.rules.last_plain_step(call))
-    # ``count`` stays, as for a skipped call: the inner optimizer took no step (its own step
-    # count equals ``count``), and the call-count gates count the steps taken.
+    # `count` stays, as for a skipped call: the inner optimizer took no step (its own step
+    # count equals `count`), and the call-count gates count the steps taken.
     final = state._replace(
         num_rejected=state.num_rejected + 1,
         pending_loss=deferred.cleared(state),
@@ -680,10 +680,10 @@ def revert(call: Call, *, blended: bool) -> tuple[Any, AndersonState]:
 
 
 def commit(call: Call, new_state: AndersonState, *, plain: bool = False) -> AndersonState:
-    """Makes ``new_state`` the caller's: in an eager in-place call its values are written
+    """Makes `new_state` the caller's: in an eager in-place call its values are written
     into the tensors of the state passed in (which is returned), see atomic.py. The
     copies are from tensors the caller does not hold, so an interrupted commit is finished
-    by doing them again (:func:`recover`). ``plain``: the commit point's commit, after which
+    by doing them again (`recover()`). `plain`: the commit point's commit, after which
     an exception goes back to the plain step; after any other commit the call is done."""
     if call.guard is None:
         return new_state
@@ -711,7 +711,7 @@ def _adopts(call: Call) -> bool:
 
 
 def adopt(target: Any, source: Any) -> None:
-    """``target``'s tensors take over the memory of ``source``'s (``Tensor.set_``, O(1)),
+    """`target`'s tensors take over the memory of `source`'s (`Tensor.set_`, O(1)),
     leaf by leaf; leaves of another shape, dtype or device are copied. Doing it again is a
     no-op, so an interrupted adoption is finished by repeating it."""
     targets = optree.tree_leaves(target, none_is_leaf=True)
@@ -726,19 +726,19 @@ def adopt(target: Any, source: Any) -> None:
 
 def begin_writes(call: Call) -> None:
     """The first write into the caller's tensors is next: the params' version counters are
-    recorded, so that :func:`recover` knows which leaves hold their plain step (a version
-    counter moves with the write itself; ``Progress.stepped`` backs it up for inference
+    recorded, so that `recover()` knows which leaves hold their plain step (a version
+    counter moves with the write itself; `Progress.stepped` backs it up for inference
     tensors, which keep none)."""
     if call.progress is not None:
-        # Inference tensors keep no version counter: their leaves go by ``stepped`` alone.
+        # Inference tensors keep no version counter: their leaves go by `stepped` alone.
         call.progress.param_versions = [
             None if p.is_inference() else p._version for p in call.params
         ]
 
 
 def undo_later(call: Call, targets: list[Tensor], sources: list[Tensor]) -> None:
-    """After the commit point: copies ``targets[i] <- sources[i]`` that restore the plain
-    step in tensors about to be written (``sources`` must stay as they are until the call
+    """After the commit point: copies `targets[i] <- sources[i]` that restore the plain
+    step in tensors about to be written (`sources` must stay as they are until the call
     ends)."""
     if call.progress is not None:
         call.progress.undo.append((targets, sources))
@@ -754,7 +754,7 @@ def recover(call: Call) -> None:
       so the caller holds the plain step (its mix dropped, uncounted);
     * before the commit point, once the writes began: the plain step is completed (params,
       inner state, counters) with the window restarted from it, as after a non-finite
-      append (:func:`restart_window`);
+      append (`restart_window()`);
     * before any write (the checks, the inner optimizer's out-of-place update): nothing to
       do, the caller holds the state as it was.
 
@@ -776,10 +776,10 @@ def recover(call: Call) -> None:
 
 def restart_window(call: Call) -> None:
     """The plain step of the call, completed in the caller's tensors, with the window
-    restarted from it: params ``y = x + u`` (leaves not yet stepped get their update),
-    the inner optimizer's new state, ``count`` advanced, the anchor ``y`` the window's only
-    entry (mode "aadl": ``window_size = 1``; "classic": no pair, ``window_size = 0``), the
-    Grams zero, ``head`` one slot on, ``skip_streak = 0``; the other counters as they were.
+    restarted from it: params `y = x + u` (leaves not yet stepped get their update),
+    the inner optimizer's new state, `count` advanced, the anchor `y` the window's only
+    entry (mode "aadl": `window_size = 1`; "classic": no pair, `window_size = 0`), the
+    Grams zero, `head` one slot on, `skip_streak = 0`; the other counters as they were.
     Ring slots written halfway are outside the window and never read before being
     rewritten (their Gram entries are recomputed then)."""
     state = call.state
@@ -801,7 +801,7 @@ def restart_window(call: Call) -> None:
 
 
 def callbacks(call: Call) -> contextlib.AbstractContextManager:
-    """Where the user's ``loss_fn`` runs: interruptible, after a deferred Ctrl-C is raised."""
+    """Where the user's `loss_fn` runs: interruptible, after a deferred Ctrl-C is raised."""
     return call.guard.callbacks() if call.guard is not None else contextlib.nullcontext()
 
 
@@ -822,21 +822,21 @@ def reduce_rows(
 ) -> tuple[tuple, Reduction]:
     """The step's one all_reduce over the shard group.
 
-    Sums over ranks, in one float64 vector: the rows ``gram[head]`` and ``dr_gram[head]`` of
+    Sums over ranks, in one float64 vector: the rows `gram[head]` and `dr_gram[head]` of
     the previous newest residual (kept as this rank's partial sums because the safeguard
     may have replaced that residual after the previous reduction), then either the three
-    partial rows of the residual appended now (``new_rows``) or the partial ``dr_rhs``,
-    then, with ``factor`` (this rank's ``Q x Q`` QR factor of a float64 window), a
-    ``(world, Q, Q)`` block holding it in this rank's slot and zeros elsewhere, and this
-    rank's bound for :func:`certified_finite`.
+    partial rows of the residual appended now (`new_rows`) or the partial `dr_rhs`,
+    then, with `factor` (this rank's `Q x Q` QR factor of a float64 window), a
+    `(world, Q, Q)` block holding it in this rank's slot and zeros elsewhere, and this
+    rank's bound for `certified_finite()`.
 
     The sum of the blocks is every rank's factor, in rank order, on every rank; their
-    stacked QR (:func:`aadl_func._src.solve.stack_factors`) is the factor of the whole
+    stacked QR (`aadl_func._src.solve.stack_factors()`) is the factor of the whole
     window, identical on all ranks. (Summing the factors' Gram matrices would square the
     condition number again; a TSQR tree needs a reduction with QR as its operator, which
     collectives do not offer.)
 
-    Returns ``(grams with the head rows summed, the Reduction)``.
+    Returns `(grams with the head rows summed, the Reduction)`.
     """
     q = call.q
     shards = call.shards
@@ -877,7 +877,7 @@ def _local_base_bound(call: Call) -> Tensor:
 def certified_finite(call: Call, solution: Solution) -> Tensor:
     r"""Whether the mix is certainly finite, from reduced quantities only (same on all ranks):
     the mode's bound of every entry of the mix (from the summed base bound and
-    :math:`\|r_s\| = \sqrt{G_{ss}}`) is at most half the largest value of the parameter and
+    $\|r_s\| = \sqrt{G_{ss}}$) is at most half the largest value of the parameter and
     compute dtypes."""
     bound = call.options.rules.mix_bound(
         call.options, solution.weights.alpha, solution.norms, solution.reduction.base_bound
@@ -894,11 +894,11 @@ def advance(
     low: int | None = None,
     high: int | None = None,
 ) -> tuple[Tensor, int | None]:
-    """``counter + step`` (a 0-d int64 counter), then taken ``% modulo`` or clamped to
-    ``[low, high]``: a new tensor and, eagerly, its value as an int (else ``None``).
+    """`counter + step` (a 0-d int64 counter), then taken `% modulo` or clamped to
+    `[low, high]`: a new tensor and, eagerly, its value as an int (else `None`).
 
     An eager counter is read once and the result made in one operation; the same chain of
-    tensor operations (``clamp(w - 1, min=0)``: two) costs a few microseconds per link,
+    tensor operations (`clamp(w - 1, min=0)`: two) costs a few microseconds per link,
     which adds up over the counters a step advances. Under vmap or torch.compile the chain
     is applied to the tensor.
     """
@@ -927,7 +927,7 @@ def _arithmetic(
     history_dtype: torch.dtype | None, param_dtypes: tuple[torch.dtype, ...]
 ) -> tuple[tuple[torch.dtype, ...], float]:
     """Per params leaf, the dtype the mix is computed in (the params' and the history's,
-    at least float32), and the overflow limit of :func:`finite`'s certificate: half the
+    at least float32), and the overflow limit of `finite()`'s certificate: half the
     largest value of every params and compute dtype. Cached for eager calls, which ask on
     every step (a traced step computes it once, at trace time)."""
     key = (history_dtype, param_dtypes)
@@ -947,7 +947,7 @@ _SLOT_ORDERS: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
 
 
 def _chronological_slots(q: int, newest: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The ring slots oldest first when ``newest`` is the newest one, and those after the
+    """The ring slots oldest first when `newest` is the newest one, and those after the
     oldest (the slots of the differences' newer ends), cached: a handful of tiny index
     tensors per device, shared read-only by every step."""
     key = (q, newest, device)
@@ -962,11 +962,11 @@ def _same_leaves(a: Any, b: Any) -> bool:
 
 
 def read_slot(ring: tuple, slot: Tensor) -> list[Tensor]:
-    """The leaves of ``ring[slot]`` (``slot`` a 0-d tensor, traced or not)."""
+    """The leaves of `ring[slot]` (`slot` a 0-d tensor, traced or not)."""
     index = tree.static_value(slot)
     if index is not None:
         return list(ring[index])
-    # index_select, not ``[slot]``: indexing with a tensor would read its value (torch.compile).
+    # index_select, not `[slot]`: indexing with a tensor would read its value (torch.compile).
     at = slot.reshape(1)
     return [
         torch.stack([entries[i] for entries in ring]).index_select(0, at.to(ring[0][i].device))[0]

@@ -1,4 +1,4 @@
-"""The immutable state threaded through :func:`aadl_func.anderson`'s ``update``."""
+"""The immutable state threaded through [`aadl_func.anderson()`][aadl_func.anderson]'s `update`."""
 
 from __future__ import annotations
 
@@ -11,44 +11,45 @@ __all__ = ["AndersonState", "COUNTERS"]
 
 
 class AndersonState(NamedTuple):
-    """State of :func:`aadl_func.anderson`: tensors only, so vmap and ``torch.save`` work.
+    """State of [`aadl_func.anderson()`][aadl_func.anderson]: tensors only, so vmap and `torch.save`
+    work.
 
     The window is stored as differences, which keeps the Gram matrix free of cancellation and
-    lets a low-precision ``history_dtype`` hold small steps accurately.
+    lets a low-precision `history_dtype` hold small steps accurately.
 
     Attributes:
-      count: 0-d int64, number of ``update`` calls so far.
+      count: 0-d int64, number of `update` calls so far.
       inner_state: the inner optimizer's state.
-      anchor: the newest window entry, a pytree like ``params`` (params' dtype, history
-        device). Mode "classic": the newest point ``x_i`` (at ``init``, the params given).
-      residuals: ring of ``Q`` pytrees like ``params`` (history dtype and device). Mode "aadl":
-        ``Q = history_depth - 1`` differences ``x_{i+1} - x_i`` of consecutive window entries.
-        Mode "classic": ``Q = history_depth`` residuals ``g(x_i) - x_i``.
-      iterates: mode "classic": ring of the ``Q`` differences ``x_i - x_{i-1}`` of
+      anchor: the newest window entry, a pytree like `params` (params' dtype, history
+        device). Mode "classic": the newest point `x_i` (at `init`, the params given).
+      residuals: ring of `Q` pytrees like `params` (history dtype and device). Mode "aadl":
+        `Q = history_depth - 1` differences `x_{i+1} - x_i` of consecutive window entries.
+        Mode "classic": `Q = history_depth` residuals `g(x_i) - x_i`.
+      iterates: mode "classic": ring of the `Q` differences `x_i - x_{i-1}` of
         consecutive points (history dtype and device; the oldest one's is never used), so a
-        low-precision window rounds the steps, not the points. Mode "aadl": ``()``.
-      gram: ``(Q, Q)`` float64 Gram matrix of ``residuals`` in ring order (compute device);
-        complex params: complex128, Hermitian, ``G[t, s] = <f_t, f_s> = f_t^H f_s`` (so are
-        ``dr_gram`` and ``dr_rhs``).
-      dr_gram: ``(Q, Q)`` float64 Gram matrix of the consecutive differences
-        ``d_t = residuals[t] - residuals[t - 1]`` (ring order; the oldest slot's entry is
+        low-precision window rounds the steps, not the points. Mode "aadl": `()`.
+      gram: `(Q, Q)` float64 Gram matrix of `residuals` in ring order (compute device);
+        complex params: complex128, Hermitian, `G[t, s] = <f_t, f_s> = f_t^H f_s` (so are
+        `dr_gram` and `dr_rhs`).
+      dr_gram: `(Q, Q)` float64 Gram matrix of the consecutive differences
+        `d_t = residuals[t] - residuals[t - 1]` (ring order; the oldest slot's entry is
         unused). Kept from differences formed element by element, so it does not cancel
-        when consecutive residuals are nearly equal, as ``D^T gram D`` would.
-      dr_rhs: ``(Q,)`` float64, ``<d_t, residuals[head]>`` in ring order.
+        when consecutive residuals are nearly equal, as `D^T gram D` would.
+      dr_rhs: `(Q,)` float64, `<d_t, residuals[head]>` in ring order.
       head: 0-d int64, ring slot of the newest residual.
       window_size: 0-d int64, entries in the window (aadl: iterates, classic: pairs).
       num_mixed: 0-d int64, calls whose returned params came from the mixing.
-      num_rejected: 0-d int64, mixes the ``loss_fn`` safeguard rejected.
+      num_rejected: 0-d int64, mixes the `loss_fn` safeguard rejected.
       num_nonfinite: 0-d int64, mixes discarded because the Gram matrix or the mixed point was
         not finite (the plain step was returned instead).
       num_averaged: 0-d int64, calls whose params were replaced by the window mean.
-      num_skipped: 0-d int64, calls skipped by ``skip_nonfinite`` (non-finite grads or inner
+      num_skipped: 0-d int64, calls skipped by `skip_nonfinite` (non-finite grads or inner
         update: params and the rest of the state left as they were).
       skip_streak: 0-d int64, consecutive skipped calls up to now (0 after a step is taken).
-      pending_loss: 0-d float64 (beside the counters): with ``update(..., loss=...)`` (the
+      pending_loss: 0-d float64 (beside the counters): with `update(..., loss=...)` (the
         deferred safeguard), the loss at the point the returned mix was made from, which the
-        next call's ``loss`` must beat; +inf when the last call returned no mix.
-        ``None`` in a state saved before the field existed (read as +inf).
+        next call's `loss` must beat; +inf when the last call returned no mix.
+        `None` in a state saved before the field existed (read as +inf).
     """
 
     count: Tensor
@@ -83,5 +84,5 @@ COUNTERS = (
     "skip_streak",
 )
 
-# ``torch.load(weights_only=True)`` (the default) only rebuilds allow-listed classes.
+# `torch.load(weights_only=True)` (the default) only rebuilds allow-listed classes.
 torch.serialization.add_safe_globals([AndersonState])

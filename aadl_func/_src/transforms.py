@@ -1,26 +1,26 @@
 r"""The stages the inner optimizers are chained from (optax's and torchopt's transformations).
 
-A stage is a :class:`Transform`: ``init(leaves) -> state`` and
-``update(updates, state, step) -> (updates, state)``, over the flat lists of leaves of one
-pytree (the alias flattens once per call, like torchopt's ``chain.flat``). A stage's state is
+A stage is a `Transform`: `init(leaves) -> state` and
+`update(updates, state, step) -> (updates, state)`, over the flat lists of leaves of one
+pytree (the alias flattens once per call, like torchopt's `chain.flat`). A stage's state is
 a NamedTuple of such lists, one per parameter-shaped buffer, named like the field of the
-public state (:class:`~aadl_func.SgdState`, :class:`~aadl_func.AdamState`) that stores it.
+public state (`SgdState`, `AdamState`) that stores it.
 What the stages of one update share, the update count, the params and the hyperparameters'
-values, comes in a :class:`StepInputs` that the alias resolves before any stage runs, so that a
+values, comes in a `StepInputs` that the alias resolves before any stage runs, so that a
 failing schedule raises before a buffer is written.
 
-``inplace`` is the torchopt protocol's: with ``True`` a stage may overwrite the updates it
+`inplace` is the torchopt protocol's: with `True` a stage may overwrite the updates it
 received and its state's buffers, and the alias copies the chain's result into the caller's
-gradient buffers where it is not there already; with ``False`` a stage writes nothing it was
+gradient buffers where it is not there already; with `False` a stage writes nothing it was
 given and may return an update that is also one of its new state's tensors (the momentum
 buffer), so that the stages after it must not write into it either. The one exception is
-the decoupled weight decay, which adds into the new tensors that :func:`scale_by_adam`
-returns, in both modes (see :func:`add_decayed_weights`).
+the decoupled weight decay, which adds into the new tensors that `scale_by_adam()`
+returns, in both modes (see [`add_decayed_weights()`][aadl_func.add_decayed_weights]).
 
-Every stage does exactly the operations of the ``torch.optim`` single-tensor kernels, in
-their order, so that the chains equal ``torch.optim`` step for step. That is why the learning
-rate is part of :func:`scale_by_adam`'s step size instead of a stage of its own there:
-``torch.optim`` multiplies the first moment by :math:`-\gamma / (1 - \beta_1^t)` before the
+Every stage does exactly the operations of the `torch.optim` single-tensor kernels, in
+their order, so that the chains equal `torch.optim` step for step. That is why the learning
+rate is part of `scale_by_adam()`'s step size instead of a stage of its own there:
+`torch.optim` multiplies the first moment by $-\gamma / (1 - \beta_1^t)$ before the
 division, and scaling the quotient afterwards would round differently.
 """
 
@@ -54,8 +54,8 @@ class StepInputs(NamedTuple):
     """What every stage of one update reads besides its own state.
 
     Attributes:
-        count: 0-d ``int64`` tensor, the number of updates done before this one.
-        params: the parameters' leaves, or ``None`` when no stage of the chain reads them.
+        count: 0-d `int64` tensor, the number of updates done before this one.
+        params: the parameters' leaves, or `None` when no stage of the chain reads them.
         lr: the learning rate for this update, a Python float or a float64 0-d tensor.
         weight_decay: the weight decay for this update, likewise.
         inplace: whether the stages may write into the updates and their state buffers.
@@ -69,8 +69,8 @@ class StepInputs(NamedTuple):
 
 
 class Transform(NamedTuple):
-    """One stage: ``init(leaves) -> state`` and ``update(updates, state, step) -> (updates,
-    state)``, both over flat lists of leaves (see the module docstring)."""
+    """One stage: `init(leaves) -> state` and `update(updates, state, step) -> (updates,
+    state)`, both over flat lists of leaves (see the module docstring)."""
 
     init: Callable[[list[Tensor]], tuple]
     update: Callable[[list[Tensor], Any, StepInputs], tuple[list[Tensor], Any]]
@@ -101,7 +101,7 @@ def _no_state(leaves: list[Tensor]) -> EmptyState:
 
 
 def _add_scaled(x: Tensor, y: Tensor, scale: float | Tensor, inplace: bool) -> Tensor:
-    """``x + scale * y``; with a tensor ``scale`` in one fused kernel, like ``alpha=``."""
+    """`x + scale * y`; with a tensor `scale` in one fused kernel, like `alpha=`."""
     if isinstance(scale, float):
         return x.add_(y, alpha=scale) if inplace else x.add(y, alpha=scale)
     # addcmul_ has no vmap batching rule: out of place, then written back.
@@ -115,15 +115,15 @@ def _add_scaled(x: Tensor, y: Tensor, scale: float | Tensor, inplace: bool) -> T
 
 
 def add_decayed_weights(*, decoupled: bool = False) -> Transform:
-    r"""Weight decay :math:`\lambda` = ``step.weight_decay`` with the params :math:`\theta`.
+    r"""Weight decay $\lambda$ = `step.weight_decay` with the params $\theta$.
 
-    Coupled (an L2 penalty, SGD's and Adam's ``weight_decay``, before the scaling):
-    :math:`u \leftarrow u + \lambda\theta`. Decoupled (AdamW's, after :func:`scale_by_adam`):
-    :math:`u \leftarrow u - \gamma\lambda\theta` with the learning rate :math:`\gamma` =
-    ``step.lr``, added into the updates in place whatever ``inplace``: they are the new
-    tensors of :func:`scale_by_adam`, and writing into them keeps their dtype and layout (an
-    out-of-place ``addcmul`` with a float64 0-d scale promotes under vmap) and is
-    ``torch.optim``'s operation.
+    Coupled (an L2 penalty, SGD's and Adam's `weight_decay`, before the scaling):
+    $u \leftarrow u + \lambda\theta$. Decoupled (AdamW's, after `scale_by_adam()`):
+    $u \leftarrow u - \gamma\lambda\theta$ with the learning rate $\gamma$ =
+    `step.lr`, added into the updates in place whatever `inplace`: they are the new
+    tensors of `scale_by_adam()`, and writing into them keeps their dtype and layout (an
+    out-of-place `addcmul` with a float64 0-d scale promotes under vmap) and is
+    `torch.optim`'s operation.
     """
 
     def update(
@@ -140,7 +140,7 @@ def add_decayed_weights(*, decoupled: bool = False) -> Transform:
 
 
 def scale_by_learning_rate() -> Transform:
-    r""":math:`u \leftarrow -\gamma u`, the learning rate :math:`\gamma` = ``step.lr``."""
+    r"""$u \leftarrow -\gamma u$, the learning rate $\gamma$ = `step.lr`."""
 
     def update(
         updates: list[Tensor], state: EmptyState, step: StepInputs
@@ -159,22 +159,22 @@ def scale_by_learning_rate() -> Transform:
 
 
 class TraceState(NamedTuple):
-    """The state of :func:`trace`: the momentum buffers :math:`b`, one per leaf."""
+    """The state of `trace()`: the momentum buffers $b$, one per leaf."""
 
     momentum_buffer: list[Tensor]
 
 
 def trace(momentum: float, dampening: float, nesterov: bool) -> Transform:
-    r"""Heavy-ball momentum as :class:`torch.optim.SGD` keeps it.
+    r"""Heavy-ball momentum as `torch.optim.SGD` keeps it.
 
-    .. math::
-
-        b_t = u_t \text{ if } t = 1 \text{ else } \mu b_{t-1} + (1 - \tau) u_t, \qquad
-        u_t \leftarrow u_t + \mu b_t \text{ (nesterov) or } b_t
+    $$
+    b_t = u_t \text{ if } t = 1 \text{ else } \mu b_{t-1} + (1 - \tau) u_t, \qquad
+    u_t \leftarrow u_t + \mu b_t \text{ (nesterov) or } b_t
+    $$
 
     The first update is known from the count: eagerly (a concrete CPU counter) only its branch
-    is computed; under a transform both are blended with ``torch.where``. Each buffer keeps
-    its own memory format (``blended`` first in ``where``, or a copy into a buffer laid out
+    is computed; under a transform both are blended with `torch.where`. Each buffer keeps
+    its own memory format (`blended` first in `where`, or a copy into a buffer laid out
     like it).
     """
 
@@ -228,25 +228,25 @@ def trace(momentum: float, dampening: float, nesterov: bool) -> Transform:
 
 
 class ScaleByAdamState(NamedTuple):
-    """The state of :func:`scale_by_adam`: the moment estimates :math:`m` and :math:`v`."""
+    """The state of `scale_by_adam()`: the moment estimates $m$ and $v$."""
 
     exp_avg: list[Tensor]
     exp_avg_sq: list[Tensor]
 
 
 def scale_by_adam(beta1: float, beta2: float, eps: float) -> Transform:
-    r"""Adam's scaling, with the learning rate :math:`\gamma` = ``step.lr`` in its step size.
+    r"""Adam's scaling, with the learning rate $\gamma$ = `step.lr` in its step size.
 
-    .. math::
+    $$
+    m_t &= m_{t-1} + (1 - \beta_1)(u_t - m_{t-1}) \\
+    v_t &= \beta_2 v_{t-1} + (1 - \beta_2) u_t^2 \\
+    u_t &\leftarrow -\frac{\gamma}{1 - \beta_1^t} \, m_t \Big/
+        \Big(\frac{\sqrt{v_t}}{\sqrt{1 - \beta_2^t}} + \epsilon\Big)
+    $$
 
-        m_t &= m_{t-1} + (1 - \beta_1)(u_t - m_{t-1}) \\
-        v_t &= \beta_2 v_{t-1} + (1 - \beta_2) u_t^2 \\
-        u_t &\leftarrow -\frac{\gamma}{1 - \beta_1^t} \, m_t \Big/
-            \Big(\frac{\sqrt{v_t}}{\sqrt{1 - \beta_2^t}} + \epsilon\Big)
-
-    for update :math:`t` = ``count + 1`` (see the module docstring for why :math:`\gamma` is
+    for update $t$ = `count + 1` (see the module docstring for why $\gamma$ is
     here). Its updates are new tensors in both modes. Complex leaves are handled as pairs of
-    reals, like ``torch.optim``.
+    reals, like `torch.optim`.
     """
 
     def init(leaves: list[Tensor]) -> ScaleByAdamState:
@@ -322,12 +322,12 @@ def _adam_leaf(
 def _bias_corrections(
     count: Tensor, beta1: float, beta2: float, lr: float | Tensor
 ) -> tuple[float | Tensor, float | Tensor]:
-    r"""``(-lr / (1 - beta1^t), sqrt(1 - beta2^t))`` for update :math:`t` = ``count + 1``.
+    r"""`(-lr / (1 - beta1^t), sqrt(1 - beta2^t))` for update $t$ = `count + 1`.
 
     In float64, like the Python floats of torch.optim: as Python floats themselves when the
-    counter is a concrete CPU tensor and ``lr`` a number (the eager case; the same arithmetic
+    counter is a concrete CPU tensor and `lr` a number (the eager case; the same arithmetic
     as torch.optim, and no tensor ops), else with tensor ops from the counter (vmap, counters
-    on an accelerator, tensor or scheduled-tensor ``lr``). Each leaf casts them to its own
+    on an accelerator, tensor or scheduled-tensor `lr`). Each leaf casts them to its own
     compute dtype.
     """
     done = tree.static_value(count)

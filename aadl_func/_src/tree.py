@@ -1,8 +1,8 @@
 """Pytree helpers shared by the solver, the window and the transformation.
 
 Parameters are arbitrary pytrees of tensors (dicts, tuples, lists, NamedTuples). We flatten
-with optree, whose default node registry agrees with ``torch.utils._pytree`` for the
-containers users pass, so states built here also flatten under ``torch.func``.
+with optree, whose default node registry agrees with `torch.utils._pytree` for the
+containers users pass, so states built here also flatten under `torch.func`.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def _prefix(owner: str | None) -> str:
 
 
 def flatten(tree: Any, name: str = "params", owner: str | None = None) -> tuple[list[Tensor], Any]:
-    """Flattens ``tree`` into its tensor leaves and a tree spec, rejecting non-tensor leaves.
+    """Flattens `tree` into its tensor leaves and a tree spec, rejecting non-tensor leaves.
 
-    ``None`` is not a leaf (optree's default), so ``{"b": None}`` has no leaves; a ``tree`` that
-    is ``None`` itself is rejected, since every caller needs a tree. ``owner`` (e.g.
-    ``"anderson.update"``) prefixes the error messages, which name the offending leaf by its
-    key path (``params['bn.num_batches_tracked']``).
+    `None` is not a leaf (optree's default), so `{"b": None}` has no leaves; a `tree` that
+    is `None` itself is rejected, since every caller needs a tree. `owner` (e.g.
+    `"anderson.update"`) prefixes the error messages, which name the offending leaf by its
+    key path (`params['bn.num_batches_tracked']`).
     """
     if tree is None:
         raise TypeError(f"{_prefix(owner)}`{name}` is None; a pytree of tensors is required")
@@ -74,7 +74,7 @@ def unflatten(spec: Any, leaves: list[Tensor]) -> Any:
 
 
 def leaf_path(spec: Any, index: int, name: str) -> str:
-    """The key path of leaf ``index`` of ``spec`` as code: ``params['w']``, ``state.anchor[0]``.
+    """The key path of leaf `index` of `spec` as code: `params['w']`, `state.anchor[0]`.
 
     Only error messages call this: building the accessors costs a pass over the spec.
     """
@@ -104,8 +104,8 @@ def _entry_path(spec: Any, position: int) -> str:
 def structure_difference(spec: Any, ref_spec: Any, name: str, ref_name: str) -> str:
     """Where two pytree structures first differ, in words with key paths (no spec dumps).
 
-    E.g. ``grads['b'] is None where params['b'] is a tensor`` or ``grads is a tuple of 2 where
-    params is a dict with keys ['b', 'w']``.
+    E.g. `grads['b'] is None where params['b'] is a tensor` or `grads is a tuple of 2 where
+    params is a dict with keys ['b', 'w']`.
     """
 
     def walk(node: Any, ref: Any, path: str) -> str | None:
@@ -133,9 +133,9 @@ def structure_difference(spec: Any, ref_spec: Any, name: str, ref_name: str) -> 
 
 
 def same_structure(spec: Any, ref_spec: Any) -> bool:
-    """``spec == ref_spec``, also where ``torch.compile`` cannot trace that comparison.
+    """`spec == ref_spec`, also where `torch.compile` cannot trace that comparison.
 
-    Under tracing, dynamo stands in a Python analog for optree's tree spec, whose ``==`` (a
+    Under tracing, dynamo stands in a Python analog for optree's tree spec, whose `==` (a
     dataclass's, comparing the nodes' unflatten functions) dynamo before torch 2.13 cannot
     trace. There, and only there, the nodes are compared one by one instead: type, children,
     entries (a dict's keys), which is what distinguishes the containers users pass.
@@ -168,10 +168,10 @@ def check_like(
     check_dtype: bool = False,
     owner: str | None = None,
 ) -> None:
-    """Raises if ``leaves``/``spec`` do not match the reference structure and shapes.
+    """Raises if `leaves`/`spec` do not match the reference structure and shapes.
 
     Messages name the first offending leaf by its key path in both trees, e.g.
-    ``grads['w'] has shape (2, 3), expected (3, 2) like params['w']``.
+    `grads['w'] has shape (2, 3), expected (3, 2) like params['w']`.
     """
     if not same_structure(spec, ref_spec):
         raise ValueError(
@@ -192,7 +192,7 @@ def check_like(
 
 
 def tracing() -> bool:
-    """True while ``torch.compile`` (dynamo) traces the code: tensors have no values then."""
+    """True while `torch.compile` (dynamo) traces the code: tensors have no values then."""
     return _is_compiling()
 
 
@@ -200,11 +200,11 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def is_transformed(t: Tensor) -> bool:
-    """True when ``t`` has no concrete value to branch on: wrapped by a torch.func transform
-    (vmap, grad, ...), or traced by ``torch.compile``.
+    """True when `t` has no concrete value to branch on: wrapped by a torch.func transform
+    (vmap, grad, ...), or traced by `torch.compile`.
 
     Under tracing every tensor counts as transformed, so the traced code takes the vmap path:
-    decisions are masks (``torch.where``), never Python branches on values. The functorch
+    decisions are masks (`torch.where`), never Python branches on values. The functorch
     query is not asked then: dynamo cannot trace that builtin (it would break the graph).
     """
     if _is_compiling():
@@ -213,7 +213,7 @@ def is_transformed(t: Tensor) -> bool:
 
 
 def any_transformed(tensors: Iterable[Tensor | None]) -> bool:
-    """:func:`is_transformed` for any of ``tensors`` (``None`` entries ignored), with one
+    """`is_transformed()` for any of `tensors` (`None` entries ignored), with one
     Python call for the lot: the window's passes ask it per leaf on every step."""
     if _is_compiling():
         return True
@@ -222,15 +222,15 @@ def any_transformed(tensors: Iterable[Tensor | None]) -> bool:
 
 
 def static_value(t: Tensor) -> bool | int | None:
-    """The Python value of a 0-d CPU tensor when it is concrete, else ``None``.
+    """The Python value of a 0-d CPU tensor when it is concrete, else `None`.
 
-    ``update`` expresses every decision as a tensor so that it runs under ``vmap``; when a gate
+    `update` expresses every decision as a tensor so that it runs under `vmap`; when a gate
     is a plain CPU tensor (eager mode, counters live on the CPU) reading it costs nothing and
-    lets us skip work whose result would be discarded by ``torch.where``. Under a transform we
-    return ``None`` and the caller blends both outcomes instead.
+    lets us skip work whose result would be discarded by `torch.where`. Under a transform we
+    return `None` and the caller blends both outcomes instead.
     """
-    # is_transformed, inlined: this runs a couple of dozen times per eager call (``ndim`` and
-    # ``is_cpu`` rather than ``dim()`` and ``device.type``, which builds a device object).
+    # is_transformed, inlined: this runs a couple of dozen times per eager call (`ndim` and
+    # `is_cpu` rather than `dim()` and `device.type`, which builds a device object).
     if _is_compiling() or _functorch.is_functorch_wrapped_tensor(t):
         return None
     if t.ndim or not t.is_cpu:
@@ -239,15 +239,15 @@ def static_value(t: Tensor) -> bool | int | None:
 
 
 def shared(t: Tensor) -> Tensor:
-    """``t`` as a plain tensor when ``vmap`` batches it but every member holds one element.
+    """`t` as a plain tensor when `vmap` batches it but every member holds one element.
 
-    A vmapped function's unbatched result comes back from ``vmap`` broadcast along the batch
+    A vmapped function's unbatched result comes back from `vmap` broadcast along the batch
     dimension (stride 0), so a counter that every member of an ensemble advances together
-    (``count``, ``head``) arrives at the next vmapped call as a batched tensor over a single
+    (`count`, `head`) arrives at the next vmapped call as a batched tensor over a single
     element. The stride says so without reading any value; that element, taken as a plain
-    tensor, is then a value :func:`static_value` may read, and the window is written at one
+    tensor, is then a value `static_value()` may read, and the window is written at one
     slot index for all members (O(n) per member instead of blending every slot). Anything
-    else, and anything under ``torch.compile``, is returned unchanged.
+    else, and anything under `torch.compile`, is returned unchanged.
     """
     if tracing() or not _functorch.is_batchedtensor(t):
         return t
@@ -261,13 +261,13 @@ def shared(t: Tensor) -> Tensor:
 
 
 def uniform_value(flag: Tensor) -> bool | None:
-    """The value every member holds when ``vmap`` batches a 0-d bool ``flag`` and all of its
-    members agree, else ``None``.
+    """The value every member holds when `vmap` batches a 0-d bool `flag` and all of its
+    members agree, else `None`.
 
     An ensemble whose members decide alike (all mix, or none) then takes that one branch, as
     each member's own step would, instead of computing both and blending them element by
     element. Read from the physical CPU tensor of a single vmap level (eager only: under
-    ``torch.compile``, nested transforms or on an accelerator it returns ``None``).
+    `torch.compile`, nested transforms or on an accelerator it returns `None`).
     """
     if _is_compiling() or not _functorch.is_batchedtensor(flag):
         return None
@@ -290,9 +290,9 @@ def decision(flag: Tensor, device: torch.device) -> Tensor:
     """A 0-d bool decision (a finiteness check, the safeguard's verdict) made ready to combine
     with the step's counters and gates.
 
-    Eager: moved to the CPU, where the counters live, so that :func:`static_value` can read
+    Eager: moved to the CPU, where the counters live, so that `static_value()` can read
     it and skip work (for a flag computed on an accelerator this copy waits for the device).
-    Under ``torch.compile``: moved to ``device`` (the compute device, where the traced step
+    Under `torch.compile`: moved to `device` (the compute device, where the traced step
     keeps its counters) and never read, so the traced graph has no device-to-host copy.
     """
     if tracing():
@@ -303,9 +303,9 @@ def decision(flag: Tensor, device: torch.device) -> Tensor:
 def flat_view(t: Tensor) -> Tensor:
     """A 1-d view of a dense tensor, in storage order; a reshaped copy for non-dense ones.
 
-    Tensors created with ``*_like(..., memory_format=torch.preserve_format)`` from the same
+    Tensors created with `*_like(..., memory_format=torch.preserve_format)` from the same
     dense tensor share its strides, so their flat views line up element by element, which lets
-    us stream window slots in chunks without copying them (``channels_last`` included).
+    us stream window slots in chunks without copying them (`channels_last` included).
     """
     if t.is_contiguous():
         return t.reshape(-1)  # a view (of a batched or traced tensor too)
@@ -319,7 +319,7 @@ def flat_view(t: Tensor) -> Tensor:
 
 
 def as_layout(t: Tensor, like: Tensor) -> Tensor:
-    """``t`` with the strides of ``like`` (a copy only when they differ), so flat views align."""
+    """`t` with the strides of `like` (a copy only when they differ), so flat views align."""
     if is_transformed(t) or is_transformed(like) or t.stride() == like.stride():
         return t
     return torch.empty_like(like, dtype=t.dtype, device=t.device).copy_(t)

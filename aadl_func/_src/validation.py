@@ -1,8 +1,9 @@
 """Argument checks: each names the argument it rejects.
 
-The first part serves :func:`aadl_func.anderson` and :func:`aadl_func.mix`; the second the inner
-optimizers (:mod:`aadl_func._src.inner`): their hyperparameters, which may be schedules, and
-their states. The two families word their messages differently (``docs/errors.md`` fixes both).
+The first part serves [`aadl_func.anderson()`][aadl_func.anderson] and
+[`aadl_func.mix()`][aadl_func.mix]; the second the inner
+optimizers (`aadl_func._src.inner`): their hyperparameters, which may be schedules, and
+their states. The two families word their messages differently (`docs/errors.md` fixes both).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...])
 
 
 def check_bool(owner: str, name: str, value: object) -> bool:
-    # ``inplace=1`` or ``inplace="yes"`` would silently pick a code path; demand a real bool.
+    # `inplace=1` or `inplace="yes"` would silently pick a code path; demand a real bool.
     if not isinstance(value, bool):
         raise TypeError(f"{owner}: `{name}` must be a bool, got {type(value).__name__}")
     return value
@@ -96,7 +97,7 @@ def check_callable(owner: str, name: str, value: object) -> None:
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether two devices agree; an index-less device (``"cuda"``) matches any index."""
+    """Whether two devices agree; an index-less device (`"cuda"`) matches any index."""
     if a == b:  # the common case, and a cheap one: this runs per leaf on every step
         return True
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
@@ -115,8 +116,8 @@ def check_leaf_dtypes(
     expected: str,
     spec: Any,
 ) -> None:
-    """Raises ``TypeError`` naming the first leaf whose dtype is not expected, by its key path
-    in ``spec`` (the tree spec of ``leaves``, with ``name`` as the root)."""
+    """Raises `TypeError` naming the first leaf whose dtype is not expected, by its key path
+    in `spec` (the tree spec of `leaves`, with `name` as the root)."""
     for i, (leaf, dtype) in enumerate(zip(leaves, dtypes)):
         if leaf.dtype != dtype:
             raise TypeError(
@@ -133,7 +134,7 @@ def check_leaf_devices(
     expected: str,
     spec: Any,
 ) -> None:
-    """Raises ``ValueError`` naming the first leaf on an unexpected device, by its key path."""
+    """Raises `ValueError` naming the first leaf on an unexpected device, by its key path."""
     for i, (leaf, device) in enumerate(zip(leaves, devices)):
         if not same_device(leaf.device, device):
             raise ValueError(
@@ -160,7 +161,7 @@ def _real(owner: str, name: str, value: Any) -> float:
 
 
 def check_non_negative(owner: str, name: str, value: Any) -> float:
-    """A finite real number ``>= 0``, returned as a float."""
+    """A finite real number `>= 0`, returned as a float."""
     value = _real(owner, name, value)
     if value < 0.0:
         raise ValueError(f"{owner}: `{name}` must be a non-negative float, got {value}")
@@ -171,7 +172,7 @@ def check_hyperparameter(owner: str, name: str, value: Any) -> Any:
     """A number (returned as a float), a 0-d real tensor or a schedule (returned as is).
 
     A concrete tensor's value is range-checked once, here; a schedule's values are checked as
-    they come, by :func:`check_schedule_value`.
+    they come, by `check_schedule_value()`.
     """
     if isinstance(value, Tensor):
         if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
@@ -193,7 +194,7 @@ def check_hyperparameter(owner: str, name: str, value: Any) -> Any:
 
 
 def check_schedule_value(owner: str, name: str, value: Any, count: Tensor) -> float | Tensor:
-    """What the ``name`` schedule returned at ``count``, as a float or a float64 0-d tensor.
+    """What the `name` schedule returned at `count`, as a float or a float64 0-d tensor.
 
     Checked by type, and a Python number also by range: reading a tensor's value would
     synchronise an accelerator, and is impossible under vmap.
@@ -233,7 +234,7 @@ def _count_text(count: Tensor) -> str:
 
 
 def check_betas(owner: str, betas: Any) -> tuple[float, float]:
-    """A pair ``(beta1, beta2)`` of floats in ``[0, 1)``."""
+    """A pair `(beta1, beta2)` of floats in `[0, 1)`."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"{owner}: `betas` must be a pair (beta1, beta2) of floats, got {betas!r}")
     out = []
@@ -266,7 +267,7 @@ def check_nesterov(owner: str, nesterov: Any, momentum: float, dampening: float)
 
 
 def check_state_type(fn: str, state: Any, cls: type, name: str, owner: str) -> None:
-    """``state`` is a ``cls`` (the state of ``fn``) with a 0-d int64 ``count``."""
+    """`state` is a `cls` (the state of `fn`) with a 0-d int64 `count`."""
     if not isinstance(state, cls):
         raise TypeError(
             f"{owner}: `{name}` must be an {cls.__name__} (the state of {fn}), got "
@@ -303,7 +304,7 @@ def check_buffers(buffers: Any, name: str, leaves: list[Tensor], spec: Any, owne
 
 
 def flatten_like(owner: str, what: str, value: Any, spec: Any) -> list[Any]:
-    """The leaves of ``value``, a pytree that must have the structure ``spec`` of `updates`."""
+    """The leaves of `value`, a pytree that must have the structure `spec` of `updates`."""
     if value is None:
         raise TypeError(f"{owner}: `{what}` is None; a pytree like `updates` is required")
     leaves, value_spec = optree.tree_flatten(value, none_is_leaf=False)

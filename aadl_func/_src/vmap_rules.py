@@ -1,29 +1,29 @@
-r"""The window's passes as torch operators whose ``vmap`` rule runs them member by member.
+r"""The window's passes as torch operators whose `vmap` rule runs them member by member.
 
-Under ``torch.func.vmap`` every window slot is a batched tensor, physically a ``(B, n)``
+Under `torch.func.vmap` every window slot is a batched tensor, physically a `(B, n)`
 buffer. Expressed in batched torch operations, the two passes of a step (the float64 Gram row
-and the combination :math:`b + \sum_s w_s s_s`) must stack the slots chunk by chunk and
+and the combination $b + \sum_s w_s s_s$) must stack the slots chunk by chunk and
 multiply with batched matrix-vector products, which on a CPU costs several times the passes
-of the members' own steps. Registered with :mod:`torch.library`, the passes instead get a
+of the members' own steps. Registered with `torch.library`, the passes instead get a
 batching rule that takes each member's rows (plain 1-d views of the physical buffers, no
 copy) and runs the eager pass on them: the native float64 kernel or one BLAS product per
 run of slots, exactly what a member's own step does. The rest of the step (the decisions,
 the small solve) stays batched, so an ensemble step costs about the members' passes plus
 one step's Python.
 
-Only for CPU tensors outside ``torch.compile`` (:func:`per_member`): a compiled step traces
+Only for CPU tensors outside `torch.compile` (`per_member()`): a compiled step traces
 its passes as fused torch expressions instead, and on an accelerator the batched torch path
 keeps one kernel launch for all members.
 
-The operators take flat 1-d tensors (``tree.flat_view``) and compute, in float64 from exact
+The operators take flat 1-d tensors (`tree.flat_view`) and compute, in float64 from exact
 products of the stored values,
 
-.. math::
-
-    \mathrm{gram\_row}_s = \langle r_s, v \rangle, \qquad
-    \mathrm{difference\_rows} = (\langle r_t, r_s \rangle_t,\ \langle r_t, r_s - r_{s-1}
-    \rangle_t), \qquad
-    \mathrm{combine} = b + \sum_s w_s r_s \ \text{(in the compute dtype)}.
+$$
+\mathrm{gram\_row}_s = \langle r_s, v \rangle, \qquad
+\mathrm{difference\_rows} = (\langle r_t, r_s \rangle_t,\ \langle r_t, r_s - r_{s-1}
+\rangle_t), \qquad
+\mathrm{combine} = b + \sum_s w_s r_s \ \text{(in the compute dtype)}.
+$$
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = ["per_member", "gram_row", "difference_rows", "combine"]
 
 
 def per_member(tensors: Sequence[Tensor | None]) -> bool:
-    """Whether the passes over ``tensors`` (flat, some batched by vmap) should run member by
+    """Whether the passes over `tensors` (flat, some batched by vmap) should run member by
     member: eager (not traced), on the CPU, and not recorded by autograd (the operators
     have no derivative; a differentiated pass takes the batched torch path)."""
     if tree.tracing():
@@ -54,8 +54,8 @@ def per_member(tensors: Sequence[Tensor | None]) -> bool:
 
 
 def _differentiated(t: Tensor) -> bool:
-    """Whether a torch.func ``grad``/``jvp`` level wraps ``t`` (under ``jvp`` a tensor carries
-    a forward tangent yet reports ``requires_grad=False``)."""
+    """Whether a torch.func `grad`/`jvp` level wraps `t` (under `jvp` a tensor carries
+    a forward tangent yet reports `requires_grad=False`)."""
     while _functorch.is_functorch_wrapped_tensor(t):
         if _functorch.is_gradtrackingtensor(t):
             return True
@@ -82,12 +82,12 @@ def _gram_row(rows: list[Tensor], vector: Tensor) -> Tensor:
     return partial if partial is not None else vector.new_zeros(len(rows), dtype=wide(vector.dtype))
 
 
-# The operators' signatures say ``List[Tensor]``: torch before 2.7 infers a schema from the
-# annotation strings (``from __future__ import annotations``) by evaluating them among
-# ``typing``'s names, and knows ``typing.List`` but not the built-in ``list[Tensor]``.
+# The operators' signatures say `List[Tensor]`: torch before 2.7 infers a schema from the
+# annotation strings (`from __future__ import annotations`) by evaluating them among
+# `typing`'s names, and knows `typing.List` but not the built-in `list[Tensor]`.
 @torch.library.custom_op("aadl_func::gram_row", mutates_args=())
 def gram_row(rows: List[Tensor], vector: Tensor) -> Tensor:  # noqa: UP006
-    """``(len(rows),)`` float64 (complex: complex128) ``<rows[s], vector>``."""
+    """`(len(rows),)` float64 (complex: complex128) `<rows[s], vector>`."""
     return _gram_row(rows, vector)
 
 
@@ -116,8 +116,8 @@ def difference_rows(
     slot: int,
     exact: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``(<r_t, r_s>, <r_t, r_s - r_{s-1}>)`` over ``t`` in float64; the second is empty
-    unless ``exact`` (window.difference_rows)."""
+    """`(<r_t, r_s>, <r_t, r_s - r_{s-1}>)` over `t` in float64; the second is empty
+    unless `exact` (window.difference_rows)."""
     return _difference_rows(rows, slot, exact)
 
 
@@ -156,7 +156,7 @@ def difference_rows_per_member(info, in_dims, rows: list[Tensor], slot: int, exa
 # -- the combination b + sum_s w_s r_s -------------------------------------------------
 @torch.library.custom_op("aadl_func::combine", mutates_args=())
 def combine(base: Tensor | None, rows: List[Tensor], weights: Tensor) -> Tensor:  # noqa: UP006
-    """``base + sum_s weights[s] rows[s]`` in ``weights``' dtype (the compute dtype)."""
+    """`base + sum_s weights[s] rows[s]` in `weights`' dtype (the compute dtype)."""
     result = torch.empty(rows[0].shape, dtype=weights.dtype, device=rows[0].device)
     kernels.combine_leaf(base, rows, weights, result)
     return result

@@ -1,20 +1,20 @@
 r"""The window as a ring-buffer data structure, and its passes over whole rings.
 
-The window is a ring of ``Q`` slots, each a list of tensors (one per parameter leaf) living
-on the history device in the history dtype (:func:`new_ring` lays a leaf's slots out as
+The window is a ring of `Q` slots, each a list of tensors (one per parameter leaf) living
+on the history device in the history dtype (`new_ring()` lays a leaf's slots out as
 rows of one buffer). Its operations:
 
-* :func:`write_slot` -- ``ring[slot] = value`` (in place or not, the slot concrete or traced);
-* :func:`set_gram_row` -- a row and column of a Gram matrix replaced;
-* :func:`gram_row` -- :math:`\langle s_j, v \rangle` for every slot, in float64;
-* :func:`difference_rows` -- the Gram rows of a newly written slot, in one pass;
-* :func:`append_difference` -- the fused in-place append of a float32 window (native kernel);
-* :func:`combine` -- :math:`b + \sum_j w_j s_j` in the compute dtype;
-* :func:`difference_factor` -- a streaming float64 QR factor of the slots' differences.
+* `write_slot()` -- `ring[slot] = value` (in place or not, the slot concrete or traced);
+* `set_gram_row()` -- a row and column of a Gram matrix replaced;
+* `gram_row()` -- $\langle s_j, v \rangle$ for every slot, in float64;
+* `difference_rows()` -- the Gram rows of a newly written slot, in one pass;
+* `append_difference()` -- the fused in-place append of a float32 window (native kernel);
+* `combine()` -- $b + \sum_j w_j s_j$ in the compute dtype;
+* `difference_factor()` -- a streaming float64 QR factor of the slots' differences.
 
-Each pass runs leaf by leaf with the eager kernels (:mod:`aadl_func._src.kernels`) or, for
+Each pass runs leaf by leaf with the eager kernels (`aadl_func._src.kernels`) or, for
 leaves batched by vmap or traced by torch.compile, their counterparts
-(:mod:`aadl_func._src.batched`); the choice is per leaf because one tree may mix devices and
+(`aadl_func._src.batched`); the choice is per leaf because one tree may mix devices and
 batched and unbatched leaves. All are O(Q n) and build no window-sized temporary.
 """
 
@@ -50,16 +50,16 @@ def new_ring(
     device: torch.device,
     pin_memory: bool = False,
 ) -> list[Tensor]:
-    """``num_slots`` zeroed window slots shaped and strided like ``like``: rows of one buffer.
+    """`num_slots` zeroed window slots shaped and strided like `like`: rows of one buffer.
 
-    Every slot is a view of one ``num_slots * like.numel()`` allocation, ``like``'s strides
-    (``channels_last`` included) kept, so the passes of this module see the ring as one
-    ``(num_slots, n)`` matrix. In-place updates keep this layout; a slot replaced by a new
+    Every slot is a view of one `num_slots * like.numel()` allocation, `like`'s strides
+    (`channels_last` included) kept, so the passes of this module see the ring as one
+    `(num_slots, n)` matrix. In-place updates keep this layout; a slot replaced by a new
     tensor (the pure path) only makes the passes take their chunked route.
 
     Args:
       like: a parameter leaf; its shape and memory format are copied.
-      num_slots: ``Q``.
+      num_slots: `Q`.
       dtype: the history dtype.
       device: the history device.
       pin_memory: page-lock the buffer (a CPU window serving CUDA params).
@@ -81,20 +81,20 @@ def new_ring(
 def gram_row(
     slots: Sequence[Sequence[Tensor]], vector: Sequence[Tensor], device: torch.device
 ) -> Tensor:
-    r"""``row[s] = <slots[s], vector>`` summed over leaves, in float64, on ``device``.
+    r"""`row[s] = <slots[s], vector>` summed over leaves, in float64, on `device`.
 
-    .. math::
+    $$
+    \mathrm{row}_s = \sum_{\mathrm{leaves}} \sum_i \mathrm{f64}(s_{s,i})\,
+    \mathrm{f64}(v_i)
+    $$
 
-        \mathrm{row}_s = \sum_{\mathrm{leaves}} \sum_i \mathrm{f64}(s_{s,i})\,
-        \mathrm{f64}(v_i)
-
-    The pass runs where the slots live; only the ``Q`` results move to ``device``.
+    The pass runs where the slots live; only the `Q` results move to `device`.
 
     Args:
-      slots: ``slots[s][leaf]`` window tensors.
+      slots: `slots[s][leaf]` window tensors.
       vector: one tensor per leaf, laid out like the slots (same strides); it may be one of
         the slots (the residual just written), which is then converted only once.
-      device: where the result (``Q`` scalars) goes.
+      device: where the result (`Q` scalars) goes.
     """
     # float64, or complex128 for a complex window (whose leaves are all complex: check_floating).
     row = torch.zeros(len(slots), dtype=wide(vector[0].dtype), device=device)
@@ -118,25 +118,25 @@ def combine(
     like: Sequence[Tensor],
     out: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:
-    r"""``base + sum_s weights[s] * slot_s`` per leaf, slots taken from ``rings`` in order.
+    r"""`base + sum_s weights[s] * slot_s` per leaf, slots taken from `rings` in order.
 
-    .. math::
-
-        x = b + \sum_s w_s\, s_s \quad \text{(in the compute dtype)}
+    $$
+            x = b + \sum_s w_s\, s_s \quad \text{(in the compute dtype)}
+    $$
 
     One pass over the window where it lives; the result is the only parameter-sized
-    allocation (page-locked when ``like`` is, so that it can be sent to an accelerator
-    asynchronously), none with ``out``.
+    allocation (page-locked when `like` is, so that it can be sent to an accelerator
+    asynchronously), none with `out`.
 
     Args:
       base: one tensor per leaf, or None for zero.
-      rings: each ring is ``ring[s][leaf]``; their slots are concatenated.
-      weights: ``(total slots,)`` float64 weights (any device).
+      rings: each ring is `ring[s][leaf]`; their slots are concatenated.
+      weights: `(total slots,)` float64 weights (any device).
       compute_dtypes: per leaf, the dtype of the accumulation (float32 or float64).
       like: per leaf, a tensor whose layout the result takes (on the slots' device).
-      out: per leaf, a tensor to write the result into instead (laid out like ``like``, in
+      out: per leaf, a tensor to write the result into instead (laid out like `like`, in
         the compute dtype, on the slots' device, overlapping none of the inputs; it may be
-        ``base`` itself, which then accumulates the sum in place).
+        `base` itself, which then accumulates the sum in place).
     """
     slots = [slot for ring in rings for slot in ring]
     results = []
@@ -174,7 +174,7 @@ def combine(
 def _empty_like(
     template: Tensor, dtype: torch.dtype, device: torch.device, *, pin_memory: bool
 ) -> Tensor:
-    """An uninitialised tensor with ``template``'s shape and memory format."""
+    """An uninitialised tensor with `template`'s shape and memory format."""
     if not pin_memory:
         return torch.empty_like(template, dtype=dtype, device=device)
     strides = torch.empty_like(template, dtype=dtype, device="meta").stride()
@@ -182,7 +182,7 @@ def _empty_like(
 
 
 def _is_pinned(t: Tensor) -> bool:
-    # ``is_pinned`` asks the accelerator runtime; only worth asking when one exists.
+    # `is_pinned` asks the accelerator runtime; only worth asking when one exists.
     return t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()
 
 
@@ -193,15 +193,15 @@ def write_slot(
     inplace: bool,
     blend: Blend,
 ) -> tuple[list[Tensor], ...]:
-    """The ring with ``ring[slot] = value``: touches one slot when ``slot`` is concrete.
+    """The ring with `ring[slot] = value`: touches one slot when `slot` is concrete.
 
-    In place, ``value`` is copied into the slot's buffers (nothing to do when ``value`` is
-    those buffers, e.g. a residual computed straight into its slot), with ``blend.assign``
-    (masked inside a blended select of the call, see :class:`aadl_func._src.blend.Blend`).
+    In place, `value` is copied into the slot's buffers (nothing to do when `value` is
+    those buffers, e.g. a residual computed straight into its slot), with `blend.assign`
+    (masked inside a blended select of the call, see `aadl_func._src.blend.Blend`).
     When the slot index is not concrete (traced by torch.compile; members of a vmapped
-    ensemble out of step) every slot is blended with ``torch.where``: one pass over the
+    ensemble out of step) every slot is blended with `torch.where`: one pass over the
     window, the price of data-dependent indexing without reading the index. A compiled
-    in-place step with the index on the CPU writes large slots through ``traced.copy_if_``
+    in-place step with the index on the CPU writes large slots through `traced.copy_if_`
     instead, which copies into the one slot that matches and leaves the others untouched.
     """
     if tree.tracing():
@@ -216,7 +216,7 @@ def write_slot(
         return tuple(list(value) if s == index else entries for s, entries in enumerate(ring))
     if inplace:
         # Traced in-place step: every slot is written in place under its mask, so the window
-        # keeps its buffers. Large leaves go through ``traced.copy_if_`` (one slot's traffic,
+        # keeps its buffers. Large leaves go through `traced.copy_if_` (one slot's traffic,
         # not a pass over the window).
         large = _skips_misses(ring, slot, value)
         for s, entries in enumerate(ring):
@@ -229,12 +229,12 @@ def write_slot(
     )
 
 
-# Integer types of the same width, for the bitcast of :func:`stored_value`.
+# Integer types of the same width, for the bitcast of `stored_value()`.
 _SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def stored_value(value: Tensor) -> Tensor:
-    """``value`` as the window stores it, for a traced (compiled) step.
+    """`value` as the window stores it, for a traced (compiled) step.
 
     Inductor computes a fused kernel's bf16/fp16 intermediates in float32 and may drop a
     cast it judges redundant: a slot written and then read by the Gram pass in the same
@@ -249,9 +249,9 @@ def stored_value(value: Tensor) -> Tensor:
 
 
 def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
-    r"""Hermitian (real: symmetric) Gram with column ``slot`` replaced by ``row`` and row
-    ``slot`` by its conjugate: ``row[t]`` is :math:`G_{t,s} = \langle f_t, f_s \rangle`, so
-    :math:`G_{s,t} = \overline{\mathrm{row}_t}` (``conj()`` of a real row is the row)."""
+    r"""Hermitian (real: symmetric) Gram with column `slot` replaced by `row` and row
+    `slot` by its conjugate: `row[t]` is $G_{t,s} = \langle f_t, f_s \rangle$, so
+    $G_{s,t} = \overline{\mathrm{row}_t}$ (`conj()` of a real row is the row)."""
     known = tree.static_value(slot)
     if known is not None and not tree.any_transformed([gram, row]):
         # Eager: the same entries as the masked blend below, in three operations.
@@ -265,7 +265,7 @@ def set_gram_row(gram: Tensor, slot: Tensor, row: Tensor) -> Tensor:
     return torch.where(hit[None, :], row[:, None], gram)
 
 
-# A compiled in-place ring write goes through ``traced.copy_if_`` for leaves of this many
+# A compiled in-place ring write goes through `traced.copy_if_` for leaves of this many
 # elements or more. Below, the masked rewrite of every slot, fused with the pass that computes
 # the new entry, costs less than the operator's calls (tens of microseconds per step). Measured
 # on this 2-core machine, compiled step / eager step, masked rewrite against copy_if_:
@@ -277,7 +277,7 @@ _TRACED_COPY_MIN_NUMEL = 1 << 18
 def _skips_misses(
     ring: tuple[list[Tensor], ...], slot: Tensor, value: Sequence[Tensor]
 ) -> list[bool]:
-    """Per leaf, whether a traced in-place :func:`write_slot` uses ``traced.copy_if_``:
+    """Per leaf, whether a traced in-place `write_slot()` uses `traced.copy_if_`:
     compiled, the slot index a host value (on an accelerator the fused blend keeps the step
     free of host reads), and a leaf large enough to pay for the operator's calls."""
     if not (tree.tracing() and slot.device.type == "cpu"):
@@ -292,14 +292,14 @@ def append_difference(
     anchor: Sequence[Tensor],
     device: torch.device,
 ) -> Tensor | None:
-    r"""In place, in one pass per leaf: ``ring[slot] = newest - anchor``, ``anchor = newest``,
-    and the Gram row :math:`g_t = \langle f_t, f_s \rangle` of the new residual (float64,
-    summed over leaves, on ``device``), which :func:`difference_rows` then takes as ``g``.
+    r"""In place, in one pass per leaf: `ring[slot] = newest - anchor`, `anchor = newest`,
+    and the Gram row $g_t = \langle f_t, f_s \rangle$ of the new residual (float64,
+    summed over leaves, on `device`), which `difference_rows()` then takes as `g`.
 
     The in-place append of a float32 window on the CPU with the native kernel
-    (:func:`aadl_func._src.native.append_differences`): it replaces a subtraction, a copy and
+    (`aadl_func._src.native.append_differences()`): it replaces a subtraction, a copy and
     the Gram-row pass. Returns None, having written nothing, unless every leaf qualifies
-    (float32 throughout, ``newest``, ``anchor`` and the slots laid out alike).
+    (float32 throughout, `newest`, `anchor` and the slots laid out alike).
     """
     leaves = []
     for leaf_index, (y, a) in enumerate(zip(newest, anchor)):
@@ -330,40 +330,40 @@ def difference_rows(
     *,
     direct: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    r"""The new Gram rows after residual ``f_s`` was written in slot ``s``, in one pass.
+    r"""The new Gram rows after residual `f_s` was written in slot `s`, in one pass.
 
-    With :math:`d_t = f_t - f_{t-1}` (ring predecessor) and the window's Gram matrix ``gram``
-    (:math:`G`, whose row :math:`s - 1` is current), returns, in ring order,
+    With $d_t = f_t - f_{t-1}$ (ring predecessor) and the window's Gram matrix `gram`
+    ($G$, whose row $s - 1$ is current), returns, in ring order,
 
-    .. math::
+    $$
+    g_t = \langle f_t, f_s \rangle, \qquad
+    h_t = \langle d_t, d_s \rangle = p_t - p_{t-1}, \qquad
+    c_t = \langle d_t, f_s \rangle = g_t - g_{t-1}, \qquad
+    p_t = \langle f_t, d_s \rangle .
+    $$
 
-        g_t = \langle f_t, f_s \rangle, \qquad
-        h_t = \langle d_t, d_s \rangle = p_t - p_{t-1}, \qquad
-        c_t = \langle d_t, f_s \rangle = g_t - g_{t-1}, \qquad
-        p_t = \langle f_t, d_s \rangle .
-
-    A float64 window gets :math:`p` from :math:`d_s` formed element by element (exact), so
-    :math:`h` carries rounding :math:`\epsilon \|f\| \|d\|`, one factor
-    :math:`\|f\| / \|d\|` below differencing :math:`G` twice. A float32, bf16 or fp16 window
-    takes :math:`p_t = g_t - G_{t, s-1}` instead, which saves a matrix-vector product per
-    chunk (a third of the step on CPU): its rounding, :math:`\epsilon_{64} (\|f\| / \|d\|)^2`
+    A float64 window gets $p$ from $d_s$ formed element by element (exact), so
+    $h$ carries rounding $\epsilon \|f\| \|d\|$, one factor
+    $\|f\| / \|d\|$ below differencing $G$ twice. A float32, bf16 or fp16 window
+    takes $p_t = g_t - G_{t, s-1}$ instead, which saves a matrix-vector product per
+    chunk (a third of the step on CPU): its rounding, $\epsilon_{64} (\|f\| / \|d\|)^2$
     relative, stays far below that of the stored data itself,
-    :math:`\epsilon_{32} \|f\| / \|d\|`, until :math:`\|f\| / \|d\|` reaches ~1e9.
+    $\epsilon_{32} \|f\| / \|d\|$, until $\|f\| / \|d\|$ reaches ~1e9.
 
     Args:
-      slots: ``slots[t][leaf]`` window tensors (ring order).
+      slots: `slots[t][leaf]` window tensors (ring order).
       slot: 0-d int64, the slot just written (its predecessor is the previous newest).
-      device: where the three ``(Q,)`` float64 results go.
-      gram: ``(Q, Q)`` float64 :math:`G` before the write (row ``s - 1`` is used).
-      g: the row :math:`g` if already computed (by :func:`append_difference`; float32,
+      device: where the three `(Q,)` float64 results go.
+      gram: `(Q, Q)` float64 $G$ before the write (row `s - 1` is used).
+      g: the row $g$ if already computed (by `append_difference()`; float32,
         bf16 or fp16 windows only), which saves the pass.
-      direct: form :math:`d_s` element by element whatever the window's dtype, as for a
-        float64 window, instead of reading row ``s - 1`` of ``gram``. A sharded step needs
-        this when the safeguard replaces the newest residual: ``gram`` row ``s - 1`` is
-        then already summed over ranks, while :math:`g` is this rank's partial row.
+      direct: form $d_s$ element by element whatever the window's dtype, as for a
+        float64 window, instead of reading row `s - 1` of `gram`. A sharded step needs
+        this when the safeguard replaces the newest residual: `gram` row `s - 1` is
+        then already summed over ranks, while $g$ is this rank's partial row.
 
     Returns:
-      ``(g, h, c)``.
+      `(g, h, c)`.
     """
     q = len(slots)
     exact = direct or all(s.dtype in EXACT for s in slots[0])
@@ -405,7 +405,7 @@ def difference_rows(
 
 
 def _pick(t: Tensor, index: Tensor) -> Tensor:
-    """``t[index]`` for a 0-d index tensor, without reading its value (vmap, torch.compile)."""
+    """`t[index]` for a 0-d index tensor, without reading its value (vmap, torch.compile)."""
     return t.index_select(0, index.reshape(1)).squeeze(0)
 
 
@@ -415,24 +415,24 @@ def difference_factor(
     valid: Tensor,
     device: torch.device,
 ) -> Tensor:
-    r"""The float64 (complex window: complex128) triangular factor ``R`` of
-    :math:`[\Delta F \mid f_{\mathrm{last}}]`, streamed.
+    r"""The float64 (complex window: complex128) triangular factor `R` of
+    $[\Delta F \mid f_{\mathrm{last}}]$, streamed.
 
-    With the residuals :math:`f_p` = ``slots[order[p]]`` in chronological order (``p = 0 ..
-    Q - 1``, the newest last), the columns are :math:`\Delta F_{:, j} = f_{j+1} - f_j`
-    (``j < Q - 1``, zero where ``valid[j]`` is False) and :math:`f_{Q-1}`; their
-    ``Q x Q`` factor (:math:`R^\top R = A^\top A`) is built by a streaming TSQR: for each
-    chunk of ``b`` coordinates of every leaf, the ``b x Q`` float64 block of :math:`A` is
+    With the residuals $f_p$ = `slots[order[p]]` in chronological order (`p = 0 ..
+    Q - 1`, the newest last), the columns are $\Delta F_{:, j} = f_{j+1} - f_j$
+    (`j < Q - 1`, zero where `valid[j]` is False) and $f_{Q-1}$; their
+    `Q x Q` factor ($R^\top R = A^\top A$) is built by a streaming TSQR: for each
+    chunk of `b` coordinates of every leaf, the `b x Q` float64 block of $A$ is
     formed from the slots (the differences element by element, one rounding each, as
-    ``numpy.diff`` forms them) below :math:`R`, and :math:`R \leftarrow` the factor of
-    :math:`[R; \text{block}]` by a Householder QR. That costs :math:`O(Q^2 n)` flops but only
-    :math:`O(Q b)` memory (the chunk sizes of the other passes), nothing parameter-sized.
+    `numpy.diff` forms them) below $R$, and $R \leftarrow$ the factor of
+    $[R; \text{block}]$ by a Householder QR. That costs $O(Q^2 n)$ flops but only
+    $O(Q b)$ memory (the chunk sizes of the other passes), nothing parameter-sized.
 
     Args:
-      slots: ``slots[s][leaf]`` window tensors (ring order), any floating dtype.
-      order: ``(Q,)`` int64, the ring slots from oldest to newest.
-      valid: ``(Q - 1,)`` bool, which differences take part.
-      device: where the ``(Q, Q)`` result goes.
+      slots: `slots[s][leaf]` window tensors (ring order), any floating dtype.
+      order: `(Q,)` int64, the ring slots from oldest to newest.
+      valid: `(Q - 1,)` bool, which differences take part.
+      device: where the `(Q, Q)` result goes.
     """
     q = len(slots)
     factor = torch.zeros(q, q, dtype=wide(slots[0][0].dtype), device=device)

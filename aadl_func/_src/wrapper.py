@@ -1,10 +1,10 @@
-r"""``AcceleratedOptimizer`` and ``accelerate``: the functional core behind a torch.optim face.
+r"""`AcceleratedOptimizer` and `accelerate`: the functional core behind a torch.optim face.
 
-The wrapped ``torch.optim`` optimizer is the inner map :math:`g` of Anderson acceleration. A
-step snapshots the params :math:`x`, lets the torch optimizer step (params :math:`y = g(x)`),
-and hands both to :func:`aadl_func.anderson` through an internal inner optimizer whose update is
-the displacement :math:`y - x` the torch optimizer already took. The functional core then does
-everything else (window, mixing, safeguard, moving average), one window per param group as in
+The wrapped `torch.optim` optimizer is the inner map $g$ of Anderson acceleration. A
+step snapshots the params $x$, lets the torch optimizer step (params $y = g(x)$),
+and hands both to [`aadl_func.anderson()`][aadl_func.anderson] through an internal inner optimizer
+whose update is the displacement $y - x$ the torch optimizer already took. The functional core then
+does everything else (window, mixing, safeguard, moving average), one window per param group as in
 AADL, and the result is written back into the params in place.
 """
 
@@ -29,11 +29,11 @@ from aadl_func._src.state import AndersonState
 
 __all__ = ["AcceleratedOptimizer", "accelerate"]
 
-# Bumped if the layout of ``state_dict()["anderson"]`` changes.
+# Bumped if the layout of `state_dict()["anderson"]` changes.
 _FORMAT = 2  # 2: AndersonState gained num_skipped and skip_streak
 # Options that fix the window's layout: a checkpoint saved with other values cannot be resumed.
 _LAYOUT_OPTIONS = ("history_depth", "mode", "history_dtype")
-# Attribute through which a torch optimizer patched by ``accelerate`` reaches its accelerator.
+# Attribute through which a torch optimizer patched by `accelerate` reaches its accelerator.
 _ACCELERATOR_ATTRIBUTE = "_aadl_func_accelerator"
 
 
@@ -43,14 +43,14 @@ _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.flo
 
 
 class _TakenStep:
-    """Inner optimizer whose step has already been taken by a ``torch.optim`` optimizer.
+    """Inner optimizer whose step has already been taken by a `torch.optim` optimizer.
 
-    ``update(stepped, state, params)`` returns ``stepped - params``: the "gradient" argument
+    `update(stepped, state, params)` returns `stepped - params`: the "gradient" argument
     carries the params after the torch optimizer's step. The displacement is returned in a
     wider dtype (float32 for half precision, float64 for float32), where it is exact, so the
-    core's in-place plain step ``params.add_(stepped - params)`` (rounded once to the params'
+    core's in-place plain step `params.add_(stepped - params)` (rounded once to the params'
     dtype) reproduces the torch optimizer's params bit for bit; float64 params get a float64
-    displacement (exact whenever ``stepped / 2 <= params <= 2 stepped``, by Sterbenz's lemma).
+    displacement (exact whenever `stepped / 2 <= params <= 2 stepped`, by Sterbenz's lemma).
     """
 
     def init(self, params: Any) -> tuple:
@@ -69,8 +69,8 @@ class _TakenStep:
 
 
 def _plain_values(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` in plain Python values (devices and dtypes as strings), so that they
-    survive ``torch.load(weights_only=True)``."""
+    """`options` in plain Python values (devices and dtypes as strings), so that they
+    survive `torch.load(weights_only=True)`."""
     return {
         name: str(value) if isinstance(value, (torch.device, torch.dtype)) else value
         for name, value in options.items()
@@ -78,39 +78,40 @@ def _plain_values(options: dict[str, Any]) -> dict[str, Any]:
 
 
 class AcceleratedOptimizer(Optimizer):
-    r"""Anderson acceleration (AADL) around a ``torch.optim`` optimizer.
+    r"""Anderson acceleration (AADL) around a `torch.optim` optimizer.
 
-    Each call of :meth:`step` is one call of :func:`aadl_func.anderson`'s ``update`` per param
-    group, with the wrapped optimizer's step as the inner map :math:`y = g(x)`:
+    Each call of `step()` is one call of [`aadl_func.anderson()`][aadl_func.anderson]'s `update` per
+    param group, with the wrapped optimizer's step as the inner map $y = g(x)$:
 
-    1. the params :math:`x` are snapshotted and ``torch_optimizer.step(closure)`` is taken
+    1. the params $x$ are snapshotted and `torch_optimizer.step(closure)` is taken
        (all groups at once, with the usual gradients, LR schedules and clipping);
     2. for each param group in turn, the functional core updates that group's window with
-       :math:`y` and returns its params (the mix, the window mean, or :math:`y`, by the rules
-       of :func:`aadl_func.anderson`), which are written back with ``param.copy_`` (dtype,
-       device and ``channels_last`` are kept).
+       $y$ and returns its params (the mix, the window mean, or $y$, by the rules
+       of [`aadl_func.anderson()`][aadl_func.anderson]), which are written back with `param.copy_`
+       (dtype, device and `channels_last` are kept).
 
-    With a ``closure`` the safeguard is on: ``loss_fn`` writes a candidate into the group's
-    params and evaluates ``closure()`` (grad enabled, as ``torch.optim`` does, so the closure
-    may call ``backward``; the ``.grad`` fields then hold the gradient at the last candidate).
+    With a `closure` the safeguard is on: `loss_fn` writes a candidate into the group's
+    params and evaluates `closure()` (grad enabled, as `torch.optim` does, so the closure
+    may call `backward`; the `.grad` fields then hold the gradient at the last candidate).
     Groups are decided one after the other, each with the groups before it at their kept
-    values and the ones after it at :math:`y`, as in AADL.
+    values and the ones after it at $y$, as in AADL.
 
     Attributes:
-      optimizer: the wrapped ``torch.optim`` optimizer; ``param_groups``, ``state`` and
-        ``defaults`` are its own, so LR schedulers, gradient clipping and ``GradScaler`` work on
+      optimizer: the wrapped `torch.optim` optimizer; `param_groups`, `state` and
+        `defaults` are its own, so LR schedulers, gradient clipping and `GradScaler` work on
         the wrapper unchanged.
-      anderson_states: per param group, its :class:`aadl_func.AndersonState` (counters
-        ``num_mixed``, ``num_rejected``, ``num_averaged``, ...), or None before the first step.
+      anderson_states: per param group, its [`aadl_func.AndersonState`][aadl_func.AndersonState]
+        (counters `num_mixed`, `num_rejected`, `num_averaged`, ...), or None before the first step.
 
-    The keyword parameters after ``optimizer`` are the options of :func:`aadl_func.anderson`
-    (all but ``inner``), with its defaults (docs/options.md), validated here. They are spelled
-    out for type checkers; ``tests/test_options.py`` holds them to
-    ``aadl_func._src.options.AndersonOptions``, where they are defined.
+    The keyword parameters after `optimizer` are the options of
+    [`aadl_func.anderson()`][aadl_func.anderson] (all but `inner`), with its defaults
+    (docs/options.md), validated here. They are spelled out for type checkers;
+    `tests/test_options.py` holds them to `aadl_func._src.options.AndersonOptions`, where they are
+    defined.
 
     Args:
-      optimizer: a ``torch.optim.Optimizer``; its ``step``, ``state_dict`` and
-        ``load_state_dict`` are captured now.
+      optimizer: a `torch.optim.Optimizer`; its `step`, `state_dict` and
+        `load_state_dict` are captured now.
     """
 
     def __init__(
@@ -151,11 +152,11 @@ class AcceleratedOptimizer(Optimizer):
         self._options = _plain_values(resolved)
         self.optimizer = optimizer
         self._windows: list[AndersonState | None] = [None] * len(optimizer.param_groups)
-        # The torch optimizer's own methods, captured before ``accelerate`` patches them.
+        # The torch optimizer's own methods, captured before `accelerate` patches them.
         self._plain_step: Callable[..., Any] = optimizer.step
         self._plain_state_dict: Callable[[], dict[str, Any]] = optimizer.state_dict
         self._plain_load_state_dict: Callable[[dict[str, Any]], None] = optimizer.load_state_dict
-        # torch.optim.Optimizer's bookkeeping (hooks, profiling of ``step``). Its ``__init__``
+        # torch.optim.Optimizer's bookkeeping (hooks, profiling of `step`). Its `__init__`
         # is not called: it would build param_groups of its own instead of sharing the
         # wrapped optimizer's.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -198,7 +199,8 @@ class AcceleratedOptimizer(Optimizer):
 
     @property
     def anderson_options(self) -> dict[str, Any]:
-        """The options of :func:`aadl_func.anderson` in use, defaults filled in."""
+        """The options of [`aadl_func.anderson()`][aadl_func.anderson] in use, defaults filled
+        in."""
         return dict(self._options)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -234,12 +236,12 @@ class AcceleratedOptimizer(Optimizer):
 
         Exception safety (docs/reliability.md, "The exception guarantee"). Ctrl-C (Python's
         default handler, main thread) is deferred over the whole step except inside
-        ``closure``, where it acts at once, and is raised once the step is complete. An
+        `closure`, where it acts at once, and is raised once the step is complete. An
         exception raised
 
-        * by ``closure`` before the wrapped optimizer writes anything (``torch.optim``
+        * by `closure` before the wrapped optimizer writes anything (`torch.optim`
           evaluates it first), or by the argument checks: nothing has changed;
-        * after the wrapped optimizer's step (in a safeguard's ``closure``, in the core, or
+        * after the wrapped optimizer's step (in a safeguard's `closure`, in the core, or
           in the copies back into the params): the groups decided before keep their
           decisions; the group in progress ends at one outcome of the core (its plain step,
           its finished step, or its plain step with the window restarted), written into its
@@ -253,11 +255,11 @@ class AcceleratedOptimizer(Optimizer):
           so a next step treats the params it finds as a new starting point.
 
         Returns:
-          What ``torch.optim`` returns: the wrapped optimizer's return value, i.e. the
-          closure's loss at the params the step started from (None without ``closure``).
+          What `torch.optim` returns: the wrapped optimizer's return value, i.e. the
+          closure's loss at the params the step started from (None without `closure`).
 
         Raises:
-          TypeError: ``closure`` returned something other than a loss (a tensor of one
+          TypeError: `closure` returned something other than a loss (a tensor of one
             element or a real number), raised at its first evaluation, before the wrapped
             optimizer writes anything.
         """
@@ -279,14 +281,14 @@ class AcceleratedOptimizer(Optimizer):
             if skipped:
                 return loss
             closure = None if closure is None else _returning(loss, closure)
-        # ``clone`` keeps the memory format (channels_last) by default. Spelled out
-        # (``memory_format=torch.preserve_format``), it makes dynamo (torch 2.13) give up on
+        # `clone` keeps the memory format (channels_last) by default. Spelled out
+        # (`memory_format=torch.preserve_format`), it makes dynamo (torch 2.13) give up on
         # this frame where the torch step below breaks the graph.
         starts = [[p.detach().clone() for p in group["params"]] for group in groups]
         if torch.compiler.is_compiling():
             # Compiled (docs/compiling.md): no recovery, so no count to read and no try
             # block, which dynamo cannot resume in after torch.optim's own graph break.
-            # ``torch`` is named in this frame (and ``step``) on purpose: dynamo only traces
+            # `torch` is named in this frame (and `step`) on purpose: dynamo only traces
             # frames that name it or hold a tensor.
             loss = self._torch_step(closure)
             for index, (group, start) in enumerate(zip(groups, starts)):
@@ -297,8 +299,8 @@ class AcceleratedOptimizer(Optimizer):
                 else:  # the safeguard calls the closure inside the core: see _eagerly
                     _eagerly(self._update_group, windows, index, group["params"], start, closure)
             return loss
-        # Once the torch optimizer has stepped, every group must end recorded. ``position``:
-        # the first group not finished; ``count_before``: its window's count before its
+        # Once the torch optimizer has stepped, every group must end recorded. `position`:
+        # the first group not finished; `count_before`: its window's count before its
         # update (-1 until read).
         position, count_before, torch_stepped = 0, -1, False
         try:
@@ -320,7 +322,7 @@ class AcceleratedOptimizer(Optimizer):
     def _window(
         self, windows: list[AndersonState | None], index: int, start: list[Tensor]
     ) -> AndersonState:
-        """Group ``index``'s window, made for the params ``start`` if it has none yet."""
+        """Group `index`'s window, made for the params `start` if it has none yet."""
         window = windows[index]
         if window is None:
             window = windows[index] = self._anderson.init(start)
@@ -334,7 +336,7 @@ class AcceleratedOptimizer(Optimizer):
         start: list[Tensor],
         closure: Callable[[], Any] | None,
     ) -> None:
-        """Group ``index``'s call of the core: from ``start`` (its params before the torch
+        """Group `index`'s call of the core: from `start` (its params before the torch
         step) and its params now (after it), the outcome written into the params and the
         returned state kept (compiled, its counters are new tensors)."""
         loss_fn = None if closure is None else _closure_loss(params, closure)
@@ -358,11 +360,11 @@ class AcceleratedOptimizer(Optimizer):
         position: int,
         count_before: int,
     ) -> None:
-        """After an exception past the torch optimizer's step: group ``position`` (the first
+        """After an exception past the torch optimizer's step: group `position` (the first
         one not finished) ends at the core's outcome, the later groups at the plain step.
 
-        The core wrote its outcome in place into ``starts[position]`` and the window
-        (:func:`aadl_func._src.stages.recover`), and counted the call; a window whose count
+        The core wrote its outcome in place into `starts[position]` and the window
+        (`aadl_func._src.stages.recover()`), and counted the call; a window whose count
         did not move (or was not reached) never saw the step, so that group is finished as a
         plain step too, from its params, which still hold the torch step."""
         first = position
@@ -381,7 +383,7 @@ class AcceleratedOptimizer(Optimizer):
         windows: list[AndersonState | None],
         first: int,
     ) -> None:
-        """Records the plain step (already in the params) in the windows of groups ``first``
+        """Records the plain step (already in the params) in the windows of groups `first`
         onwards, without mixing: the recovery after an interrupted safeguard."""
         for index in range(first, len(groups)):
             params = groups[index]["params"]
@@ -401,10 +403,10 @@ class AcceleratedOptimizer(Optimizer):
                 p.copy_(value)
 
     def _skip_if_nonfinite(self, closure: Callable[[], Any] | None) -> tuple[Any, bool]:
-        """``skip_nonfinite``: evaluates the closure (if any) and skips the step, before the
+        """`skip_nonfinite`: evaluates the closure (if any) and skips the step, before the
         wrapped optimizer changes anything, when a gradient is not finite.
 
-        Returns ``(loss, skipped)``.
+        Returns `(loss, skipped)`.
         """
         loss = None
         if closure is not None:
@@ -434,12 +436,12 @@ class AcceleratedOptimizer(Optimizer):
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped optimizer's ``state_dict()`` plus an ``"anderson"`` entry.
+        """The wrapped optimizer's `state_dict()` plus an `"anderson"` entry.
 
-        ``"anderson"`` holds the options and, per param group, the window
-        (:class:`aadl_func.AndersonState`, tensors only, counters included). The result loads
-        with ``torch.load(weights_only=True)``; like ``torch.optim``'s, it references the live
-        tensors (save it or copy it before stepping again).
+        `"anderson"` holds the options and, per param group, the window
+        ([`aadl_func.AndersonState`][aadl_func.AndersonState], tensors only, counters included). The
+        result loads with `torch.load(weights_only=True)`; like `torch.optim`'s, it references the
+        live tensors (save it or copy it before stepping again).
         """
         saved = dict(self._plain_state_dict())
         saved["anderson"] = {
@@ -453,11 +455,11 @@ class AcceleratedOptimizer(Optimizer):
         """Restores the wrapped optimizer and the windows, so the run continues bit for bit.
 
         The windows are copied into buffers laid out for the current params (their devices,
-        dtypes and memory formats). A state dict without an ``"anderson"`` entry (a plain
-        ``torch.optim`` checkpoint) restores the optimizer and empties the windows.
+        dtypes and memory formats). A state dict without an `"anderson"` entry (a plain
+        `torch.optim` checkpoint) restores the optimizer and empties the windows.
 
         Raises:
-          ValueError: the checkpoint's ``history_depth``, ``mode`` or ``history_dtype`` differ
+          ValueError: the checkpoint's `history_depth`, `mode` or `history_dtype` differ
             from this optimizer's, or a window does not fit its param group (number, shapes or
             dtypes of the params). Nothing is modified then.
         """
@@ -536,32 +538,32 @@ class AcceleratedOptimizer(Optimizer):
                 )
         for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
             template_leaf.copy_(saved_leaf)
-        # The values (counters in range, the inner state's invariants), as ``update`` checks
+        # The values (counters in range, the inner state's invariants), as `update` checks
         # a state from outside; the copies above own their memory, so no aliasing is left.
         check_state_values(self._config, template, params, optree.tree_structure(params), owner)
         return template
 
 
 def _eagerly(function: Callable[..., None], *args: Any) -> None:
-    """``function(*args)``, run eagerly from a compiled step: a group's call of the core when
+    """`function(*args)`, run eagerly from a compiled step: a group's call of the core when
     the safeguard evaluates the user's closure inside it.
 
-    The closure breaks the graph (``backward``), in the middle of the core's step. Dynamo
-    cannot resume a frame inside its ``try``/``with`` blocks: it would run the rest of each
+    The closure breaks the graph (`backward`), in the middle of the core's step. Dynamo
+    cannot resume a frame inside its `try`/`with` blocks: it would run the rest of each
     such frame eagerly on decisions traced before the break, and return its stand-in for
     optree's tree spec to eager code, which then fails. One deliberate break here instead
-    keeps the core whole (eager, as without ``torch.compile``).
+    keeps the core whole (eager, as without `torch.compile`).
     """
     function(*args)
 
 
 def _disable_compiling_eagerly() -> None:
-    """Puts ``_eagerly`` behind ``torch.compiler.disable``, once, from the first wrapper built.
+    """Puts `_eagerly` behind `torch.compiler.disable`, once, from the first wrapper built.
 
-    The decorator imports ``torch._dynamo`` (1.5-3 s), which ``import aadl_func`` must not pay
+    The decorator imports `torch._dynamo` (1.5-3 s), which `import aadl_func` must not pay
     where nothing is compiled. A wrapper exists only around a torch optimizer, whose
     construction has imported dynamo already, so here it costs nothing; and every compiled
-    step runs on a wrapper, so dynamo always finds ``_eagerly`` disabled."""
+    step runs on a wrapper, so dynamo always finds `_eagerly` disabled."""
     global _eagerly
     if _eagerly is _run_eagerly:
         _eagerly = torch.compiler.disable(_run_eagerly)
@@ -571,7 +573,7 @@ _run_eagerly = _eagerly
 
 
 def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
-    """The closure whose first call returns ``loss``, evaluated already (grads in place)."""
+    """The closure whose first call returns `loss`, evaluated already (grads in place)."""
     calls = 0
 
     def once_evaluated() -> Any:
@@ -583,8 +585,8 @@ def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _interruptible(closure: Callable[[], Any], guard: InterruptGuard) -> Callable[[], Any]:
-    """``closure`` run as the user's code: Ctrl-C acts at once inside it (see
-    :meth:`aadl_func._src.atomic.InterruptGuard.callbacks`).
+    """`closure` run as the user's code: Ctrl-C acts at once inside it (see
+    `aadl_func._src.atomic.InterruptGuard.callbacks()`).
 
     Traced (the wrapped optimizer's step compiled on its own, its closure call with it), the
     signal handlers stay as they are, which dynamo cannot trace: Ctrl-C in the closure is
@@ -600,7 +602,7 @@ def _interruptible(closure: Callable[[], Any], guard: InterruptGuard) -> Callabl
 
 
 def _returns_a_loss(closure: Callable[[], Any]) -> Callable[[], Any]:
-    """``closure``, checked to return a loss: the safeguard compares two of them."""
+    """`closure`, checked to return a loss: the safeguard compares two of them."""
 
     def checked() -> Any:
         loss = closure()
@@ -620,7 +622,7 @@ def _returns_a_loss(closure: Callable[[], Any]) -> Callable[[], Any]:
 def _closure_loss(
     params: list[Tensor], closure: Callable[[], Any]
 ) -> Callable[[list[Tensor]], Tensor]:
-    """``loss_fn`` for the safeguard: the closure's loss with ``params`` set to a candidate."""
+    """`loss_fn` for the safeguard: the closure's loss with `params` set to a candidate."""
 
     def loss_fn(candidate: list[Tensor]) -> Tensor:
         with torch.no_grad():
@@ -658,46 +660,48 @@ def accelerate(
     restart_on_reject: bool = False,
     reg_column: float = 0.0,
 ) -> AcceleratedOptimizer:
-    r"""AADL's ``accelerate``: Anderson-accelerates ``optimizer`` in place.
+    r"""AADL's `accelerate`: Anderson-accelerates `optimizer` in place.
 
-    Same positional order and defaults as AADL's ``AADL.accelerate``, so an AADL script only
-    changes its import. Like AADL it replaces ``optimizer.step`` on the instance (and
-    ``state_dict`` / ``load_state_dict``, which then carry the windows), so code that keeps
-    calling ``optimizer.step(closure)`` is accelerated; it also returns the
-    :class:`AcceleratedOptimizer` doing the work (counters in ``anderson_states``). Create LR
-    schedulers after calling ``accelerate`` (torch warns about a step replaced after the
-    scheduler was made).
+    Same positional order and defaults as AADL's `AADL.accelerate`, so an AADL script only
+    changes its import. Like AADL it replaces `optimizer.step` on the instance (and
+    `state_dict` / `load_state_dict`, which then carry the windows), so code that keeps
+    calling `optimizer.step(closure)` is accelerated; it also returns the
+    [`AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer] doing the work (counters in
+    `anderson_states`). Create LR schedulers after calling `accelerate` (torch warns about a step
+    replaced after the scheduler was made).
 
-    Semantics are those of :func:`aadl_func.anderson` (``reg_acc`` is its ``reg``): the window
-    holds every ``store_each_nth``-th plain step, mixing happens every ``frequency`` calls
-    after ``wait_iterations`` once the window holds 3 entries, a ``closure`` turns on the loss
-    safeguard, and ``average=True`` the moving-average rule. The keyword-only parameters
-    (``mode``, ``average_tol``, ...) are the other options of :func:`aadl_func.anderson`, with
-    its defaults (``tests/test_options.py`` holds them to ``AndersonOptions``).
+    Semantics are those of [`aadl_func.anderson()`][aadl_func.anderson] (`reg_acc` is its `reg`):
+    the window holds every `store_each_nth`-th plain step, mixing happens every `frequency` calls
+    after `wait_iterations` once the window holds 3 entries, a `closure` turns on the loss
+    safeguard, and `average=True` the moving-average rule. The keyword-only parameters
+    (`mode`, `average_tol`, ...) are the other options of
+    [`aadl_func.anderson()`][aadl_func.anderson], with its defaults (`tests/test_options.py` holds
+    them to `AndersonOptions`).
 
     Args:
-      optimizer: the ``torch.optim.Optimizer`` to accelerate.
-      acceleration_type: ``"anderson"`` or ``"anderson_normal_equation"`` (case-insensitive).
-        Both use the one stable float64 solver (:func:`aadl_func.solve_weights`): AADL's
-        normal-equation variant squared the condition number in the params' precision, which
-        this library never does, so it is kept only as a name.
+      optimizer: the `torch.optim.Optimizer` to accelerate.
+      acceleration_type: `"anderson"` or `"anderson_normal_equation"` (case-insensitive).
+        Both use the one stable float64 solver
+        ([`aadl_func.solve_weights()`][aadl_func.solve_weights]): AADL's normal-equation variant
+        squared the condition number in the params' precision, which this library never does, so it
+        is kept only as a name.
       relaxation: mixing parameter (AADL's default 0.1).
       wait_iterations: plain steps before the first mix (AADL's default 1).
       history_depth: window entries (AADL's default 15).
       store_each_nth: store every n-th plain step.
-      frequency: mix every ``frequency`` steps.
+      frequency: mix every `frequency` steps.
       reg_acc: Tikhonov weight of the least-squares problem.
       average: AADL's moving average of the window.
       history_device: where the windows live. Default: each parameter's device (AADL
-        defaulted to ``"cpu"``; pass it to keep the windows off the accelerator).
+        defaulted to `"cpu"`; pass it to keep the windows off the accelerator).
       compute_device: where the small least-squares problem is solved (default: the history
         device).
 
     Returns:
-      The :class:`AcceleratedOptimizer` now behind ``optimizer.step``.
+      The [`AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer] now behind `optimizer.step`.
 
     Raises:
-      ValueError: unknown ``acceleration_type`` (AADL's ``"identity"`` included), an invalid
+      ValueError: unknown `acceleration_type` (AADL's `"identity"` included), an invalid
         option, or an optimizer that is already accelerated.
     """
     given = locals()
@@ -711,12 +715,12 @@ def accelerate(
             "accelerate: `acceleration_type` must be 'anderson' or 'anderson_normal_equation', "
             f"got {acceleration_type!r}"
         )
-    # Every option under its own name but ``reg`` (AADL's ``reg_acc``).
+    # Every option under its own name but `reg` (AADL's `reg_acc`).
     options = {name: given[name] for name in AndersonOptions.names() if name != "reg"}
     accelerator = AcceleratedOptimizer(optimizer, reg=reg_acc, **options)
     setattr(optimizer, _ACCELERATOR_ATTRIBUTE, accelerator)
-    # Bound to ``optimizer`` itself (as AADL's MethodType): LR schedulers re-bind
-    # ``optimizer.step.__func__`` to the optimizer when they wrap it.
+    # Bound to `optimizer` itself (as AADL's MethodType): LR schedulers re-bind
+    # `optimizer.step.__func__` to the optimizer when they wrap it.
     optimizer.step = MethodType(_accelerated_step, optimizer)  # type: ignore[method-assign]
     optimizer.state_dict = MethodType(_accelerated_state_dict, optimizer)  # type: ignore[method-assign]
     optimizer.load_state_dict = MethodType(_accelerated_load_state_dict, optimizer)  # type: ignore[method-assign]
