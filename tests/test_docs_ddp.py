@@ -40,13 +40,16 @@ def test_ddp_snippet_under_torchrun_with_two_ranks(tmp_path):
     script.write_text(code)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"]
     launcher += ["--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    launcher += ["--master_port", str(_free_port()), str(script)]
+    launcher += ["--master_port", str(_free_port())]
+    # Each rank's stdout to its own file: on one shared pipe the two ranks' lines interleave.
+    launcher += ["--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(script)]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     result = subprocess.run(
         launcher, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    outputs = [log.read_text() for log in sorted((tmp_path / "logs").rglob("stdout.log"))]
+    assert result.returncode == 0, "\n".join(outputs)[-3000:] + result.stderr[-3000:]
+    lines = sorted(line for out in outputs for line in out.splitlines() if line.startswith("rank "))
     assert [line.split(":")[0] for line in lines] == ["rank 0 of 2", "rank 1 of 2"], lines
     # The ranks stay identical: the same steps and the same params, to every printed digit.
     assert lines[0].split(":")[1] == lines[1].split(":")[1], lines
