@@ -532,8 +532,9 @@ def test_vmap_ensemble(name, init):
     reference's call-by-call check is the one that stays meaningful.
 
     The bound at call ``k`` follows from the run's own sensitivity, not from one machine's
-    BLAS: each call of the two runs rounds differently by at most ``delta`` relative (the
-    mix sums ``history_depth + 1`` terms: ``delta = history_depth * u``), and a perturbation
+    BLAS: each call of the two runs rounds differently by at most ``delta`` relative
+    (:func:`per_call_rounding`: the mix's float64 sum, and a lower-precision window's
+    entries rounding to neighbouring values), and a perturbation
     of that size at the start grows to ``D_j`` by call ``j`` (measured: the member's eager run
     from a start perturbed by ``delta``; for this problem ``D`` jumps from 9e-16 to 3e-11 at
     call 11, where the window first nears rank deficiency). ``k`` such perturbations, each
@@ -549,7 +550,7 @@ def test_vmap_ensemble(name, init):
         check_final_state(spec, kinds[i], state, index=i)
         own, own_kinds, own_trees, own_state = eager_run(spec, init == "vmapped", scale, seed=i)
         assert kinds[i] == own_kinds
-        delta = spec.options["history_depth"] * UNIT_ROUNDOFF
+        delta = per_call_rounding(spec, own)
         sensitivity = None
         for k, ((params, gram), (own_params, own_gram)) in enumerate(zip(trees[i], own_trees)):
             if spec.dtype == torch.float32:
@@ -572,6 +573,25 @@ def test_vmap_ensemble(name, init):
 
 MEMBER_CALLS = 12
 UNIT_ROUNDOFF = 2.0**-53  # float64
+
+
+def per_call_rounding(spec: OptionSet, own: list) -> float:
+    """How far apart (relative) one call can put two runs that round differently: the mix
+    sums ``history_depth + 1`` float64 terms (``history_depth * u``), and a window stored in a
+    lower precision than the params holds differences of iterates (of the size of a move),
+    which two runs whose params differ in the last bits may round to neighbouring values of
+    the window's dtype: ``history_depth`` entries each off by ``u_window * |move|``, relative
+    to ``|x|``, the largest relative move over the checked calls taken."""
+    depth = spec.options["history_depth"]
+    delta = depth * UNIT_ROUNDOFF
+    window = spec.options.get("history_dtype")
+    if window is not None and torch.finfo(window).eps > torch.finfo(spec.dtype).eps:
+        moves = [
+            np.linalg.norm(b - a) / np.linalg.norm(b)
+            for a, b in zip(own[:MEMBER_CALLS], own[1 : MEMBER_CALLS + 1])
+        ]
+        delta += depth * torch.finfo(window).eps / 2 * max(moves)
+    return delta
 
 
 # -- compiled ---------------------------------------------------------------------------------
