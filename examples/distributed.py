@@ -113,6 +113,10 @@ def main() -> None:
         if not args.plain:
             summary += f"; mixes kept {int(state.num_mixed)}, rejected {int(state.num_rejected)}"
         print(summary)
+    # Every rank done before the group is torn down: a rank whose peer is still printing or
+    # evaluating when it destroys the group can abort at exit ("terminate called without an
+    # active exception", seen once in the suite under torchrun).
+    dist.barrier()
     dist.destroy_process_group()
 
 
