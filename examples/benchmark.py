@@ -609,6 +609,7 @@ def write_markdown(
     small: list[dict],
     imports: dict,
     solver: list[dict] | None = None,
+    steps: list[dict] | None = None,
 ) -> None:
     """The run's tables as a Markdown page (``make bench`` writes docs/benchmark_results.md,
     which docs/performance.md quotes instead of retyping figures)."""
@@ -642,6 +643,8 @@ def write_markdown(
             "",
         ]
     parts += ["## A small model's whole step", "", "```text", small_model_table(small), "```", ""]
+    if steps:
+        parts += ["## One small step", "", "```text", step_table(steps), "```", ""]
     if solver:
         parts += ["## The solvers, per evaluation", "", "```text", solver_table(solver), "```", ""]
     parts += ["## Import time", "", import_table(imports) + ".", ""]
@@ -780,6 +783,80 @@ def solver_rows(rounds: int) -> list[dict]:
     return rows
 
 
+def _count_ops(step) -> int:
+    """The torch operations (aten calls) of one ``step()``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.calls
+
+
+def step_rows(rounds: int, n: int = 1 << 10, history_depth: int = 5) -> list[dict]:
+    """One small step against ``torch.optim.Adam(foreach=True).step()`` on the same one-leaf
+    tensor of ``n`` elements: the eager in-place ``anderson(aa.adam)`` step in each mode
+    (microseconds, medians of interleaved rounds of 100 steps, one thread) and the torch
+    operations of one call."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(n, generator=generator), 1e-2 * torch.randn(n, generator=generator)
+    param = torch.nn.Parameter(start.clone())
+    param.grad = grad.clone()
+    adam = torch.optim.Adam([param], lr=1e-3, foreach=True)
+    steps = {"torch.optim.Adam": adam.step}
+    for mode in ("classic", "aadl"):
+        opt = aa.anderson(aa.adam(1e-3), history_depth=history_depth, mode=mode)
+        x = start.clone()
+        holder = [opt.init(x)]
+
+        def step(opt=opt, x=x, holder=holder) -> None:
+            holder[0] = opt.update(holder[0], x, grad, inplace=True)[1]
+
+        steps[f"anderson {mode}"] = step
+    for step in steps.values():
+        for _ in range(30):  # past the window's filling: every call mixes
+            step()
+    samples: dict = collections.defaultdict(list)
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(100):
+                step()
+            samples[name].append((time.perf_counter() - t0) / 100 * 1e6)
+    torch.set_num_threads(threads)
+    adam_us = statistics.median(samples["torch.optim.Adam"])
+    rows = []
+    for name, step in steps.items():
+        us = statistics.median(samples[name])
+        ops = _count_ops(step)
+        rows.append({"step": name, "n": n, "history_depth": history_depth, "us": us,
+                     "ratio_to_adam": us / adam_us, "torch_ops": ops})  # fmt: skip
+    return rows
+
+
+def step_table(rows: list[dict]) -> str:
+    lines = [f"{'step':>18} {'us':>8} {'x Adam':>7} {'torch ops':>9}"]
+    for r in rows:
+        lines.append(
+            f"{r['step']:>18} {r['us']:>8.1f} {r['ratio_to_adam']:>6.2f}x {r['torch_ops']:>9}"
+        )
+    r = rows[0]
+    lines.append(
+        f"one leaf of {r['n']} float32 values, history_depth {r['history_depth']}, eager "
+        "update(..., inplace=True) with aa.adam(1e-3) against torch.optim.Adam(foreach=True)"
+        ".step(); one thread, medians of interleaved rounds of 100 steps"
+    )
+    return "\n".join(lines)
+
+
 def solver_table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
@@ -843,6 +920,9 @@ def main(argv: list[str] | None = None) -> int:
         "--solver-rounds", type=int, default=7, help="rounds of the solver rows (0: skip)"
     )
     parser.add_argument(
+        "--step-rounds", type=int, default=15, help="rounds of the small-step rows (0: skip)"
+    )
+    parser.add_argument(
         "--no-native",
         action="store_true",
         help="use the torch Gram-row pass instead of the native kernel (for comparison)",
@@ -859,6 +939,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes, args.depths, args.repeats, args.style_repeats = "10,12", "3,5", 5, 3
         args.small_steps, args.import_rounds = 30, 2
         args.solver_rounds = min(args.solver_rounds, 1)
+        args.step_rounds = min(args.step_rounds, 3)
         args.ensemble = "4,10,5" if args.ensemble == "8,17,10" else args.ensemble
     device = torch.device(args.device)
     sizes = [] if args.small_only else [1 << int(s) for s in args.sizes.split(",")]
@@ -885,6 +966,7 @@ def main(argv: list[str] | None = None) -> int:
         point = ensemble_point(members, 1 << log2_n, m, device, args)
     relative_difference = None if args.small_only else agreement(device)
     small = small_model_overhead(device, args.small_steps)
+    steps = step_rows(args.step_rounds) if args.step_rounds else []
     solver = solver_rows(args.solver_rounds) if args.solver_rounds else []
     imports = import_times(args.import_rounds)
     if rows:
@@ -908,13 +990,24 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(small_model_table(small))
+    if steps:
+        print()
+        print(step_table(steps))
     print(import_table(imports))
     if solver:
         print()
         print(solver_table(solver))
     if args.markdown is not None:
         write_markdown(
-            Path(args.markdown), info, rows, point, relative_difference, small, imports, solver
+            Path(args.markdown),
+            info,
+            rows,
+            point,
+            relative_difference,
+            small,
+            imports,
+            solver,
+            steps,
         )
     result = {
         "machine": info,
@@ -931,6 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
         "small_model": small,
+        "small_step": steps,
         "solver": solver,
         "import_seconds": imports,
         "ensemble": point,

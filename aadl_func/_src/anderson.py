@@ -30,6 +30,7 @@ from aadl_func._src.checks import (
     keep_requires_grad,
     mark_verified,
 )
+from aadl_func._src.exec import eager
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
 from aadl_func._src.scalars import wide
@@ -375,6 +376,20 @@ def step(
     # `grads` come back cast to the params' dtypes where they differ (as torch.optim does).
     p_leaves, spec, grads = check_update_inputs(options, state, params, grads, loss_fn, inplace)
     transformed = tree.any_transformed(p_leaves)  # vmap, or torch.compile
+    if eager.applies(
+        options,
+        state,
+        p_leaves,
+        inplace=inplace,
+        loss_fn=loss_fn,
+        mix=mix,
+        shards=shards,
+        transformed=transformed,
+    ):
+        # Decisions as Python values: the straight-line executor (same operations, same bits).
+        done = eager.run(options, state, params, p_leaves, spec, grads, loss)
+        if done is not None:
+            return done
     if tree.tracing():
         # Traced (torch.compile): the decisions stay on the compute device (tree.decision),
         # so the counters join them there; the returned state keeps them on that device.

@@ -27,15 +27,17 @@ $y_k$'s update in mode "classic" ($y_k = x_k + f_k$ from the stored residual).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from aadl_func._src import flags, tree
 from aadl_func._src.checks import OWNER
-from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
+
+if TYPE_CHECKING:  # an annotation only: options -> modes -> the steps -> stages -> here
+    from aadl_func._src.options import AndersonOptions
 
 __all__ = ["INF", "check_loss", "cleared", "empty", "pending_after", "rejects"]
 

@@ -54,6 +54,7 @@ __all__ = [
     "begin_writes",
     "commit",
     "commit_plain",
+    "commit_to",
     "count_outcome",
     "finite",
     "gate",
@@ -687,21 +688,35 @@ def commit(call: Call, new_state: AndersonState, *, plain: bool = False) -> Ande
     an exception goes back to the plain step; after any other commit the call is done."""
     if call.guard is None:
         return new_state
-    progress = call.progress
+    commit_to(call.state, call.progress, new_state, call.inner_state, _adopts(call), plain=plain)
+    return call.state
+
+
+def commit_to(
+    state: AndersonState,
+    progress: Progress,
+    new_state: AndersonState,
+    inner_state: Any,
+    adopts: bool,
+    *,
+    plain: bool = False,
+) -> None:
+    """`commit()`'s writes: `new_state`'s values into the tensors of `state` (the
+    caller's), recorded in `progress`. `adopts`: the caller's inner-state buffers may take
+    over `inner_state`'s memory (`adopt()`) at the commit point."""
     progress.pending = new_state
-    if plain and call.inner_state is not call.state.inner_state and _adopts(call):
+    if plain and inner_state is not state.inner_state and adopts:
         # The built-in inner optimizers' new buffers are fresh tensors: the caller's take
         # over their memory (O(1) each) instead of a copy, and the rest is written back.
-        adopt(call.state.inner_state, call.inner_state)
-        write_back(call.state, new_state._replace(inner_state=call.state.inner_state))
+        adopt(state.inner_state, inner_state)
+        write_back(state, new_state._replace(inner_state=state.inner_state))
     else:
-        write_back(call.state, new_state)
+        write_back(state, new_state)
     # Each outcome recorded in one statement, so that no line runs between the two.
     if plain:
         progress.pending, progress.plain = None, True
     else:
         progress.pending, progress.writes, progress.undo = None, [], []
-    return call.state
 
 
 def _adopts(call: Call) -> bool:

@@ -1,0 +1,5 @@
+"""How a step runs: executors that carry the math of `aadl_func._src` out in one setting.
+
+`eager` runs an eager in-place call whose decisions are Python values; the general path
+(`aadl_func._src.stages` with the mode's step function) serves every other call.
+"""

@@ -1,0 +1,416 @@
+r"""The eager in-place executor: one `update(..., inplace=True)` call whose decisions are
+Python values.
+
+A plain eager call on CPU tensors knows every decision of its step as a Python value (the
+counters are read once; a finiteness test is one `aminmax`): whether it stores, whether
+it mixes, whether the mix is finite. This executor runs the step as the numbered stages of
+[`aadl_func.anderson()`][aadl_func.anderson]'s docstring, in straight-line code over
+explicit tensors, with the same tensor operations as the general path
+(`aadl_func._src.stages` and the mode's step function, which serves vmap, torch.compile,
+sharded params and the other options) and therefore the same bits. What it leaves out is
+the general path's machinery: no `Call`, no blends, no decision tensors.
+
+The in-place protocol is the general path's (`aadl_func._src.atomic`): the same commit point,
+the same `Progress` record and, on an exception anywhere, the same recovery
+(`aadl_func._src.stages.recover()`), so the exception guarantee of docs/reliability.md holds
+unchanged.
+
+Which calls it takes (`applies()`): in place, eager, unsharded, real CPU params with their
+window on the CPU laid out as `anderson.init` lays it out, no `loss_fn`, moving average
+or `skip_nonfinite`, and no deferred rejection to carry out (the general path reverts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aadl_func._src import stages, tree
+from aadl_func._src.atomic import InterruptGuard, Progress, guarded
+from aadl_func._src.options import AndersonOptions
+from aadl_func._src.scalars import EXACT
+from aadl_func._src.solve import (
+    aadl_coefficients,
+    classic_coefficients,
+    ridge,
+    solve_differences,
+    solve_factor,
+)
+from aadl_func._src.state import AndersonState
+from aadl_func._src.window import append_difference, combine, difference_factor, difference_rows
+
+__all__ = ["applies", "run"]
+
+_INT64 = torch.int64
+
+
+def applies(
+    options: AndersonOptions,
+    state: AndersonState,
+    p_leaves: list[Tensor],
+    *,
+    inplace: bool,
+    loss_fn: Any,
+    mix: bool,
+    shards: Any,
+    transformed: bool,
+) -> bool:
+    """Whether this executor runs the call (see the module docstring)."""
+    if not inplace or transformed or shards is not None or loss_fn is not None or not mix:
+        return False
+    if options.average or options.skip_nonfinite or tree.tracing():
+        return False
+    if not state.gram.is_cpu:
+        return False
+    for p, a in zip(p_leaves, tree.flatten(state.anchor, "state.anchor")[0]):
+        if not p.is_cpu or p.is_complex() or not a.is_cpu:
+            return False
+    return True
+
+
+def _counter(value: int) -> Tensor:
+    return torch.scalar_tensor(value, dtype=_INT64)
+
+
+def run(
+    options: AndersonOptions,
+    state: AndersonState,
+    params: Any,
+    p_leaves: list[Tensor],
+    spec: Any,
+    grads: Any,
+    loss: Tensor | None,
+) -> tuple[Any, AndersonState] | None:
+    """The call, or None, having written nothing, when a deferred rejection is due (the
+    general path carries it out)."""
+    pending = state.pending_loss.item()
+    if loss is not None and pending != math.inf:
+        # The deferred safeguard's verdict (aadl_func._src.deferred.rejects).
+        loss_value = loss.to(dtype=torch.float64).item()
+        if math.isfinite(pending) and not loss_value < pending:
+            return None
+    guard = InterruptGuard()
+    return guarded(
+        guard, lambda: _guarded(options, state, params, p_leaves, spec, grads, loss, guard)
+    )
+
+
+def _guarded(options, state, params, p_leaves, spec, grads, loss, guard) -> tuple[Any, Any]:
+    # The inner update out of place when the inner optimizer keeps buffers: their new values
+    # are committed with the plain step (as on the general path, see anderson.step).
+    keeps_buffers = getattr(options.inner.update, "writes_state", True)
+    updates, inner_state = options.inner.update(
+        grads, state.inner_state, params=params, inplace=not keeps_buffers
+    )
+    u_leaves, u_spec = tree.flatten(updates, "inner updates")
+    tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
+    step = _Step(options, state, p_leaves, spec, u_leaves, inner_state, loss, guard)
+    try:
+        if options.rules.keeps_iterates:
+            out = step.classic()
+        else:
+            out = step.aadl()
+    except BaseException:
+        step.recover()
+        raise
+    return tree.unflatten(spec, out), state
+
+
+class _Step:
+    """One call: its inputs, the counters as Python values and the in-place `Progress`."""
+
+    __slots__ = (
+        "options",
+        "state",
+        "params",
+        "spec",
+        "updates",
+        "inner_state",
+        "loss",
+        "guard",
+        "progress",
+        "q",
+        "count",
+        "head",
+        "size",
+        "anchor",
+        "ring",
+        "iterates",
+        "compute_dtypes",
+    )
+
+    def __init__(self, options, state, params, spec, updates, inner_state, loss, guard):
+        self.options, self.state, self.params, self.spec = options, state, params, spec
+        self.updates, self.inner_state, self.loss, self.guard = updates, inner_state, loss, guard
+        self.progress = Progress()
+        self.q = options.num_slots
+        self.count = state.count.item() + 1  # this call's number
+        self.head = state.head.item()
+        self.size = state.window_size.item()
+        self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
+        self.ring = tuple(tree.flatten(r, "state.residuals")[0] for r in state.residuals)
+        self.iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
+        self.compute_dtypes = stages._arithmetic(
+            options.history_dtype, tuple(p.dtype for p in params)
+        )[0]
+
+    # -- the two modes ------------------------------------------------------------------------
+    def classic(self) -> list[Tensor]:
+        """Mode "classic" (`aadl_func._src.classic_step`)."""
+        options, state = self.options, self.state
+        self.begin_writes()
+        grams = (state.gram, state.dr_gram, state.dr_rhs)
+        head, size, poisoned = self.head, self.size, False
+        if self.count % options.store_each_nth == 0:
+            # The pair (x_k, g(x_k) - x_k), stored before the step overwrites x_k.
+            head = (self.head + 1) % self.q
+            point = stages.to_history(self.params, self.anchor)
+            steps = [(x - a).to(d.dtype) for x, a, d in zip(point, self.anchor, self.iterates[0])]
+            _write(self.iterates[head], stages.to_history(steps, self.iterates[0]))
+            residual = stages.to_history(self.updates, self.ring[0])
+            _write(self.ring[head], residual)
+            grams, size, poisoned = self.append(grams, head, size)
+            _write(self.anchor, point)
+        stepped = self.progress.stepped
+        for p, u in zip(self.params, self.updates):
+            stepped.append(p.add_(u))
+        self.commit_plain(grams, head, size, poisoned)
+        if not self.mixes(size, options.rules.min_window):
+            return self.finish(False, False, poisoned, self.params)
+        weights, order = self.solve(grams, head, size)
+        coefficients = torch.cat(
+            [
+                classic_coefficients(weights.alpha).roll(order + 1),
+                (options.relaxation * weights.alpha).roll(order + 1),
+            ]
+        )
+        steps = combine(
+            None, [self.iterates, self.ring], coefficients, self.compute_dtypes, self.anchor
+        )
+        x_hist = [v.add_(a) for v, a in zip(steps, self.anchor)]
+        ok = self.finite(x_hist, weights.ok)
+        x = stages.to_params(self, x_hist) if ok else self.params
+        return self.finish(True, ok, poisoned, x)
+
+    def aadl(self) -> list[Tensor]:
+        """Mode "aadl" (`aadl_func._src.aadl_step`)."""
+        options, state = self.options, self.state
+        self.begin_writes()
+        stepped = self.progress.stepped
+        for p, u in zip(self.params, self.updates):
+            stepped.append(p.add_(u))
+        grams = (state.gram, state.dr_gram, state.dr_rhs)
+        head, size, poisoned = self.head, self.size, False
+        num_residuals = max(self.size - 1, 0)
+        store = self.count % options.store_each_nth == 0
+        if store:
+            y_hist = stages.to_history(self.params, self.anchor)
+            anchor_stored = False
+            if self.count - 1 >= options.store_each_nth:  # the window holds an entry
+                head = (self.head + 1) % self.q
+                g = append_difference(self.ring, head, y_hist, self.anchor, state.gram.device)
+                if g is None:
+                    for yh, a, r in zip(y_hist, self.anchor, self.ring[head]):
+                        torch.sub(yh, a, out=r)
+                anchor_stored = g is not None
+                grams, num_residuals, poisoned = self.append(grams, head, num_residuals, g)
+                size = num_residuals + 1
+            else:
+                size = 1
+            if not anchor_stored:  # the fused append copied y already
+                _write(self.anchor, y_hist)
+        self.commit_plain(grams, head, size, poisoned)
+        grams = (state.gram, state.dr_gram, state.dr_rhs)  # the committed tensors
+        if not self.mixes(size, options.rules.min_window):
+            return self.finish(False, False, poisoned, self.params)
+        weights, order = self.solve(grams, head, num_residuals)
+        minus_c = aadl_coefficients(weights.alpha, options.relaxation, negated=True)
+        into = self.params if store and self._mixes_into_params() else None
+        if into is not None:
+            # The params hold y, bit for bit the anchor: accumulate the mix there.
+            self.progress.undo.append((self.params, self.anchor))
+        try:
+            x_hist = combine(
+                self.anchor if into is None else into,
+                [self.ring],
+                minus_c.roll(order + 1),
+                self.compute_dtypes,
+                self.anchor,
+                out=into,
+            )
+            ok = self.finite(x_hist, weights.ok)
+        except BaseException:
+            if into is not None:
+                _write(self.params, self.anchor)  # back to y
+            raise
+        if into is not None and not ok:
+            _write(self.params, self.anchor)
+        x = stages.to_params(self, x_hist) if ok else self.params
+        return self.finish(True, ok, poisoned, x)
+
+    # -- the stages ---------------------------------------------------------------------------
+    def begin_writes(self) -> None:
+        """See `aadl_func._src.stages.begin_writes()`."""
+        self.progress.param_versions = [
+            None if p.is_inference() else p._version for p in self.params
+        ]
+
+    def append(
+        self, grams: tuple, slot: int, num_residuals: int, g: Tensor | None = None
+    ) -> tuple[tuple, int, bool]:
+        """The Gram rows of the residual written in `slot` (`stages.append()`): the new
+        grams, the number of residuals and whether the append was poisoned (non-finite
+        rows: the slot and the grams are zeroed, the window restarts)."""
+        q, device = self.q, grams[0].device
+        slot_t = torch.scalar_tensor(slot, dtype=_INT64)
+        rows = difference_rows(self.ring, slot_t, device, grams[0], g=g)
+        grown = min(num_residuals + 1, q)
+        stacked = torch.stack(rows)
+        if grown != q:
+            age = (slot_t - torch.arange(q)) % q
+            stacked = torch.where((age < grown).to(stacked.device), stacked, 0.0)
+        low, high = torch.aminmax(stacked)
+        if -math.inf < low.item() and high.item() < math.inf:
+            g, h, c = rows
+            return (_set_row(grams[0], slot, g), _set_row(grams[1], slot, h), c), grown, False
+        _write(self.ring[slot], [torch.zeros_like(r) for r in self.ring[slot]])
+        return tuple(map(torch.zeros_like, grams)), 0, True
+
+    def commit_plain(self, grams: tuple, head: int, size: int, poisoned: bool) -> None:
+        """The commit point (`stages.commit_plain()`): the caller's state now holds the plain
+        step; a Ctrl-C deferred so far is raised here."""
+        state = self.state
+        plain = state._replace(
+            count=_counter(self.count),
+            inner_state=self.inner_state,
+            skip_streak=self.zero_streak(),
+            pending_loss=_cleared(state.pending_loss),
+            gram=grams[0],
+            dr_gram=grams[1],
+            dr_rhs=grams[2],
+            head=state.head if head == self.head else _counter(head),
+            window_size=state.window_size if size == self.size else _counter(size),
+            num_nonfinite=state.num_nonfinite + 1 if poisoned else state.num_nonfinite,
+        )
+        stages.commit_to(state, self.progress, plain, self.inner_state, self._adopts(), plain=True)
+        self.guard.checkpoint()
+
+    def zero_streak(self) -> Tensor:
+        streak = self.state.skip_streak
+        return streak if streak.item() == 0 else torch.zeros_like(streak)
+
+    def mixes(self, size: int, minimum: int) -> bool:
+        """The call-count gates and the mode's minimum window (`stages.gate()`)."""
+        options = self.options
+        return (
+            self.count > options.wait_iterations
+            and self.count % options.frequency == 0
+            and size >= minimum
+        )
+
+    def solve(self, grams: tuple, head: int, num_residuals: int) -> tuple[Any, int]:
+        """The mixing weights (`stages.solve()`) and the newest slot."""
+        gram, dr_gram, dr_rhs = grams
+        q, device = self.q, gram.device
+        slots, later = stages._chronological_slots(q, head, device)
+        residual_sq = torch.diagonal(gram).real.index_select(0, slots)
+        dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
+        rhs = dr_rhs.index_select(0, later)
+        num_valid = torch.scalar_tensor(num_residuals, dtype=_INT64)
+        reg = ridge(self.options, dr_chrono, num_valid)
+        if all(leaf.dtype in EXACT for leaf in self.ring[0]):
+            # A float64 window: the accurate route, a QR factor streamed from the ring.
+            valid = torch.arange(q - 1) >= q - num_valid
+            order = stages._chronological(q, torch.scalar_tensor(head, dtype=_INT64))
+            factor = difference_factor(self.ring, order, valid, device)
+            return solve_factor(factor, valid.to(device), reg), head
+        weights = solve_differences(
+            dr_chrono, rhs, residual_sq, num_valid, reg, residual_norm=False
+        )
+        return weights, head
+
+    def finite(self, x_hist: Sequence[Tensor], solved: Any) -> bool:
+        """Whether the solve and the mix are finite in the params' dtypes (`stages.finite()`)."""
+        if not (solved if isinstance(solved, bool) else bool(solved.item())):
+            return False
+        for t, p in zip(x_hist, self.params):
+            if t.numel() == 0:
+                continue
+            limit = torch.finfo(p.dtype).max
+            low, high = torch.aminmax(t)
+            if not (low.item() >= -limit and high.item() <= limit):
+                return False
+        return True
+
+    def finish(self, mixes: bool, ok: bool, poisoned: bool, x: list[Tensor]) -> list[Tensor]:
+        """The final state (`stages.count_outcome()`) and the output's writes, committed."""
+        state = self.state
+        pending = state.pending_loss
+        if self.loss is not None and ok:
+            loss = self.loss.to(device=pending.device, dtype=torch.float64)
+            pending = torch.where(torch.isfinite(loss), loss, math.inf)
+        failed = mixes and not ok and not poisoned  # a poisoned call was counted at the commit
+        final = state._replace(
+            num_mixed=state.num_mixed + 1 if ok else state.num_mixed,
+            num_nonfinite=state.num_nonfinite + 1 if failed else state.num_nonfinite,
+            pending_loss=pending,
+        )
+        writes = [(p, v) for p, v in zip(self.params, x) if v is not p]
+        self.progress.writes, self.progress.pending = writes, final
+        for p, v in writes:
+            p.copy_(v)
+        stages.commit_to(state, self.progress, final, None, False)
+        return self.params
+
+    def recover(self) -> None:
+        """An exception anywhere: one complete outcome, as on the general path."""
+        if self.progress.param_versions is None:
+            return  # nothing written
+        call = stages.Call(
+            self.options,
+            self.state,
+            self.params,
+            self.spec,
+            self.updates,
+            self.inner_state,
+            inplace=True,
+            loss_fn=None,
+            loss=self.loss,
+            guard=self.guard,
+        )
+        call.count, call.count_value = _counter(self.count), self.count
+        call.progress = self.progress
+        stages.recover(call)
+
+    def _adopts(self) -> bool:
+        return getattr(self.options.inner.update, "writes_state", False)
+
+    def _mixes_into_params(self) -> bool:
+        """`aadl_step._mix_into_params()`: the params' buffers can take the mix."""
+        for p, a, c in zip(self.params, self.anchor, self.compute_dtypes):
+            if not (p.dtype == a.dtype == c) or (p.device, p.stride()) != (a.device, a.stride()):
+                return False
+        return True
+
+
+def _write(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
+    for dst, src in zip(targets, sources):
+        if src is not dst:
+            dst.copy_(src)
+
+
+def _set_row(gram: Tensor, slot: int, row: Tensor) -> Tensor:
+    """`aadl_func._src.window.set_gram_row()` for a known slot."""
+    gram = gram.clone()
+    gram[slot] = row.conj()
+    gram[:, slot] = row
+    return gram
+
+
+def _cleared(pending: Tensor) -> Tensor:
+    """`aadl_func._src.deferred.cleared()`."""
+    return pending if pending.item() == math.inf else torch.full_like(pending, math.inf)

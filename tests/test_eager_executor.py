@@ -1,0 +1,139 @@
+"""The eager in-place executor (`aadl_func._src.exec.eager`) against the general path.
+
+The executor runs an eager in-place call as straight-line code with its decisions as Python
+values; the general path (`stages` and the mode's step function) runs every call, with its
+decisions as tensors. Both must give the same bits: params and every byte of the state, call
+by call, over the options the executor takes, the ones it hands back (a deferred rejection,
+a poisoned append) and the window dtypes users train with.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+
+import aadl_func as aa
+from aadl_func._src import anderson as anderson_module
+from aadl_func._src.options import AndersonOptions
+
+
+def _problem(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "w": 0.5 * torch.randn(6, 4, generator=g, dtype=dtype),
+        "b": 0.5 * torch.randn(4, generator=g, dtype=dtype),
+    }
+
+    def loss(p):
+        x = torch.cat([p["w"].reshape(-1), p["b"]])
+        return (100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2).sum() / 50
+
+    return params, loss
+
+
+def _bytes(tree) -> list[bytes]:
+    out = []
+    for leaf in optree.tree_leaves(tree, none_is_leaf=True):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().contiguous()
+            out.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return out
+
+
+def _run(options: dict, inner, dtype, *, deferred: bool, poison_at: int | None, steps: int = 40):
+    """Every call's params and state bytes, and how many calls the executor took."""
+    opt = aa.anderson(inner, **options)
+    params, loss = _problem(dtype)
+    state = opt.init(params)
+    grad_and_value = torch.func.grad_and_value(loss)
+    history = []
+    for k in range(steps):
+        grads, value = grad_and_value(params)
+        if k == poison_at:  # an Inf gradient: a poisoned append, the window restarts
+            grads = {**grads, "b": torch.full_like(grads["b"], float("inf"))}
+        kwargs = {"loss": value} if deferred else {}
+        params, state = opt.update(state, params, grads, inplace=True, **kwargs)
+        history.append(_bytes((params, state)))
+    return history
+
+
+CASES = [
+    ("classic", {}),
+    ("aadl", {}),
+    ("classic", {"relaxation": 0.5, "reg_relative": 1e-4}),
+    ("aadl", {"relaxation": 0.7, "reg": 1e-6, "reg_column": 1e-3}),
+    ("classic", {"wait_iterations": 3, "store_each_nth": 2, "frequency": 3}),
+    ("aadl", {"wait_iterations": 3, "store_each_nth": 2, "frequency": 3}),
+    ("classic", {"history_depth": 3}),
+    ("aadl", {"history_depth": 3}),
+    ("classic", {"history_dtype": torch.bfloat16}),
+    ("aadl", {"history_dtype": torch.bfloat16}),
+    ("classic", {"history_dtype": torch.float64}),
+    ("aadl", {"history_dtype": torch.float64}),
+    ("classic", {"restart_on_reject": True}),
+]
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["plain", "deferred"])
+@pytest.mark.parametrize("inner_name", ["adam", "sgd-momentum"])
+@pytest.mark.parametrize(("mode", "options"), CASES, ids=[f"{m}-{o}" for m, o in CASES])
+def test_executor_matches_the_general_path(monkeypatch, mode, options, inner_name, deferred):
+    dtype = torch.float32
+    make_inner = {"adam": lambda: aa.adam(0.01), "sgd-momentum": lambda: aa.sgd(2e-3, 0.5)}
+    if deferred and options.get("store_each_nth", 1) != 1:
+        pytest.skip("the deferred safeguard needs store_each_nth=1")
+    options = {"mode": mode, **options}
+    runs = []
+    original = anderson_module.eager.run
+    taken = [0]
+
+    def counted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        taken[0] += result is not None
+        return result
+
+    monkeypatch.setattr(anderson_module.eager, "run", counted)
+    runs.append(_run(options, make_inner[inner_name](), dtype, deferred=deferred, poison_at=17))
+    executor_calls = taken[0]
+    monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
+    runs.append(_run(options, make_inner[inner_name](), dtype, deferred=deferred, poison_at=17))
+    # The executor ran on most calls (a deferred rejection goes the general way).
+    assert executor_calls >= 20
+    assert taken[0] == executor_calls  # and the second run never reached it
+    for k, (fast, general) in enumerate(zip(*runs)):
+        assert fast == general, f"call {k + 1} differs"
+
+
+def test_executor_takes_float64_params_and_sgd_without_buffers(monkeypatch):
+    """An inner optimizer without buffers (updated in place into the grads) and float64
+    params: the same bits on both paths."""
+    runs = []
+    for general in (False, True):
+        if general:
+            monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
+        runs.append(
+            _run({"mode": "classic"}, aa.sgd(2e-3), torch.float64, deferred=False, poison_at=None)
+        )
+    assert runs[0] == runs[1]
+
+
+def test_calls_the_executor_does_not_take_go_the_general_way():
+    """`loss_fn`, the moving average, skip_nonfinite and pure calls are the general path's."""
+    params, loss = _problem(torch.float32)
+    grads = torch.func.grad(loss)(params)
+    take = anderson_module.eager.applies
+    leaves = optree.tree_leaves(params)
+    for options, kwargs in [
+        ({}, {"inplace": False, "loss_fn": None}),
+        ({}, {"inplace": True, "loss_fn": loss}),
+        ({"average": True}, {"inplace": True, "loss_fn": None}),
+        ({"skip_nonfinite": True}, {"inplace": True, "loss_fn": None}),
+    ]:
+        opt = aa.anderson(aa.sgd(1e-3), **options)
+        state = opt.init(params)
+        options_record = AndersonOptions(aa.sgd(1e-3), **options)
+        assert not take(
+            options_record, state, leaves, mix=True, shards=None, transformed=False, **kwargs
+        )
+        opt.update(state, params, grads, **kwargs)  # and the call itself runs
