@@ -137,3 +137,33 @@ def test_calls_the_executor_does_not_take_go_the_general_way():
             options_record, state, leaves, mix=True, shards=None, transformed=False, **kwargs
         )
         opt.update(state, params, grads, **kwargs)  # and the call itself runs
+
+
+@pytest.mark.parametrize("history_dtype", [None, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mode", ["classic", "aadl"])
+def test_executor_matches_on_strided_leaves(monkeypatch, mode, history_dtype):
+    """channels_last and transposed leaves (windows laid out like them, not C-contiguous)."""
+    g = torch.Generator().manual_seed(1)
+    start = {
+        "conv": torch.randn(3, 4, 5, 5, generator=g).to(memory_format=torch.channels_last),
+        "t": torch.randn(7, 3, generator=g).t(),
+        "b": torch.randn(5, generator=g),
+    }
+
+    def loss(p):
+        return sum(((v - 0.3) ** 2 * (1 + v.abs())).sum() for v in p.values())
+
+    def run() -> list:
+        opt = aa.anderson(aa.adam(0.05), mode=mode, history_depth=4, history_dtype=history_dtype)
+        params = {k: v.clone(memory_format=torch.preserve_format) for k, v in start.items()}
+        state = opt.init(params)
+        out = []
+        for _ in range(15):
+            grads = torch.func.grad(loss)(params)
+            params, state = opt.update(state, params, grads, inplace=True)
+            out.append(_bytes((params, state)))
+        return out
+
+    fast = run()
+    monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
+    assert fast == run()

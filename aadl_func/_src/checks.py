@@ -46,6 +46,9 @@ __all__ = [
     "check_state",
     "check_state_values",
     "mark_verified",
+    "checked_layout",
+    "remember_layout",
+    "layout_of",
     "check_update_inputs",
     "differentiating",
     "keep_requires_grad",
@@ -171,7 +174,10 @@ def check_update_inputs(
         )
     if inplace:
         check_in_place(p_leaves, spec, g_leaves, g_spec)
-    check_state(config, state, p_leaves, spec)
+    layout = (config, spec, [(p.shape, p.dtype, p.device) for p in p_leaves])
+    if not checked_layout(state, layout):
+        check_state(config, state, p_leaves, spec)
+        remember_layout(state, layout)
     if cast:
         grads = tree.unflatten(g_spec, [g.to(p.dtype) for g, p in zip(g_leaves, p_leaves)])
     return p_leaves, spec, grads
@@ -503,7 +509,7 @@ class _Entry(weakref.ref):
     """A weak reference to a verified state's `count`, with the state's other fields (held)
     and whether its tensors are inference tensors (valid only in inference mode)."""
 
-    __slots__ = ("key", "fields", "inference")
+    __slots__ = ("key", "fields", "inference", "layout")
 
 
 _VERIFIED: dict[int, _Entry] = {}
@@ -527,6 +533,13 @@ def verified(state: AndersonState) -> bool:
     accelerator): there only the metadata checks run."""
     if tree.tracing():
         return True  # compiled: no values (and no ids to guard on)
+    if _verified_entry(state) is not None:
+        return True  # the common case first: only concrete counters are ever listed
+    return not _concrete(state.count)
+
+
+def _verified_entry(state: AndersonState) -> _Entry | None:
+    """The entry of a verified eager state (see `verified()`), else None."""
     count = state.count
     entry = _VERIFIED.get(id(count))
     if (
@@ -535,8 +548,37 @@ def verified(state: AndersonState) -> bool:
         and all(map(operator.is_, entry.fields, state[1:]))
         and (not entry.inference or torch.is_inference_mode_enabled())
     ):
-        return True  # the common case first: only concrete counters are ever listed
-    return not _concrete(count)
+        return entry
+    return None
+
+
+def checked_layout(state: AndersonState, layout: tuple) -> bool:
+    """Whether `check_state()` passed already for this verified state with these options and
+    params (`layout`: the options, the params' structure and each leaf's shape, dtype and
+    device), so that its metadata checks need not run again: a state is checked once, not on
+    every call. Never under torch.compile, which checks at trace time."""
+    if tree.tracing() or not isinstance(state, AndersonState):
+        return False
+    entry = _verified_entry(state)
+    if entry is None or entry.layout is None:
+        return False
+    config, spec, leaves = entry.layout
+    return config is layout[0] and spec == layout[1] and leaves == layout[2]
+
+
+def remember_layout(state: AndersonState, layout: tuple | None) -> None:
+    """Records that `state` (if verified) passed `check_state()` for `layout`."""
+    if tree.tracing():
+        return
+    entry = _verified_entry(state)
+    if entry is not None:
+        entry.layout = layout
+
+
+def layout_of(state: AndersonState) -> tuple | None:
+    """The layout `state` was checked for (`checked_layout()`), if any."""
+    entry = _verified_entry(state) if not tree.tracing() else None
+    return None if entry is None else entry.layout
 
 
 def _concrete(counter: Any) -> bool:
@@ -559,6 +601,7 @@ def mark_verified(state: AndersonState) -> None:
     if entry is None or entry() is not count:  # in place, the count is the same each call
         entry = _Entry(count, _forget)
         entry.key = key
+        entry.layout = None
         _VERIFIED[key] = entry
         if len(_VERIFIED) > _KEEP:  # counters kept alive after their states: drop the oldest
             del _VERIFIED[next(iter(_VERIFIED))]

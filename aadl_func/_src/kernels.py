@@ -174,12 +174,20 @@ def gram_leaf(flats: Sequence[Tensor], v: Tensor) -> Tensor | None:
     return partial
 
 
-def combine_leaf(base: Tensor | None, flats: Sequence[Tensor], w: Tensor, result: Tensor) -> None:
-    """Writes `base + sum_s w[s] flats[s]` into the flat `result`."""
+def combine_leaf(
+    base: Tensor | None,
+    flats: Sequence[Tensor],
+    w: Tensor,
+    result: Tensor,
+    runs: list[tuple[int, Tensor]] | None = None,
+) -> None:
+    """Writes `base + sum_s w[s] flats[s]` into the flat `result` (`runs`: `slot_runs(flats)`
+    when the caller has it)."""
     cdt, numel = result.dtype, result.shape[0]
     if numel == 0:
         return
-    runs = slot_runs(flats)
+    if runs is None:
+        runs = slot_runs(flats)
     # `base` may be `result` itself: the sum is then accumulated in place, which reads
     # and writes one buffer instead of reading one and writing another.
     in_place = base is not None and same(base, result)

@@ -21,6 +21,7 @@ batched and unbatched leaves. All are O(Q n) and build no window-sized temporary
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,6 +36,7 @@ __all__ = [
     "difference_factor",
     "difference_rows",
     "gram_row",
+    "rows_from_dots",
     "new_ring",
     "set_gram_row",
     "stored_value",
@@ -386,8 +388,18 @@ def difference_rows(
             g = g + parts[0].to(device)
             if exact:
                 p = p + parts[1].to(device)
+    return rows_from_dots(g, p, gram, slot, index, device)
+
+
+def rows_from_dots(
+    g: Tensor, p: Tensor | None, gram: Tensor, slot: Tensor, index: int | None, device: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""`difference_rows()`'s rows from its pass: $g_t = \langle f_t, f_s \rangle$ and, for a
+    float64 window, $p_t = \langle f_t, d_s \rangle$ (None otherwise: then taken from
+    `gram`'s row $s - 1$). `slot` is the 0-d slot tensor, `index` its value when known."""
+    q, acc = g.shape[0], g.dtype
     c = g - g.roll(1)
-    if not exact:
+    if p is None:
         # p_t = <f_t, d_s> = g_t - <f_t, f_{s-1}>, the last the conjugate of the stored row
         # s - 1 (G is Hermitian), except t = s, whose stored entry is the old f_s: there
         # p_s = g_s - <f_s, f_{s-1}> = g_s - conj(g_{s-1}), which for real data is c_s.

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from aadl_func._src import stages, tree
+from aadl_func._src import kernels, native, stages, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.scalars import EXACT
@@ -41,7 +41,13 @@ from aadl_func._src.solve import (
     solve_factor,
 )
 from aadl_func._src.state import AndersonState
-from aadl_func._src.window import append_difference, combine, difference_factor, difference_rows
+from aadl_func._src.window import (
+    append_difference,
+    combine,
+    difference_factor,
+    difference_rows,
+    rows_from_dots,
+)
 
 __all__ = ["applies", "run"]
 
@@ -188,9 +194,7 @@ class _Step:
                 (options.relaxation * weights.alpha).roll(order + 1),
             ]
         )
-        steps = combine(
-            None, [self.iterates, self.ring], coefficients, self.compute_dtypes, self.anchor
-        )
+        steps = self.combine(None, [self.iterates, self.ring], coefficients)
         x_hist = [v.add_(a) for v, a in zip(steps, self.anchor)]
         ok = self.finite(x_hist, weights.ok)
         x = stages.to_params(self, x_hist) if ok else self.params
@@ -234,14 +238,8 @@ class _Step:
             # The params hold y, bit for bit the anchor: accumulate the mix there.
             self.progress.undo.append((self.params, self.anchor))
         try:
-            x_hist = combine(
-                self.anchor if into is None else into,
-                [self.ring],
-                minus_c.roll(order + 1),
-                self.compute_dtypes,
-                self.anchor,
-                out=into,
-            )
+            base = self.anchor if into is None else into
+            x_hist = self.combine(base, [self.ring], minus_c.roll(order + 1), out=into)
             ok = self.finite(x_hist, weights.ok)
         except BaseException:
             if into is not None:
@@ -265,9 +263,9 @@ class _Step:
         """The Gram rows of the residual written in `slot` (`stages.append()`): the new
         grams, the number of residuals and whether the append was poisoned (non-finite
         rows: the slot and the grams are zeroed, the window restarts)."""
-        q, device = self.q, grams[0].device
+        q = self.q
         slot_t = torch.scalar_tensor(slot, dtype=_INT64)
-        rows = difference_rows(self.ring, slot_t, device, grams[0], g=g)
+        rows = self.rows(slot_t, slot, grams[0], g)
         grown = min(num_residuals + 1, q)
         stacked = torch.stack(rows)
         if grown != q:
@@ -279,6 +277,58 @@ class _Step:
             return (_set_row(grams[0], slot, g), _set_row(grams[1], slot, h), c), grown, False
         _write(self.ring[slot], [torch.zeros_like(r) for r in self.ring[slot]])
         return tuple(map(torch.zeros_like, grams)), 0, True
+
+    def rows(self, slot_t: Tensor, slot: int, gram: Tensor, g: Tensor | None) -> tuple:
+        """`aadl_func._src.window.difference_rows()`: the native kernel's pass over the
+        slots as they lie (a float32 or bf16 window), else that function's own passes."""
+        device = gram.device
+        if g is None and not any(leaf.dtype in EXACT for leaf in self.ring[0]):
+            g = torch.zeros(self.q, dtype=torch.float64, device=device)
+            for i, newest in enumerate(self.ring[slot]):
+                if newest.numel() == 0:
+                    continue
+                part = None
+                if newest.is_contiguous():
+                    rows = [entry[i] for entry in self.ring]
+                    part = native.float64_dots(rows, newest.view(-1))
+                if part is None:  # not a plain contiguous CPU window: the general pass
+                    return difference_rows(self.ring, slot_t, device, gram)
+                g = g + part.to(device)
+            return rows_from_dots(g, None, gram, slot_t, slot, device)
+        return difference_rows(self.ring, slot_t, device, gram, g=g)
+
+    def combine(
+        self, base: list[Tensor] | None, rings: list[tuple], weights: Tensor, out: Any = None
+    ) -> list[Tensor]:
+        """`aadl_func._src.window.combine()`, reading each leaf's slots as the `(Q, n)`
+        matrices `anderson.init` lays them out as, without looking for their runs."""
+        templates = [*self.anchor, *(base or ()), *(out or ())]
+        if not all(t.is_contiguous() for t in templates):  # e.g. channels_last: flat views
+            return combine(base, rings, weights, self.compute_dtypes, self.anchor, out=out)
+        runs = []
+        for i in range(len(self.anchor)):
+            leaf_runs, first = [], 0
+            for ring in rings:
+                matrix = _rows_of_one_buffer([entry[i] for entry in ring])
+                if matrix is None:
+                    return combine(base, rings, weights, self.compute_dtypes, self.anchor, out=out)
+                leaf_runs.append((first, matrix))
+                first += len(ring)
+            runs.append(leaf_runs)
+        results = []
+        for i, template in enumerate(self.anchor):
+            cdt = self.compute_dtypes[i]
+            result = torch.empty_like(template, dtype=cdt) if out is None else out[i]
+            slots = [entry[i] for ring in rings for entry in ring]
+            kernels.combine_leaf(
+                None if base is None else base[i].view(-1),
+                slots,
+                weights.to(dtype=cdt),
+                result.view(-1),
+                runs[i],
+            )
+            results.append(result)
+        return results
 
     def commit_plain(self, grams: tuple, head: int, size: int, poisoned: bool) -> None:
         """The commit point (`stages.commit_plain()`): the caller's state now holds the plain
@@ -401,6 +451,25 @@ def _write(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
     for dst, src in zip(targets, sources):
         if src is not dst:
             dst.copy_(src)
+
+
+def _rows_of_one_buffer(slots: Sequence[Tensor]) -> Tensor | None:
+    """The slots as one `(Q, n)` matrix when they are consecutive C-contiguous rows of one
+    buffer (as `anderson.init` lays a leaf's slots out), else None."""
+    first = slots[0]
+    n = first.numel()
+    if n == 0 or not first.is_contiguous():
+        return None
+    size, start = first.element_size(), first.data_ptr()
+    for s, slot in enumerate(slots):
+        if slot.data_ptr() != start + s * n * size or not slot.is_contiguous():
+            return None
+        if slot.dtype != first.dtype:
+            return None
+    # Every slot lies in the first one's storage if that storage reaches past the last row.
+    if first.untyped_storage().nbytes() < (first.storage_offset() + len(slots) * n) * size:
+        return None
+    return first.as_strided((len(slots), n), (n, 1))
 
 
 def _set_row(gram: Tensor, slot: int, row: Tensor) -> Tensor:
