@@ -41,7 +41,16 @@ def _bytes(tree) -> list[bytes]:
     return out
 
 
-def _run(options: dict, inner, dtype, *, deferred: bool, poison_at: int | None, steps: int = 40):
+def _run(
+    options: dict,
+    inner,
+    dtype,
+    *,
+    deferred: bool,
+    poison_at: int | None,
+    inplace: bool = True,
+    steps: int = 40,
+):
     """Every call's params and state bytes, and how many calls the executor took."""
     opt = aa.anderson(inner, **options)
     params, loss = _problem(dtype)
@@ -53,7 +62,7 @@ def _run(options: dict, inner, dtype, *, deferred: bool, poison_at: int | None, 
         if k == poison_at:  # an Inf gradient: a poisoned append, the window restarts
             grads = {**grads, "b": torch.full_like(grads["b"], float("inf"))}
         kwargs = {"loss": value} if deferred else {}
-        params, state = opt.update(state, params, grads, inplace=True, **kwargs)
+        params, state = opt.update(state, params, grads, inplace=inplace, **kwargs)
         history.append(_bytes((params, state)))
     return history
 
@@ -75,10 +84,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
 @pytest.mark.parametrize("deferred", [False, True], ids=["plain", "deferred"])
 @pytest.mark.parametrize("inner_name", ["adam", "sgd-momentum"])
 @pytest.mark.parametrize(("mode", "options"), CASES, ids=[f"{m}-{o}" for m, o in CASES])
-def test_executor_matches_the_general_path(monkeypatch, mode, options, inner_name, deferred):
+def test_executor_matches_the_general_path(
+    monkeypatch, mode, options, inner_name, deferred, inplace
+):
     dtype = torch.float32
     make_inner = {"adam": lambda: aa.adam(0.01), "sgd-momentum": lambda: aa.sgd(2e-3, 0.5)}
     if deferred and options.get("store_each_nth", 1) != 1:
@@ -94,10 +106,11 @@ def test_executor_matches_the_general_path(monkeypatch, mode, options, inner_nam
         return result
 
     monkeypatch.setattr(anderson_module.eager, "run", counted)
-    runs.append(_run(options, make_inner[inner_name](), dtype, deferred=deferred, poison_at=17))
+    kwargs = {"deferred": deferred, "poison_at": 17, "inplace": inplace}
+    runs.append(_run(options, make_inner[inner_name](), dtype, **kwargs))
     executor_calls = taken[0]
     monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
-    runs.append(_run(options, make_inner[inner_name](), dtype, deferred=deferred, poison_at=17))
+    runs.append(_run(options, make_inner[inner_name](), dtype, **kwargs))
     # The executor ran on most calls (a deferred rejection goes the general way).
     assert executor_calls >= 20
     assert taken[0] == executor_calls  # and the second run never reached it
@@ -105,7 +118,8 @@ def test_executor_matches_the_general_path(monkeypatch, mode, options, inner_nam
         assert fast == general, f"call {k + 1} differs"
 
 
-def test_executor_takes_float64_params_and_sgd_without_buffers(monkeypatch):
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+def test_executor_takes_float64_params_and_sgd_without_buffers(monkeypatch, inplace):
     """An inner optimizer without buffers (updated in place into the grads) and float64
     params: the same bits on both paths."""
     runs = []
@@ -113,19 +127,26 @@ def test_executor_takes_float64_params_and_sgd_without_buffers(monkeypatch):
         if general:
             monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
         runs.append(
-            _run({"mode": "classic"}, aa.sgd(2e-3), torch.float64, deferred=False, poison_at=None)
+            _run(
+                {"mode": "classic"},
+                aa.sgd(2e-3),
+                torch.float64,
+                deferred=False,
+                poison_at=None,
+                inplace=inplace,
+            )
         )
     assert runs[0] == runs[1]
 
 
 def test_calls_the_executor_does_not_take_go_the_general_way():
-    """`loss_fn`, the moving average, skip_nonfinite and pure calls are the general path's."""
+    """`loss_fn`, the moving average and skip_nonfinite are the general path's."""
     params, loss = _problem(torch.float32)
     grads = torch.func.grad(loss)(params)
     take = anderson_module.eager.applies
     leaves = optree.tree_leaves(params)
     for options, kwargs in [
-        ({}, {"inplace": False, "loss_fn": None}),
+        ({}, {"inplace": False, "loss_fn": loss}),
         ({}, {"inplace": True, "loss_fn": loss}),
         ({"average": True}, {"inplace": True, "loss_fn": None}),
         ({"skip_nonfinite": True}, {"inplace": True, "loss_fn": None}),
@@ -139,9 +160,10 @@ def test_calls_the_executor_does_not_take_go_the_general_way():
         opt.update(state, params, grads, **kwargs)  # and the call itself runs
 
 
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
 @pytest.mark.parametrize("history_dtype", [None, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("mode", ["classic", "aadl"])
-def test_executor_matches_on_strided_leaves(monkeypatch, mode, history_dtype):
+def test_executor_matches_on_strided_leaves(monkeypatch, mode, history_dtype, inplace):
     """channels_last and transposed leaves (windows laid out like them, not C-contiguous)."""
     g = torch.Generator().manual_seed(1)
     start = {
@@ -160,10 +182,35 @@ def test_executor_matches_on_strided_leaves(monkeypatch, mode, history_dtype):
         out = []
         for _ in range(15):
             grads = torch.func.grad(loss)(params)
-            params, state = opt.update(state, params, grads, inplace=True)
+            params, state = opt.update(state, params, grads, inplace=inplace)
             out.append(_bytes((params, state)))
         return out
 
     fast = run()
     monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
     assert fast == run()
+
+
+def test_inside_vmap_the_general_path_runs_even_for_unbatched_params(monkeypatch):
+    """Params made inside the vmapped function are plain tensors while the grads (and then the
+    state) are batched: the executor must not take such a call."""
+    taken = []
+    original = anderson_module.eager.run
+    monkeypatch.setattr(
+        anderson_module.eager, "run", lambda *a, **k: taken.append(1) or original(*a, **k)
+    )
+    opt = aa.anderson(aa.sgd(0.1), mode="classic", history_depth=3)
+
+    def solve(c):
+        x = torch.zeros(4, dtype=torch.float64)
+        state = opt.init(x)
+        for _ in range(6):
+            x, state = opt.update(state, x, x - c)
+        return x
+
+    c = torch.arange(8, dtype=torch.float64).reshape(2, 4)
+    xs = torch.func.vmap(solve)(c)
+    assert taken == []
+    for i in range(2):
+        torch.testing.assert_close(xs[i], solve(c[i]), rtol=0, atol=1e-12)
+    assert taken  # and the eager solves did run through it

@@ -389,7 +389,7 @@ def step(
         transformed=transformed,
     ):
         # Decisions as Python values: the straight-line executor (same operations, same bits).
-        done = eager.run(options, state, params, p_leaves, spec, grads, loss)
+        done = eager.run(options, state, params, p_leaves, spec, grads, loss, inplace=inplace)
         if done is not None:
             return done
     if tree.tracing():

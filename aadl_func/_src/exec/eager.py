@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 
 from aadl_func._src import kernels, native, stages, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
+from aadl_func._src.checks import layout_of, mark_verified, remember_layout
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.scalars import EXACT
 from aadl_func._src.solve import (
@@ -66,9 +68,13 @@ def applies(
     transformed: bool,
 ) -> bool:
     """Whether this executor runs the call (see the module docstring)."""
-    if not inplace or transformed or shards is not None or loss_fn is not None or not mix:
+    if transformed or shards is not None or loss_fn is not None or not mix:
         return False
     if options.average or options.skip_nonfinite or tree.tracing():
+        return False
+    if _functorch.maybe_current_level() is not None:
+        # Inside vmap or grad: a leaf of the state, the grads or the inner updates may be
+        # batched or differentiated even when the params are not.
         return False
     if not state.gram.is_cpu:
         return False
@@ -90,6 +96,8 @@ def run(
     spec: Any,
     grads: Any,
     loss: Tensor | None,
+    *,
+    inplace: bool,
 ) -> tuple[Any, AndersonState] | None:
     """The call, or None, having written nothing, when a deferred rejection is due (the
     general path carries it out)."""
@@ -99,35 +107,38 @@ def run(
         loss_value = loss.to(dtype=torch.float64).item()
         if math.isfinite(pending) and not loss_value < pending:
             return None
+    if not inplace:
+        out, new_state = _call(options, state, params, p_leaves, spec, grads, loss, None)
+        # Made here: no value check on the next call, and the layout of the state passed in.
+        layout = layout_of(state)
+        mark_verified(new_state)
+        remember_layout(new_state, layout)
+        return out, new_state
     guard = InterruptGuard()
-    return guarded(
-        guard, lambda: _guarded(options, state, params, p_leaves, spec, grads, loss, guard)
-    )
+    return guarded(guard, lambda: _call(options, state, params, p_leaves, spec, grads, loss, guard))
 
 
-def _guarded(options, state, params, p_leaves, spec, grads, loss, guard) -> tuple[Any, Any]:
-    # The inner update out of place when the inner optimizer keeps buffers: their new values
-    # are committed with the plain step (as on the general path, see anderson.step).
+def _call(options, state, params, p_leaves, spec, grads, loss, guard) -> tuple[Any, Any]:
+    # In place, the inner update out of place when the inner optimizer keeps buffers: their
+    # new values are committed with the plain step (as on the general path, anderson.step).
     keeps_buffers = getattr(options.inner.update, "writes_state", True)
     updates, inner_state = options.inner.update(
-        grads, state.inner_state, params=params, inplace=not keeps_buffers
+        grads, state.inner_state, params=params, inplace=guard is not None and not keeps_buffers
     )
     u_leaves, u_spec = tree.flatten(updates, "inner updates")
     tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
     step = _Step(options, state, p_leaves, spec, u_leaves, inner_state, loss, guard)
     try:
-        if options.rules.keeps_iterates:
-            out = step.classic()
-        else:
-            out = step.aadl()
+        out = step.classic() if options.rules.keeps_iterates else step.aadl()
     except BaseException:
         step.recover()
         raise
-    return tree.unflatten(spec, out), state
+    return tree.unflatten(spec, out), step.current
 
 
 class _Step:
-    """One call: its inputs, the counters as Python values and the in-place `Progress`."""
+    """One call: its inputs, the counters as Python values, the window's leaves as the call
+    changes them and, in place, the `Progress` of its writes."""
 
     __slots__ = (
         "options",
@@ -138,7 +149,9 @@ class _Step:
         "inner_state",
         "loss",
         "guard",
+        "inplace",
         "progress",
+        "current",
         "q",
         "count",
         "head",
@@ -152,7 +165,9 @@ class _Step:
     def __init__(self, options, state, params, spec, updates, inner_state, loss, guard):
         self.options, self.state, self.params, self.spec = options, state, params, spec
         self.updates, self.inner_state, self.loss, self.guard = updates, inner_state, loss, guard
-        self.progress = Progress()
+        self.inplace = guard is not None
+        self.progress = Progress() if self.inplace else None
+        self.current = state  # the state as of the last commit (pure: as built so far)
         self.q = options.num_slots
         self.count = state.count.item() + 1  # this call's number
         self.head = state.head.item()
@@ -171,22 +186,23 @@ class _Step:
         self.begin_writes()
         grams = (state.gram, state.dr_gram, state.dr_rhs)
         head, size, poisoned = self.head, self.size, False
-        if self.count % options.store_each_nth == 0:
+        stored = self.count % options.store_each_nth == 0
+        if stored:
             # The pair (x_k, g(x_k) - x_k), stored before the step overwrites x_k.
             head = (self.head + 1) % self.q
             point = stages.to_history(self.params, self.anchor)
             steps = [(x - a).to(d.dtype) for x, a, d in zip(point, self.anchor, self.iterates[0])]
-            _write(self.iterates[head], stages.to_history(steps, self.iterates[0]))
-            residual = stages.to_history(self.updates, self.ring[0])
-            _write(self.ring[head], residual)
+            self.iterates = self.put(
+                self.iterates, head, stages.to_history(steps, self.iterates[0])
+            )
+            residual = self.own(stages.to_history(self.updates, self.ring[0]), self.updates)
+            self.ring = self.put(self.ring, head, residual)
             grams, size, poisoned = self.append(grams, head, size)
-            _write(self.anchor, point)
-        stepped = self.progress.stepped
-        for p, u in zip(self.params, self.updates):
-            stepped.append(p.add_(u))
-        self.commit_plain(grams, head, size, poisoned)
+            self.set_anchor(point, self.params)
+        y = self.plain_step()
+        self.commit_plain(grams, head, size, poisoned, stored)
         if not self.mixes(size, options.rules.min_window):
-            return self.finish(False, False, poisoned, self.params)
+            return self.finish(False, False, poisoned, y)
         weights, order = self.solve(grams, head, size)
         coefficients = torch.cat(
             [
@@ -197,43 +213,39 @@ class _Step:
         steps = self.combine(None, [self.iterates, self.ring], coefficients)
         x_hist = [v.add_(a) for v, a in zip(steps, self.anchor)]
         ok = self.finite(x_hist, weights.ok)
-        x = stages.to_params(self, x_hist) if ok else self.params
+        x = stages.to_params(self, x_hist) if ok else y
         return self.finish(True, ok, poisoned, x)
 
     def aadl(self) -> list[Tensor]:
         """Mode "aadl" (`aadl_func._src.aadl_step`)."""
         options, state = self.options, self.state
         self.begin_writes()
-        stepped = self.progress.stepped
-        for p, u in zip(self.params, self.updates):
-            stepped.append(p.add_(u))
+        y = self.plain_step()
         grams = (state.gram, state.dr_gram, state.dr_rhs)
         head, size, poisoned = self.head, self.size, False
         num_residuals = max(self.size - 1, 0)
-        store = self.count % options.store_each_nth == 0
-        if store:
-            y_hist = stages.to_history(self.params, self.anchor)
+        stored = self.count % options.store_each_nth == 0
+        if stored:
+            y_hist = stages.to_history(y, self.anchor)
             anchor_stored = False
             if self.count - 1 >= options.store_each_nth:  # the window holds an entry
                 head = (self.head + 1) % self.q
-                g = append_difference(self.ring, head, y_hist, self.anchor, state.gram.device)
-                if g is None:
-                    for yh, a, r in zip(y_hist, self.anchor, self.ring[head]):
-                        torch.sub(yh, a, out=r)
+                g = self.store_difference(head, y_hist)
                 anchor_stored = g is not None
                 grams, num_residuals, poisoned = self.append(grams, head, num_residuals, g)
                 size = num_residuals + 1
             else:
                 size = 1
             if not anchor_stored:  # the fused append copied y already
-                _write(self.anchor, y_hist)
-        self.commit_plain(grams, head, size, poisoned)
-        grams = (state.gram, state.dr_gram, state.dr_rhs)  # the committed tensors
+                self.set_anchor(y_hist, y)
+        self.commit_plain(grams, head, size, poisoned, stored)
+        current = self.current
+        grams = (current.gram, current.dr_gram, current.dr_rhs)  # in place: the caller's
         if not self.mixes(size, options.rules.min_window):
-            return self.finish(False, False, poisoned, self.params)
+            return self.finish(False, False, poisoned, y)
         weights, order = self.solve(grams, head, num_residuals)
         minus_c = aadl_coefficients(weights.alpha, options.relaxation, negated=True)
-        into = self.params if store and self._mixes_into_params() else None
+        into = self.params if self.inplace and stored and self._mixes_into_params() else None
         if into is not None:
             # The params hold y, bit for bit the anchor: accumulate the mix there.
             self.progress.undo.append((self.params, self.anchor))
@@ -247,15 +259,62 @@ class _Step:
             raise
         if into is not None and not ok:
             _write(self.params, self.anchor)
-        x = stages.to_params(self, x_hist) if ok else self.params
+        x = stages.to_params(self, x_hist) if ok else y
         return self.finish(True, ok, poisoned, x)
+
+    # -- writing the window: in place, or a new window --------------------------------------
+    def put(self, ring: tuple, slot: int, values: list[Tensor]) -> tuple:
+        """`ring[slot] = values`: copied into the slot's buffers in place, else a new ring
+        (`aadl_func._src.window.write_slot()`)."""
+        if self.inplace:
+            _write(ring[slot], values)
+            return ring
+        return tuple(list(values) if s == slot else entry for s, entry in enumerate(ring))
+
+    def own(self, values: list[Tensor], callers: list[Tensor]) -> list[Tensor]:
+        """`aadl_func._src.stages.owned()`: the window never holds the caller's tensors."""
+        if self.inplace:
+            return values
+        return [v.clone() if v is c else v for v, c in zip(values, callers)]
+
+    def set_anchor(self, values: list[Tensor], callers: list[Tensor]) -> None:
+        """The anchor becomes `values` (`aadl_func._src.stages.store_anchor()`)."""
+        if self.inplace:
+            _write(self.anchor, values)
+        else:
+            self.anchor = self.own(values, callers)
+
+    def plain_step(self) -> list[Tensor]:
+        """`y = x + u`, into the params in place (each leaf recorded as it is stepped)."""
+        if not self.inplace:
+            return [p + u for p, u in zip(self.params, self.updates)]
+        stepped = self.progress.stepped
+        for p, u in zip(self.params, self.updates):
+            stepped.append(p.add_(u))
+        return self.params
+
+    def store_difference(self, slot: int, y_hist: list[Tensor]) -> Tensor | None:
+        """Mode "aadl": `ring[slot] = y - anchor` (`aadl_step._difference()`); in place
+        straight into the slot, with the anchor copy and the Gram row fused where the
+        native kernel applies (its row is returned)."""
+        if not self.inplace:
+            history_dtype = self.options.history_dtype_of
+            residual = [(yh - a).to(history_dtype(a)) for yh, a in zip(y_hist, self.anchor)]
+            self.ring = self.put(self.ring, slot, stages.to_history(residual, self.ring[0]))
+            return None
+        g = append_difference(self.ring, slot, y_hist, self.anchor, self.state.gram.device)
+        if g is None:
+            for yh, a, r in zip(y_hist, self.anchor, self.ring[slot]):
+                torch.sub(yh, a, out=r)
+        return g
 
     # -- the stages ---------------------------------------------------------------------------
     def begin_writes(self) -> None:
         """See `aadl_func._src.stages.begin_writes()`."""
-        self.progress.param_versions = [
-            None if p.is_inference() else p._version for p in self.params
-        ]
+        if self.inplace:
+            self.progress.param_versions = [
+                None if p.is_inference() else p._version for p in self.params
+            ]
 
     def append(
         self, grams: tuple, slot: int, num_residuals: int, g: Tensor | None = None
@@ -275,7 +334,7 @@ class _Step:
         if -math.inf < low.item() and high.item() < math.inf:
             g, h, c = rows
             return (_set_row(grams[0], slot, g), _set_row(grams[1], slot, h), c), grown, False
-        _write(self.ring[slot], [torch.zeros_like(r) for r in self.ring[slot]])
+        self.ring = self.put(self.ring, slot, [torch.zeros_like(r) for r in self.ring[slot]])
         return tuple(map(torch.zeros_like, grams)), 0, True
 
     def rows(self, slot_t: Tensor, slot: int, gram: Tensor, g: Tensor | None) -> tuple:
@@ -330,9 +389,11 @@ class _Step:
             results.append(result)
         return results
 
-    def commit_plain(self, grams: tuple, head: int, size: int, poisoned: bool) -> None:
-        """The commit point (`stages.commit_plain()`): the caller's state now holds the plain
-        step; a Ctrl-C deferred so far is raised here."""
+    def commit_plain(
+        self, grams: tuple, head: int, size: int, poisoned: bool, stored: bool
+    ) -> None:
+        """The commit point (`stages.commit_plain()`): the state of the plain step, which an
+        in-place call makes the caller's (a Ctrl-C deferred so far is raised here)."""
         state = self.state
         plain = state._replace(
             count=_counter(self.count),
@@ -342,12 +403,30 @@ class _Step:
             gram=grams[0],
             dr_gram=grams[1],
             dr_rhs=grams[2],
-            head=state.head if head == self.head else _counter(head),
-            window_size=state.window_size if size == self.size else _counter(size),
+            head=_counter(head) if stored else state.head,
+            window_size=_counter(size) if stored else state.window_size,
             num_nonfinite=state.num_nonfinite + 1 if poisoned else state.num_nonfinite,
         )
+        if not self.inplace:
+            self.current = plain._replace(
+                residuals=self.window_tree(state.residuals, self.ring),
+                anchor=self.window_tree(state.anchor, self.anchor),
+                iterates=self.window_tree(state.iterates, self.iterates),
+            )
+            return
         stages.commit_to(state, self.progress, plain, self.inner_state, self._adopts(), plain=True)
         self.guard.checkpoint()
+
+    def window_tree(self, field: Any, leaves: Any) -> Any:
+        """The state's field as trees like `params` (`stages.window_tree()`): the field
+        itself when every leaf is still its own."""
+        if isinstance(leaves, list):  # the anchor
+            same = _same(tree.flatten(field, "state.anchor")[0], leaves)
+            return field if same else tree.unflatten(self.spec, list(leaves))
+        mine = tuple(tree.flatten(r, "state window")[0] for r in field)
+        if len(mine) == len(leaves) and all(_same(a, b) for a, b in zip(mine, leaves)):
+            return field
+        return tuple(tree.unflatten(self.spec, list(r)) for r in leaves)
 
     def zero_streak(self) -> Tensor:
         streak = self.state.skip_streak
@@ -397,28 +476,32 @@ class _Step:
         return True
 
     def finish(self, mixes: bool, ok: bool, poisoned: bool, x: list[Tensor]) -> list[Tensor]:
-        """The final state (`stages.count_outcome()`) and the output's writes, committed."""
-        state = self.state
-        pending = state.pending_loss
+        """The final state (`stages.count_outcome()`) and the returned params (`output()`),
+        written and committed in place."""
+        current = self.current
+        pending = current.pending_loss
         if self.loss is not None and ok:
             loss = self.loss.to(device=pending.device, dtype=torch.float64)
             pending = torch.where(torch.isfinite(loss), loss, math.inf)
         failed = mixes and not ok and not poisoned  # a poisoned call was counted at the commit
-        final = state._replace(
-            num_mixed=state.num_mixed + 1 if ok else state.num_mixed,
-            num_nonfinite=state.num_nonfinite + 1 if failed else state.num_nonfinite,
+        final = current._replace(
+            num_mixed=current.num_mixed + 1 if ok else current.num_mixed,
+            num_nonfinite=current.num_nonfinite + 1 if failed else current.num_nonfinite,
             pending_loss=pending,
         )
+        if not self.inplace:
+            self.current = final
+            return list(x)
         writes = [(p, v) for p, v in zip(self.params, x) if v is not p]
         self.progress.writes, self.progress.pending = writes, final
         for p, v in writes:
             p.copy_(v)
-        stages.commit_to(state, self.progress, final, None, False)
+        stages.commit_to(self.state, self.progress, final, None, False)
         return self.params
 
     def recover(self) -> None:
         """An exception anywhere: one complete outcome, as on the general path."""
-        if self.progress.param_versions is None:
+        if self.progress is None or self.progress.param_versions is None:
             return  # nothing written
         call = stages.Call(
             self.options,
@@ -470,6 +553,10 @@ def _rows_of_one_buffer(slots: Sequence[Tensor]) -> Tensor | None:
     if first.untyped_storage().nbytes() < (first.storage_offset() + len(slots) * n) * size:
         return None
     return first.as_strided((len(slots), n), (n, 1))
+
+
+def _same(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _set_row(gram: Tensor, slot: int, row: Tensor) -> Tensor:
