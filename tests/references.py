@@ -630,15 +630,19 @@ def rounding_bounds(
     u_diff: float,
     loss: Callable | None = None,
     samples: int = 2,
+    u_point: float | None = None,
 ) -> np.ndarray:
     """Each call's bound on the relative error of a run's ``outputs`` against ``reference()``
-    replaying them (see above): ``reference`` makes a fresh :class:`Recurrence`."""
+    replaying them (see above): ``reference`` makes a fresh :class:`Recurrence`. ``u_point``:
+    the points' perturbation when it is not ``u_params`` (0 to compare two runs fed the same
+    rounded points, which differ only by their windows)."""
     steps = len(outputs)
     exact = reference().run(x0, steps, loss, inputs=outputs)[0]
     moved = np.zeros(steps)
+    u_point = u_params if u_point is None else u_point
     for sample in range(samples):
         perturbed = reference()
-        perturbed.perturb = rounding_perturbation(u_params, u_diff, seed=sample)
+        perturbed.perturb = rounding_perturbation(u_point, u_diff, seed=sample)
         out = perturbed.run(x0, steps, loss, inputs=outputs)[0]
         moved = np.maximum(moved, [_relative(a, b) for a, b in zip(out, exact)])
     return BOUND_FACTOR * moved + (perturbed.history_depth + 2) * u_params
