@@ -386,6 +386,48 @@ class Adam:
         return x - self.lr / (1 - b1**t) * m / denom, (t, m, v)
 
 
+# -- a window's rounding, as a perturbation ----------------------------------------------------
+
+
+def rounding_perturbation(u_point: float, u_diff: float, seed: int) -> Callable:
+    r"""A ``Recurrence.perturb`` that moves a window's data as rounding does, with random signs:
+    every point (mode "aadl": the iterates; mode "classic": ``x_i`` and ``g(x_i)``) by
+    ``u_point`` relative in each coordinate, then every consecutive difference (and mode
+    "classic"'s residuals ``f_i = g(x_i) - x_i``) by ``u_diff`` relative, the window rebuilt
+    from its newest point:
+
+    .. math::
+
+        x_i' = x_i (1 + u_p s_i), \quad
+        \Delta x_i'' = \Delta x_i' (1 + u_d t_i), \quad s, t \in \{-1, 1\}^n.
+
+    How far the mix moves under it measures the mix's sensitivity to rounding of that size
+    (the probabilistic model of rounding: independent errors of at most ``u`` relative each,
+    Higham & Mary, SIAM J. Sci. Comput. 41, 2019)."""
+    rng = np.random.default_rng(seed)
+
+    def signs(shape) -> np.ndarray:
+        return rng.choice([-1.0, 1.0], size=shape)
+
+    def columns(X: np.ndarray) -> np.ndarray:
+        X = X * (1.0 + u_point * signs(X.shape))
+        D = np.diff(X, axis=1) * (1.0 + u_diff * signs((X.shape[0], X.shape[1] - 1)))
+        out = X.copy()
+        for j in range(X.shape[1] - 2, -1, -1):
+            out[:, j] = out[:, j + 1] - D[:, j]
+        return out
+
+    def perturb(*window: np.ndarray):
+        if len(window) == 1:
+            return columns(window[0])
+        xs, gs = window
+        residuals = (gs - xs) * (1.0 + u_diff * signs(xs.shape))
+        xs = columns(xs)
+        return xs, (xs + residuals) * (1.0 + u_point * signs(xs.shape))
+
+    return perturb
+
+
 # -- the recurrence of ``update`` -------------------------------------------------------------
 
 
@@ -438,6 +480,10 @@ class Recurrence:
     deferred: bool = False
     solve: Solver = svd_lstsq
     reg_column: float = 0.0  # mode "classic" (type2_anderson's)
+    # Applied to the window's columns (oldest first) before each mix: mode "aadl" ``perturb(X)``,
+    # mode "classic" ``perturb(xs, gs)``; to measure how far a mix moves when its data is
+    # rounded (the test's own rounding model), None for the exact mix.
+    perturb: Callable | None = None
     window: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -447,9 +493,14 @@ class Recurrence:
     def _mix(self) -> np.ndarray:
         options = dict(reg=self.reg, reg_relative=self.reg_relative, solve=self.solve)
         if self.mode == "aadl":
-            return aadl_extrapolate(np.stack(self.window, axis=1), self.relaxation, **options)
+            X = np.stack(self.window, axis=1)
+            if self.perturb is not None:
+                X = self.perturb(X)
+            return aadl_extrapolate(X, self.relaxation, **options)
         xs = np.stack([p[0] for p in self.window], axis=1)
         gs = np.stack([p[1] for p in self.window], axis=1)
+        if self.perturb is not None:
+            xs, gs = self.perturb(xs, gs)
         return type2_anderson(xs, gs, self.relaxation, reg_column=self.reg_column, **options)
 
     def _averaged(self) -> np.ndarray | None:
@@ -543,3 +594,59 @@ class Recurrence:
         else:
             keep = True
         return ("mix", xm) if keep else ("rejected", y)
+
+
+# -- bounds on a run's rounding ----------------------------------------------------------------
+
+
+# Each call's rounding is a perturbation of its window's data, of a size the dtypes fix (``u``
+# the unit roundoff): every point by ``u_params`` relative (the inner step's subtraction, the
+# grads rounded to the params' dtype), and every stored difference by ``u_window`` when the
+# window is stored in a lower precision than the params (one rounding per stored entry), else
+# by the backward error of the float64 solve, ``sqrt(n (m + 1)) u_64`` (QR or Gram sums over
+# ``n`` coordinates and ``m + 1`` columns, probabilistically: Higham & Mary 2019). How far
+# that moves a call's mix is the call's sensitivity, measured by the reference itself (the
+# larger of two random-sign perturbations). As a real rounding is not a random sample, the
+# bound is ``BOUND_FACTOR`` times that: 2 for two solvers (the library's and the reference's)
+# erring independently, times 4 for a call's rounding moving the mix more than the larger of
+# two random samples did. Plus the combination's own rounding, ``(m + 2) u_params`` (``m + 1``
+# terms and the result's rounding). No constant is fitted per test: a window near rank
+# deficiency gets a larger bound from its own larger sensitivity, a well-conditioned one a
+# bound near the dtypes' rounding.
+BOUND_FACTOR = 8.0
+
+
+def solve_roundoff(n: int, history_depth: int) -> float:
+    """The float64 solve's backward error over ``n`` coordinates and ``history_depth + 1``
+    columns, ``sqrt(n (m + 1)) u_64`` (probabilistic)."""
+    return float(np.sqrt(n * (history_depth + 1))) * 2.0**-53
+
+
+def rounding_bounds(
+    reference: Callable[[], Recurrence],
+    x0: np.ndarray,
+    outputs: list,
+    u_params: float,
+    u_diff: float,
+    loss: Callable | None = None,
+    samples: int = 2,
+    u_point: float | None = None,
+) -> np.ndarray:
+    """Each call's bound on the relative error of a run's ``outputs`` against ``reference()``
+    replaying them (see above): ``reference`` makes a fresh :class:`Recurrence`. ``u_point``:
+    the points' perturbation when it is not ``u_params`` (0 to compare two runs fed the same
+    rounded points, which differ only by their windows)."""
+    steps = len(outputs)
+    exact = reference().run(x0, steps, loss, inputs=outputs)[0]
+    moved = np.zeros(steps)
+    u_point = u_params if u_point is None else u_point
+    for sample in range(samples):
+        perturbed = reference()
+        perturbed.perturb = rounding_perturbation(u_point, u_diff, seed=sample)
+        out = perturbed.run(x0, steps, loss, inputs=outputs)[0]
+        moved = np.maximum(moved, [_relative(a, b) for a, b in zip(out, exact)])
+    return BOUND_FACTOR * moved + (perturbed.history_depth + 2) * u_params
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -105,23 +105,28 @@ def test_follows_the_reference_recurrence(mode, inner, how):
 
 class TorchStep:
     """An inner optimizer for the core: a ``torch.optim`` optimizer of its own, stepping a
-    scratch copy of the params; the update is the displacement it took (float64: exact).
-    The core calls it only on the calls it does not revert, so its torch state follows the
-    core's decisions, not the wrapper's."""
+    scratch copy of the params (a tensor or a list of tensors); the update is the
+    displacement it took (float64: exact). The core calls it only on the calls it does not
+    revert, so its torch state follows the core's decisions, not the wrapper's."""
 
-    def __init__(self, make, like: torch.Tensor):
-        self.scratch = torch.nn.Parameter(like.clone())
-        self.optimizer = make([self.scratch])
+    def __init__(self, make, like: torch.Tensor | list[torch.Tensor]):
+        self.single = isinstance(like, torch.Tensor)
+        leaves = [like] if self.single else like
+        self.scratch = [torch.nn.Parameter(leaf.detach().clone()) for leaf in leaves]
+        self.optimizer = make(self.scratch)
 
     def init(self, params):
         return ()
 
     def update(self, updates, state, params=None, inplace=False):
+        grads, points = ([updates], [params]) if self.single else (updates, params)
         with torch.no_grad():
-            self.scratch.copy_(params)
-        self.scratch.grad = updates.clone()
+            for scratch, point, grad in zip(self.scratch, points, grads):
+                scratch.copy_(point)
+                scratch.grad = grad.clone()
         self.optimizer.step()
-        return self.scratch.detach().clone().sub_(params), state
+        moves = [s.detach().clone().sub_(p) for s, p in zip(self.scratch, points)]
+        return (moves[0] if self.single else moves), state
 
 
 @pytest.mark.parametrize("inner", list(TORCH_INNERS))
