@@ -598,16 +598,18 @@ def mark_verified(state: AndersonState) -> None:
         return
     key = id(count)
     entry = _VERIFIED.get(key)
-    if entry is None or entry() is not count:  # in place, the count is the same each call
-        entry = _Entry(count, _forget)
-        entry.key = key
-        entry.layout = None
-        _VERIFIED[key] = entry
-        if len(_VERIFIED) > _KEEP:  # counters kept alive after their states: drop the oldest
-            del _VERIFIED[next(iter(_VERIFIED))]
-    entry.fields = state[1:]
     # A state made in inference mode holds inference tensors, which only that mode may write.
-    entry.inference = count.is_inference()
+    inference = count.is_inference()
+    if entry is not None and entry() is count:  # in place, the count is the same each call
+        entry.fields, entry.inference = state[1:], inference
+        return
+    entry = _Entry(count, _forget)
+    entry.key, entry.layout = key, None
+    entry.fields, entry.inference = state[1:], inference
+    # Listed once complete: an exception raised before this line leaves no half-made entry.
+    _VERIFIED[key] = entry
+    if len(_VERIFIED) > _KEEP:  # counters kept alive after their states: drop the oldest
+        del _VERIFIED[next(iter(_VERIFIED))]
 
 
 def check_state_values(

@@ -1,5 +1,4 @@
-r"""The eager in-place executor: one `update(..., inplace=True)` call whose decisions are
-Python values.
+r"""The eager executor: one `update` call whose decisions are Python values.
 
 A plain eager call on CPU tensors knows every decision of its step as a Python value (the
 counters are read once; a finiteness test is one `aminmax`): whether it stores, whether
@@ -10,14 +9,15 @@ explicit tensors, with the same tensor operations as the general path
 sharded params and the other options) and therefore the same bits. What it leaves out is
 the general path's machinery: no `Call`, no blends, no decision tensors.
 
-The in-place protocol is the general path's (`aadl_func._src.atomic`): the same commit point,
-the same `Progress` record and, on an exception anywhere, the same recovery
+In place, the protocol is the general path's (`aadl_func._src.atomic`): the same commit
+point, the same `Progress` record and, on an exception anywhere, the same recovery
 (`aadl_func._src.stages.recover()`), so the exception guarantee of docs/reliability.md holds
-unchanged.
+unchanged. A pure call builds a new window and state as the general path does, sharing the
+tensors the call leaves as they were.
 
-Which calls it takes (`applies()`): in place, eager, unsharded, real CPU params with their
-window on the CPU laid out as `anderson.init` lays it out, no `loss_fn`, moving average
-or `skip_nonfinite`, and no deferred rejection to carry out (the general path reverts).
+Which calls it takes (`applies()`): eager and outside any torch.func transform, unsharded,
+real CPU params with their window and Grams on the CPU, no `loss_fn`, moving average or
+`skip_nonfinite`, and no deferred rejection to carry out (the general path reverts).
 """
 
 from __future__ import annotations
