@@ -30,26 +30,14 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import kernels, native, stages, tree
+from aadl_func._src import stages, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
 from aadl_func._src.checks import layout_of, mark_verified, remember_layout
+from aadl_func._src.exec import passes
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.scalars import EXACT
-from aadl_func._src.solve import (
-    aadl_coefficients,
-    classic_coefficients,
-    ridge,
-    solve_differences,
-    solve_factor,
-)
+from aadl_func._src.solve import aadl_coefficients, classic_coefficients
 from aadl_func._src.state import AndersonState
-from aadl_func._src.window import (
-    append_difference,
-    combine,
-    difference_factor,
-    difference_rows,
-    rows_from_dots,
-)
+from aadl_func._src.window import append_difference
 
 __all__ = ["applies", "run"]
 
@@ -203,16 +191,16 @@ class _Step:
         self.commit_plain(grams, head, size, poisoned, stored)
         if not self.mixes(size, options.rules.min_window):
             return self.finish(False, False, poisoned, y)
-        weights, order = self.solve(grams, head, size)
+        weights = passes.mixing_weights(self.options, self.ring, grams, head, size)
         coefficients = torch.cat(
             [
-                classic_coefficients(weights.alpha).roll(order + 1),
-                (options.relaxation * weights.alpha).roll(order + 1),
+                classic_coefficients(weights.alpha).roll(head + 1),
+                (options.relaxation * weights.alpha).roll(head + 1),
             ]
         )
         steps = self.combine(None, [self.iterates, self.ring], coefficients)
         x_hist = [v.add_(a) for v, a in zip(steps, self.anchor)]
-        ok = self.finite(x_hist, weights.ok)
+        ok = passes.finite(x_hist, self.params, weights.ok)
         x = stages.to_params(self, x_hist) if ok else y
         return self.finish(True, ok, poisoned, x)
 
@@ -243,7 +231,7 @@ class _Step:
         grams = (current.gram, current.dr_gram, current.dr_rhs)  # in place: the caller's
         if not self.mixes(size, options.rules.min_window):
             return self.finish(False, False, poisoned, y)
-        weights, order = self.solve(grams, head, num_residuals)
+        weights = passes.mixing_weights(self.options, self.ring, grams, head, num_residuals)
         minus_c = aadl_coefficients(weights.alpha, options.relaxation, negated=True)
         into = self.params if self.inplace and stored and self._mixes_into_params() else None
         if into is not None:
@@ -251,8 +239,8 @@ class _Step:
             self.progress.undo.append((self.params, self.anchor))
         try:
             base = self.anchor if into is None else into
-            x_hist = self.combine(base, [self.ring], minus_c.roll(order + 1), out=into)
-            ok = self.finite(x_hist, weights.ok)
+            x_hist = self.combine(base, [self.ring], minus_c.roll(head + 1), out=into)
+            ok = passes.finite(x_hist, self.params, weights.ok)
         except BaseException:
             if into is not None:
                 _write(self.params, self.anchor)  # back to y
@@ -322,72 +310,18 @@ class _Step:
         """The Gram rows of the residual written in `slot` (`stages.append()`): the new
         grams, the number of residuals and whether the append was poisoned (non-finite
         rows: the slot and the grams are zeroed, the window restarts)."""
-        q = self.q
-        slot_t = torch.scalar_tensor(slot, dtype=_INT64)
-        rows = self.rows(slot_t, slot, grams[0], g)
-        grown = min(num_residuals + 1, q)
-        stacked = torch.stack(rows)
-        if grown != q:
-            age = (slot_t - torch.arange(q)) % q
-            stacked = torch.where((age < grown).to(stacked.device), stacked, 0.0)
-        low, high = torch.aminmax(stacked)
-        if -math.inf < low.item() and high.item() < math.inf:
-            g, h, c = rows
-            return (_set_row(grams[0], slot, g), _set_row(grams[1], slot, h), c), grown, False
+        grown = min(num_residuals + 1, self.q)
+        appended = passes.appended_grams(self.ring, slot, grams, grown, g)
+        if appended is not None:
+            return appended, grown, False
         self.ring = self.put(self.ring, slot, [torch.zeros_like(r) for r in self.ring[slot]])
         return tuple(map(torch.zeros_like, grams)), 0, True
-
-    def rows(self, slot_t: Tensor, slot: int, gram: Tensor, g: Tensor | None) -> tuple:
-        """`aadl_func._src.window.difference_rows()`: the native kernel's pass over the
-        slots as they lie (a float32 or bf16 window), else that function's own passes."""
-        device = gram.device
-        if g is None and not any(leaf.dtype in EXACT for leaf in self.ring[0]):
-            g = torch.zeros(self.q, dtype=torch.float64, device=device)
-            for i, newest in enumerate(self.ring[slot]):
-                if newest.numel() == 0:
-                    continue
-                part = None
-                if newest.is_contiguous():
-                    rows = [entry[i] for entry in self.ring]
-                    part = native.float64_dots(rows, newest.view(-1))
-                if part is None:  # not a plain contiguous CPU window: the general pass
-                    return difference_rows(self.ring, slot_t, device, gram)
-                g = g + part.to(device)
-            return rows_from_dots(g, None, gram, slot_t, slot, device)
-        return difference_rows(self.ring, slot_t, device, gram, g=g)
 
     def combine(
         self, base: list[Tensor] | None, rings: list[tuple], weights: Tensor, out: Any = None
     ) -> list[Tensor]:
-        """`aadl_func._src.window.combine()`, reading each leaf's slots as the `(Q, n)`
-        matrices `anderson.init` lays them out as, without looking for their runs."""
-        templates = [*self.anchor, *(base or ()), *(out or ())]
-        if not all(t.is_contiguous() for t in templates):  # e.g. channels_last: flat views
-            return combine(base, rings, weights, self.compute_dtypes, self.anchor, out=out)
-        runs = []
-        for i in range(len(self.anchor)):
-            leaf_runs, first = [], 0
-            for ring in rings:
-                matrix = _rows_of_one_buffer([entry[i] for entry in ring])
-                if matrix is None:
-                    return combine(base, rings, weights, self.compute_dtypes, self.anchor, out=out)
-                leaf_runs.append((first, matrix))
-                first += len(ring)
-            runs.append(leaf_runs)
-        results = []
-        for i, template in enumerate(self.anchor):
-            cdt = self.compute_dtypes[i]
-            result = torch.empty_like(template, dtype=cdt) if out is None else out[i]
-            slots = [entry[i] for ring in rings for entry in ring]
-            kernels.combine_leaf(
-                None if base is None else base[i].view(-1),
-                slots,
-                weights.to(dtype=cdt),
-                result.view(-1),
-                runs[i],
-            )
-            results.append(result)
-        return results
+        """`base + sum_s weights[s] slot_s` per leaf (`passes.combine()`)."""
+        return passes.combine(self.anchor, self.compute_dtypes, base, rings, weights, out)
 
     def commit_plain(
         self, grams: tuple, head: int, size: int, poisoned: bool, stored: bool
@@ -440,40 +374,6 @@ class _Step:
             and self.count % options.frequency == 0
             and size >= minimum
         )
-
-    def solve(self, grams: tuple, head: int, num_residuals: int) -> tuple[Any, int]:
-        """The mixing weights (`stages.solve()`) and the newest slot."""
-        gram, dr_gram, dr_rhs = grams
-        q, device = self.q, gram.device
-        slots, later = stages._chronological_slots(q, head, device)
-        residual_sq = torch.diagonal(gram).real.index_select(0, slots)
-        dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
-        rhs = dr_rhs.index_select(0, later)
-        num_valid = torch.scalar_tensor(num_residuals, dtype=_INT64)
-        reg = ridge(self.options, dr_chrono, num_valid)
-        if all(leaf.dtype in EXACT for leaf in self.ring[0]):
-            # A float64 window: the accurate route, a QR factor streamed from the ring.
-            valid = torch.arange(q - 1) >= q - num_valid
-            order = stages._chronological(q, torch.scalar_tensor(head, dtype=_INT64))
-            factor = difference_factor(self.ring, order, valid, device)
-            return solve_factor(factor, valid.to(device), reg), head
-        weights = solve_differences(
-            dr_chrono, rhs, residual_sq, num_valid, reg, residual_norm=False
-        )
-        return weights, head
-
-    def finite(self, x_hist: Sequence[Tensor], solved: Any) -> bool:
-        """Whether the solve and the mix are finite in the params' dtypes (`stages.finite()`)."""
-        if not (solved if isinstance(solved, bool) else bool(solved.item())):
-            return False
-        for t, p in zip(x_hist, self.params):
-            if t.numel() == 0:
-                continue
-            limit = torch.finfo(p.dtype).max
-            low, high = torch.aminmax(t)
-            if not (low.item() >= -limit and high.item() <= limit):
-                return False
-        return True
 
     def finish(self, mixes: bool, ok: bool, poisoned: bool, x: list[Tensor]) -> list[Tensor]:
         """The final state (`stages.count_outcome()`) and the returned params (`output()`),
@@ -536,35 +436,8 @@ def _write(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
             dst.copy_(src)
 
 
-def _rows_of_one_buffer(slots: Sequence[Tensor]) -> Tensor | None:
-    """The slots as one `(Q, n)` matrix when they are consecutive C-contiguous rows of one
-    buffer (as `anderson.init` lays a leaf's slots out), else None."""
-    first = slots[0]
-    n = first.numel()
-    if n == 0 or not first.is_contiguous():
-        return None
-    size, start = first.element_size(), first.data_ptr()
-    for s, slot in enumerate(slots):
-        if slot.data_ptr() != start + s * n * size or not slot.is_contiguous():
-            return None
-        if slot.dtype != first.dtype:
-            return None
-    # Every slot lies in the first one's storage if that storage reaches past the last row.
-    if first.untyped_storage().nbytes() < (first.storage_offset() + len(slots) * n) * size:
-        return None
-    return first.as_strided((len(slots), n), (n, 1))
-
-
 def _same(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _set_row(gram: Tensor, slot: int, row: Tensor) -> Tensor:
-    """`aadl_func._src.window.set_gram_row()` for a known slot."""
-    gram = gram.clone()
-    gram[slot] = row.conj()
-    gram[:, slot] = row
-    return gram
 
 
 def _cleared(pending: Tensor) -> Tensor:

@@ -1,0 +1,173 @@
+r"""The eager executor's passes and small problem, over explicit tensors.
+
+Each function is one stage of `aadl_func._src.exec.eager` with its inputs as arguments: the
+Gram rows of an append and whether they are finite, the mixing weights of the window, the
+combination of its slots, and the finiteness test of a mix. They run the tensor operations
+of the general path's stages (`aadl_func._src.stages`, `aadl_func._src.window`), so they
+give its bits, and skip its machinery: the slots are read as the `(Q, n)` matrices
+`anderson.init` lays them out as, and the native kernel is called directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aadl_func._src import kernels, native, stages
+from aadl_func._src.options import AndersonOptions
+from aadl_func._src.scalars import EXACT
+from aadl_func._src.solve import MixingWeights, ridge, solve_differences, solve_factor
+from aadl_func._src.window import combine as window_combine
+from aadl_func._src.window import difference_factor, difference_rows, rows_from_dots
+
+__all__ = ["appended_grams", "combine", "finite", "gram_rows", "mixing_weights"]
+
+_INT64 = torch.int64
+
+
+def gram_rows(ring: tuple, slot: int, gram: Tensor, g: Tensor | None = None) -> tuple:
+    r"""`(g, h, c)`, the Gram rows of the residual in `ring[slot]`
+    (`aadl_func._src.window.difference_rows()`): the native kernel's pass over the slots
+    as they lie for a float32 or bf16 window, else that function's own passes. `g`: the row
+    $g$ when the fused append computed it."""
+    device = gram.device
+    slot_t = torch.scalar_tensor(slot, dtype=_INT64)
+    if g is None and not any(leaf.dtype in EXACT for leaf in ring[0]):
+        g = torch.zeros(len(ring), dtype=torch.float64, device=device)
+        for i, newest in enumerate(ring[slot]):
+            if newest.numel() == 0:
+                continue
+            part = None
+            if newest.is_contiguous():
+                part = native.float64_dots([entry[i] for entry in ring], newest.view(-1))
+            if part is None:  # not a plain contiguous CPU window: the general pass
+                return difference_rows(ring, slot_t, device, gram)
+            g = g + part.to(device)
+        return rows_from_dots(g, None, gram, slot_t, slot, device)
+    return difference_rows(ring, slot_t, device, gram, g=g)
+
+
+def appended_grams(
+    ring: tuple, slot: int, grams: tuple, grown: int, g: Tensor | None = None
+) -> tuple | None:
+    """The Grams `(gram, dr_gram, dr_rhs)` after the residual in `ring[slot]` joined the
+    window of `grown` residuals (`aadl_func._src.stages.append()`), or None when its rows
+    are not finite over the valid slots (the append is poisoned)."""
+    q = len(ring)
+    rows = gram_rows(ring, slot, grams[0], g)
+    stacked = torch.stack(rows)
+    if grown != q:
+        age = (torch.scalar_tensor(slot, dtype=_INT64) - torch.arange(q)) % q
+        stacked = torch.where((age < grown).to(stacked.device), stacked, 0.0)
+    low, high = torch.aminmax(stacked)
+    if not (-math.inf < low.item() and high.item() < math.inf):
+        return None
+    g, h, c = rows
+    return _set_row(grams[0], slot, g), _set_row(grams[1], slot, h), c
+
+
+def mixing_weights(
+    options: AndersonOptions, ring: tuple, grams: tuple, head: int, num_residuals: int
+) -> MixingWeights:
+    """The mixing weights of the window whose newest residual is in slot `head`
+    (`aadl_func._src.stages.solve()`), chronological: from the Grams, or for a float64
+    window from a QR factor streamed from the ring."""
+    gram, dr_gram, dr_rhs = grams
+    q, device = len(ring), gram.device
+    slots, later = stages._chronological_slots(q, head, device)
+    residual_sq = torch.diagonal(gram).real.index_select(0, slots)
+    dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
+    rhs = dr_rhs.index_select(0, later)
+    num_valid = torch.scalar_tensor(num_residuals, dtype=_INT64)
+    reg = ridge(options, dr_chrono, num_valid)
+    if all(leaf.dtype in EXACT for leaf in ring[0]):
+        valid = torch.arange(q - 1) >= q - num_valid
+        order = stages._chronological(q, torch.scalar_tensor(head, dtype=_INT64))
+        factor = difference_factor(ring, order, valid, device)
+        return solve_factor(factor, valid.to(device), reg)
+    return solve_differences(dr_chrono, rhs, residual_sq, num_valid, reg, residual_norm=False)
+
+
+def combine(
+    like: Sequence[Tensor],
+    compute_dtypes: Sequence[torch.dtype],
+    base: Sequence[Tensor] | None,
+    rings: Sequence[tuple],
+    weights: Tensor,
+    out: Sequence[Tensor] | None = None,
+) -> list[Tensor]:
+    """`aadl_func._src.window.combine()` (same arguments), reading each leaf's slots as
+    the `(Q, n)` matrices `anderson.init` lays them out as, without looking for their runs;
+    other layouts go to that function."""
+    templates = [*like, *(base or ()), *(out or ())]
+    if not all(t.is_contiguous() for t in templates):  # e.g. channels_last: flat views
+        return window_combine(base, rings, weights, compute_dtypes, like, out=out)
+    runs = []
+    for i in range(len(like)):
+        leaf_runs, first = [], 0
+        for ring in rings:
+            matrix = _rows_of_one_buffer([entry[i] for entry in ring])
+            if matrix is None:
+                return window_combine(base, rings, weights, compute_dtypes, like, out=out)
+            leaf_runs.append((first, matrix))
+            first += len(ring)
+        runs.append(leaf_runs)
+    results = []
+    for i, template in enumerate(like):
+        cdt = compute_dtypes[i]
+        result = torch.empty_like(template, dtype=cdt) if out is None else out[i]
+        kernels.combine_leaf(
+            None if base is None else base[i].view(-1),
+            [entry[i] for ring in rings for entry in ring],
+            weights.to(dtype=cdt),
+            result.view(-1),
+            runs[i],
+        )
+        results.append(result)
+    return results
+
+
+def finite(x_hist: Sequence[Tensor], params: Sequence[Tensor], solved: Any) -> bool:
+    """Whether the solve and the mix are finite in the params' dtypes
+    (`aadl_func._src.stages.finite()`)."""
+    if not (solved if isinstance(solved, bool) else bool(solved.item())):
+        return False
+    for t, p in zip(x_hist, params):
+        if t.numel() == 0:
+            continue
+        limit = torch.finfo(p.dtype).max
+        low, high = torch.aminmax(t)
+        if not (low.item() >= -limit and high.item() <= limit):
+            return False
+    return True
+
+
+def _rows_of_one_buffer(slots: Sequence[Tensor]) -> Tensor | None:
+    """The slots as one `(Q, n)` matrix when they are consecutive C-contiguous rows of one
+    buffer (as `anderson.init` lays a leaf's slots out), else None."""
+    first = slots[0]
+    n = first.numel()
+    if n == 0 or not first.is_contiguous():
+        return None
+    size, start = first.element_size(), first.data_ptr()
+    for s, slot in enumerate(slots):
+        if slot.data_ptr() != start + s * n * size or not slot.is_contiguous():
+            return None
+        if slot.dtype != first.dtype:
+            return None
+    # Every slot lies in the first one's storage if that storage reaches past the last row.
+    if first.untyped_storage().nbytes() < (first.storage_offset() + len(slots) * n) * size:
+        return None
+    return first.as_strided((len(slots), n), (n, 1))
+
+
+def _set_row(gram: Tensor, slot: int, row: Tensor) -> Tensor:
+    """`aadl_func._src.window.set_gram_row()` for a known slot."""
+    gram = gram.clone()
+    gram[slot] = row.conj()
+    gram[:, slot] = row
+    return gram
