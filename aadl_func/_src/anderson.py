@@ -392,88 +392,117 @@ def step(
         done = eager.run(options, state, params, p_leaves, spec, grads, loss, inplace=inplace)
         if done is not None:
             return done
+    return _general(
+        options,
+        state,
+        params,
+        p_leaves,
+        spec,
+        grads,
+        _Flags(inplace, loss_fn, loss, mix, shards, transformed),
+    )
+
+
+class _Flags(NamedTuple):
+    """How `step` was called, for the general path."""
+
+    inplace: bool
+    loss_fn: LossFn | None
+    loss: Tensor | None
+    mix: bool
+    shards: Any
+    transformed: bool
+
+
+def _general(options, state, params, p_leaves, spec, grads, how: _Flags) -> tuple:
+    """The general path (`aadl_func._src.stages` and the mode's step function): every call
+    the eager executor does not take (vmap, torch.compile, sharded params, `loss_fn`, the
+    moving average, `skip_nonfinite`, a deferred rejection)."""
     if tree.tracing():
         # Traced (torch.compile): the decisions stay on the compute device (tree.decision),
         # so the counters join them there; the returned state keeps them on that device.
         state = _counters_on(state, options.compute_device_of(p_leaves))
-    elif transformed:
+    elif how.transformed:
         # vmap: counters that every member shares become plain values (tree.shared), so an
         # ensemble stepping together writes its windows at one slot, O(n) per member.
         state = state._replace(**{name: tree.shared(getattr(state, name)) for name in MOVED})
     # An eager in-place call writes the caller's buffers, so it commits in two stages and
     # defers Ctrl-C between them (atomic.py). Under a transform the caller's tensors are not
     # written back: the transformed call returns its state.
-    guard = InterruptGuard() if inplace and not transformed else None
-    if loss is not None and shards is not None:
-        loss = shards.mean_loss(loss)  # every rank judges the same loss
+    guard = InterruptGuard() if how.inplace and not how.transformed else None
+    if how.loss is not None and how.shards is not None:
+        how = how._replace(loss=how.shards.mean_loss(how.loss))  # every rank judges the same
+    # `guarded`: the guard's handler is taken out however the call ends (atomic.py).
+    return guarded(
+        guard, lambda: _general_call(options, state, params, p_leaves, spec, grads, how, guard)
+    )
 
-    def call_guarded() -> tuple[Params, AndersonState]:
-        # The deferred safeguard's verdict on the mix the previous call returned, before
-        # any inner step: a known rejection (eager) goes back without one.
-        rejected = deferred.rejects(state, loss)
-        reject_known = flags.value(rejected)
-        if reject_known:
-            call = Call(
-                options,
-                state,
-                p_leaves,
-                spec,
-                [],  # no inner step
-                state.inner_state,
-                inplace=inplace,
-                loss_fn=None,
-                loss=loss,
-                shards=shards,
-                guard=guard,
-            )
-            out, new_state = _finish(call, lambda: revert(call, blended=False))
-            return _returned(call, out, new_state, transformed)
-        # With skip_nonfinite the inner update is computed out of place, so that a non-finite
-        # one can be dropped without having touched the inner state.
-        # Eager in place (guarded) also when the inner optimizer keeps buffers: their new
-        # values are committed with the plain step, so an exception before it leaves the
-        # inner state as it was. (The built-in ones say whether they do; others are assumed
-        # to.) In place it would only write the grads, which the guarantee does not cover.
-        # A rejection without a value (vmap, compile) blends it with the kept call: out of
-        # place too.
-        keeps_buffers = getattr(options.inner.update, "writes_state", True)
-        updates, inner_state = options.inner.update(
-            grads,
-            state.inner_state,
-            params=params,
-            inplace=inplace
-            and not options.skip_nonfinite
-            and (guard is None or not keeps_buffers)
-            and reject_known is not None,
-        )
-        u_leaves, u_spec = tree.flatten(updates, "inner updates")
-        tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
+
+def _general_call(options, state, params, p_leaves, spec, grads, how: _Flags, guard) -> tuple:
+    """`_general`'s call, with the guard (if any) held."""
+    # The deferred safeguard's verdict on the mix the previous call returned, before any
+    # inner step: a known rejection (eager) goes back without one.
+    rejected = deferred.rejects(state, how.loss)
+    reject_known = flags.value(rejected)
+    if reject_known:
         call = Call(
             options,
             state,
             p_leaves,
             spec,
-            u_leaves,
-            inner_state,
-            inplace=inplace,
-            loss_fn=loss_fn,
-            loss=loss,
-            shards=shards,
+            [],  # no inner step
+            state.inner_state,
+            inplace=how.inplace,
+            loss_fn=None,
+            loss=how.loss,
+            shards=how.shards,
             guard=guard,
-            plain=not mix,
         )
-        run = options.rules.step
-        if options.skip_nonfinite:
-            g_leaves = tree.flatten(grads, "grads")[0]
-            run = functools.partial(_run_if_finite, run=options.rules.step, g_leaves=g_leaves)
-        if reject_known is None:
-            out, new_state = _blend_verdict(call, rejected, run)
-        else:
-            out, new_state = _finish(call, lambda: run(call))
-        return _returned(call, out, new_state, transformed)
-
-    # `guarded`: the guard's handler is taken out however the call ends (atomic.py).
-    return guarded(guard, call_guarded)
+        out, new_state = _finish(call, lambda: revert(call, blended=False))
+        return _returned(call, out, new_state, how.transformed)
+    # With skip_nonfinite the inner update is computed out of place, so that a non-finite
+    # one can be dropped without having touched the inner state.
+    # Eager in place (guarded) also when the inner optimizer keeps buffers: their new
+    # values are committed with the plain step, so an exception before it leaves the
+    # inner state as it was. (The built-in ones say whether they do; others are assumed
+    # to.) In place it would only write the grads, which the guarantee does not cover.
+    # A rejection without a value (vmap, compile) blends it with the kept call: out of
+    # place too.
+    keeps_buffers = getattr(options.inner.update, "writes_state", True)
+    updates, inner_state = options.inner.update(
+        grads,
+        state.inner_state,
+        params=params,
+        inplace=how.inplace
+        and not options.skip_nonfinite
+        and (guard is None or not keeps_buffers)
+        and reject_known is not None,
+    )
+    u_leaves, u_spec = tree.flatten(updates, "inner updates")
+    tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
+    call = Call(
+        options,
+        state,
+        p_leaves,
+        spec,
+        u_leaves,
+        inner_state,
+        inplace=how.inplace,
+        loss_fn=how.loss_fn,
+        loss=how.loss,
+        shards=how.shards,
+        guard=guard,
+        plain=not how.mix,
+    )
+    run = options.rules.step
+    if options.skip_nonfinite:
+        g_leaves = tree.flatten(grads, "grads")[0]
+        run = functools.partial(_run_if_finite, run=options.rules.step, g_leaves=g_leaves)
+    if reject_known is None:
+        out, new_state = _blend_verdict(call, rejected, run)
+    else:
+        out, new_state = _finish(call, lambda: run(call))
+    return _returned(call, out, new_state, how.transformed)
 
 
 def _finish(call: Call, run: Callable[[], tuple[Any, AndersonState]]) -> tuple[Any, Any]:
