@@ -66,6 +66,8 @@ CONFIGS = {
     "aadl-deferred-kept": dict(
         inner=lambda: aa.sgd(0.3, momentum=0.5), guard=False, deferred=True, keep=True
     ),
+    # Mode "classic" without a safeguard: the eager executor's in-place classic step.
+    "classic-executor": dict(inner=lambda: aa.adam(0.05), mode="classic", guard=False),
 }
 ERRORS = [RuntimeError, SystemExit, KeyboardInterrupt]
 
