@@ -42,6 +42,7 @@ __all__ = [
     "gmres",
     "gmres_iterate",
     "householder_lstsq",
+    "mix_bound",
     "minimal_residual_iterate",
     "rna_extrapolate",
     "rna_weights",
@@ -646,6 +647,27 @@ def rounding_bounds(
         out = perturbed.run(x0, steps, loss, inputs=outputs)[0]
         moved = np.maximum(moved, [_relative(a, b) for a, b in zip(out, exact)])
     return BOUND_FACTOR * moved + (perturbed.history_depth + 2) * u_params
+
+
+def mix_bound(
+    mix: Callable[[np.ndarray], np.ndarray],
+    window: np.ndarray,
+    u_params: float,
+    u_diff: float,
+    u_point: float | None = None,
+    samples: int = 2,
+) -> float:
+    """:func:`rounding_bounds` for one mix of a given window: the bound on the relative error
+    of a library's mix of ``window`` (``(n, k)``, oldest first) against ``mix(window)``,
+    ``BOUND_FACTOR`` times how far ``mix`` moves when the window is perturbed as rounding does
+    (:func:`rounding_perturbation`), plus the combination's ``(k + 1) u_params``."""
+    exact = mix(window)
+    u_point = u_params if u_point is None else u_point
+    moved = max(
+        _relative(mix(rounding_perturbation(u_point, u_diff, seed=sample)(window)), exact)
+        for sample in range(samples)
+    )
+    return BOUND_FACTOR * moved + (window.shape[1] + 1) * u_params
 
 
 def _relative(a: np.ndarray, b: np.ndarray) -> float:

@@ -46,6 +46,7 @@ import torch
 from conftest import LogisticProblem, relative_error, tree_to_vector, vector_to_tree
 from references import Adam, Recurrence, Sgd, rounding_bounds, solve_roundoff
 from torch.func import vmap
+from window_invariant import dot_roundoff, state_gram_errors
 
 import aadl_func as aa
 
@@ -381,8 +382,9 @@ def grads_of(spec: OptionSet, x: np.ndarray, gradient) -> dict:
 
 def eager_run(spec: OptionSet, inplace: bool, scale=1.0, seed=0, perturb=0.0):
     """The library's eager run: its outputs (float64 vectors), per-call kinds, per-call
-    ``(params, state.gram)`` and the final state. ``perturb``: the start multiplied by
-    ``1 +- perturb`` coordinate-wise (random signs), to measure the run's sensitivity."""
+    ``(params, state.gram, gram_error)`` (:func:`gram_error`) and the final state.
+    ``perturb``: the start multiplied by ``1 +- perturb`` coordinate-wise (random signs), to
+    measure the run's sensitivity."""
     opt = spec.optimizer()
     x0 = start(scale, seed)
     if perturb:
@@ -399,7 +401,8 @@ def eager_run(spec: OptionSet, inplace: bool, scale=1.0, seed=0, perturb=0.0):
         params, state = opt.update(state, params, grads, inplace=inplace, loss_fn=loss_fn)
         kinds.append(kind_of_call(before, counters(state)))
         outputs.append(tree_to_vector(params))
-        trees.append(optree.tree_map(torch.clone, (params, state.gram)))
+        copies = optree.tree_map(torch.clone, (params, state.gram))
+        trees.append((*copies, gram_error(state, spec.mode)))
     return outputs, kinds, trees, state
 
 
@@ -427,7 +430,7 @@ def test_eager_pure_and_inplace(name):
         assert "rejected" in kinds
     _, inplace_kinds, inplace_trees, inplace_state = eager_run(spec, inplace=True)
     assert inplace_kinds == kinds
-    for (params, gram), (pure_params, pure_gram) in zip(inplace_trees, trees):
+    for (params, gram, _), (pure_params, pure_gram, _) in zip(inplace_trees, trees):
         for x, y in zip(optree.tree_leaves(params), optree.tree_leaves(pure_params)):
             assert x.dtype == y.dtype == spec.dtype and torch.equal(x, y)
         assert torch.equal(gram, pure_gram)
@@ -483,7 +486,8 @@ def ensemble_run(spec: OptionSet, init: str):
         for i in members:
             kinds[i].append(kind_of_call(before[i], counters(state, i)))
             outputs[i].append(tree_to_vector(row(params, i)))
-            trees[i].append(optree.tree_map(torch.clone, (row(params, i), state.gram[i])))
+            member = optree.tree_map(torch.clone, (row(params, i), state.gram[i]))
+            trees[i].append((*member, gram_error(row(state, i), spec.mode)))
     return outputs, kinds, trees, state
 
 
@@ -529,9 +533,13 @@ def test_vmap_ensemble(name, init):
     call 11, where the window first nears rank deficiency). ``k`` such perturbations, each
     amplified by at most ``max D_j / delta``, give ``k * max_{j <= k} D_j``. (The fitted bound
     this replaces, 1e-11, failed on an AMD EPYC at 1.28e-11: member 1, call 11.) Errors below
-    ``k * delta`` (no amplification at all) need no sensitivity run. The float64 Gram
-    matrices (float32 params too: a stacked state's Gram rows take a chunked route) agree to
-    1e-6 over those calls."""
+    ``k * delta`` (no amplification at all) need no sensitivity run.
+
+    The float64 Gram matrix ``state.gram`` of each member and of its own run (float32 params
+    too: a stacked state's Gram rows take a chunked route) is, after every call, that of the
+    residuals its ring stores, to a float64 inner product's rounding (:func:`gram_error`,
+    :func:`window_invariant.dot_roundoff`); it was compared with the member's own run to
+    ``rtol=1e-6``, a bound fitted to nothing and 1e8 times looser."""
     spec = SETS[name]
     outputs, kinds, trees, state = ensemble_run(spec, init)
     for i, scale in enumerate(spec.scales):
@@ -541,7 +549,8 @@ def test_vmap_ensemble(name, init):
         assert kinds[i] == own_kinds
         delta = per_call_rounding(spec, own)
         sensitivity = None
-        for k, ((params, gram), (own_params, own_gram)) in enumerate(zip(trees[i], own_trees)):
+        for k, (member, own_member) in enumerate(zip(trees[i], own_trees)):
+            (params, _, gram_err), (own_params, _, own_gram_err) = member, own_member
             if spec.dtype == torch.float32:
                 for x, y in zip(optree.tree_leaves(params), optree.tree_leaves(own_params)):
                     assert torch.equal(x, y), f"member {i} differs at call {k + 1}"
@@ -553,15 +562,24 @@ def test_vmap_ensemble(name, init):
                         sensitivity = [relative_error(a, b) for a, b in zip(perturbed, own)]
                     bound = (k + 1) * max(sensitivity[: k + 1])
                     assert error <= bound, (i, k + 1, error, bound)
-            if k < MEMBER_CALLS:
-                # float64 sums of n products, grouped otherwise when batched; relative to the
-                # largest entry (the off-diagonal ones may nearly cancel).
-                atol = 1e-6 * float(own_gram.abs().max())
-                torch.testing.assert_close(gram, own_gram, rtol=1e-6, atol=atol)
+            assert max(gram_err, own_gram_err) <= GRAM_ROUNDOFF, (i, k + 1, gram_err, own_gram_err)
 
 
 MEMBER_CALLS = 12
 UNIT_ROUNDOFF = 2.0**-53  # float64
+# Each entry of state.gram is one float64 inner product of two stored residuals, of
+# PROBLEM.dim products (exact for float32/bf16 data, one rounding each for float64), summed in
+# whatever order the path takes (the native kernel's, BLAS's, chunks under vmap): within
+# gamma_n |f_i|.|f_j| <= gamma_n ||f_i|| ||f_j|| of the exact one (Higham, Accuracy and
+# Stability, 2nd ed., eq. 3.5), whatever the order, on any CPU.
+GRAM_ROUNDOFF = dot_roundoff(PROBLEM.dim)
+
+
+def gram_error(state, mode: str) -> float:
+    """The largest error of ``state.gram`` against the float64 Gram matrix of the residuals
+    its ring stores, each entry relative to ``||f_i|| ||f_j||``
+    (``window_invariant.state_gram_errors``, NumPy, independent of the code under test)."""
+    return state_gram_errors(state, mode)["gram"]
 
 
 def per_call_rounding(spec: OptionSet, own: list) -> float:

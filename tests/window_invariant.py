@@ -22,6 +22,14 @@ WINDOWS = {
 }
 
 
+def dot_roundoff(n: int) -> float:
+    """``gamma_n = n u / (1 - n u)``, ``u = 2^-53``: a float64 inner product of ``n`` terms,
+    summed in any order, is within ``gamma_n |x|.|y| <= gamma_n ||x|| ||y||`` of the exact one
+    (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., eq. 3.5)."""
+    u = 2.0**-53
+    return n * u / (1.0 - n * u)
+
+
 def ring_matrix(state) -> np.ndarray:
     """The stored residuals as a float64 ``(Q, n)`` matrix, ring order (exact: every
     float32/bf16/fp16 value is a float64 value)."""
