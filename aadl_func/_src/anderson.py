@@ -28,9 +28,7 @@ from aadl_func._src.checks import (
     check_floating,
     check_update_inputs,
     keep_requires_grad,
-    layout_of,
     mark_verified,
-    remember_layout,
 )
 from aadl_func._src.exec import eager
 from aadl_func._src.options import AndersonOptions
@@ -523,9 +521,7 @@ def _returned(call: Call, out: Any, new_state: AndersonState, transformed: bool)
     if new_state is not call.state and not transformed:
         # Made here: its values need no check on the next call, and its layout is the one
         # the state passed in was checked for.
-        layout = layout_of(call.state)
-        mark_verified(new_state)
-        remember_layout(new_state, layout)
+        mark_verified(new_state, made_from=call.state)
     return out, new_state
 
 

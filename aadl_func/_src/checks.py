@@ -48,7 +48,6 @@ __all__ = [
     "mark_verified",
     "checked_layout",
     "remember_layout",
-    "layout_of",
     "check_update_inputs",
     "differentiating",
     "keep_requires_grad",
@@ -575,7 +574,7 @@ def remember_layout(state: AndersonState, layout: tuple | None) -> None:
         entry.layout = layout
 
 
-def layout_of(state: AndersonState) -> tuple | None:
+def _layout_of(state: AndersonState) -> tuple | None:
     """The layout `state` was checked for (`checked_layout()`), if any."""
     entry = _verified_entry(state) if not tree.tracing() else None
     return None if entry is None else entry.layout
@@ -591,20 +590,24 @@ def _concrete(counter: Any) -> bool:
     )
 
 
-def mark_verified(state: AndersonState) -> None:
-    """Records `state` (returned by an eager `update`, or checked) as verified."""
+def mark_verified(state: AndersonState, *, made_from: AndersonState | None = None) -> None:
+    """Records `state` (returned by an eager `update`, or checked) as verified; `made_from`:
+    the state `update` made it from, whose checked layout (`checked_layout()`) it inherits."""
     count = state.count
     if not (isinstance(count, Tensor) and count.ndim == 0 and count.is_cpu):
         return
+    layout = None if made_from is None else _layout_of(made_from)
     key = id(count)
     entry = _VERIFIED.get(key)
     # A state made in inference mode holds inference tensors, which only that mode may write.
     inference = count.is_inference()
     if entry is not None and entry() is count:  # in place, the count is the same each call
         entry.fields, entry.inference = state[1:], inference
+        if made_from is not None:
+            entry.layout = layout
         return
     entry = _Entry(count, _forget)
-    entry.key, entry.layout = key, None
+    entry.key, entry.layout = key, layout
     entry.fields, entry.inference = state[1:], inference
     # Listed once complete: an exception raised before this line leaves no half-made entry.
     _VERIFIED[key] = entry

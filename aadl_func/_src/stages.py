@@ -73,6 +73,8 @@ __all__ = [
     "to_ring_order",
     "undo_later",
     "window_tree",
+    "window_factor",
+    "window_weights",
 ]
 
 Params = Any
@@ -401,12 +403,13 @@ def replace_newest(call: Call, ring: tuple, grams: tuple, head: Tensor, residual
 
 
 # -- the least-squares problem ----------------------------------------------------------------
-def _factor(call: Call, ring: tuple, head: Tensor, num_residuals: Tensor) -> Tensor:
+def window_factor(ring: tuple, head: Tensor, num_residuals: Tensor, device: Any) -> Tensor:
     """The float64 QR factor of `[DF | f_head]` over the valid residuals of `ring`
     (this rank's rows only when sharded): one streaming pass, O(Q^2 n) flops."""
-    order = _chronological(call.q, head)
-    valid = _difference_valid(call.q, num_residuals)
-    return difference_factor(ring, order, valid, call.compute_device)
+    q = len(ring)
+    return difference_factor(
+        ring, _chronological(q, head), _difference_valid(q, num_residuals), device
+    )
 
 
 def solve(
@@ -429,7 +432,6 @@ def solve(
     Sharded params: `reduction` is `append()`'s, or made here on a call that stored
     nothing; the `Solution` carries it on to `finite()`.
     """
-    q = call.q
     gram, dr_gram, dr_rhs = grams
     if call.shards is not None:
         if reduction is None:
@@ -437,34 +439,63 @@ def solve(
             (gram, dr_gram, _), reduction = reduce_rows(call, grams, head, factor=factor)
         g, h, dr_rhs = reduction.rows
         gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
+    factor = None
+    if call.exact:
+        if reduction is not None:
+            factor = reduction.factor  # every rank's, from this call's all_reduce
+        else:
+            factor = window_factor(ring, head, num_residuals, call.compute_device)
+    weights, order, residual_sq = window_weights(
+        call.options,
+        ring,
+        (gram, dr_gram, dr_rhs),
+        head,
+        num_residuals,
+        call.compute_device,
+        exact=call.exact,
+        factor=factor,
+    )
+    if reduction is None:
+        return Solution(weights, order)
+    return Solution(weights, order, reduction, residual_sq.clamp(min=0.0).sqrt())
+
+
+def window_weights(
+    options: AndersonOptions,
+    ring: tuple,
+    grams: tuple,
+    head: Tensor,
+    num_residuals: Tensor,
+    device: torch.device,
+    *,
+    exact: bool,
+    factor: Tensor | None = None,
+) -> tuple[MixingWeights, Tensor | int, Tensor]:
+    r"""`solve()`'s small problem for the Grams `(gram, dr_gram, dr_rhs)` of `ring`, whose
+    newest residual is in slot `head`: the weights, the order for `to_ring_order()` and
+    $\|f_i\|^2$ (chronological). `exact` (a float64 window): solved through `factor`, the
+    window's QR factor (`window_factor()`)."""
+    q = len(ring)
+    gram, dr_gram, dr_rhs = grams
     newest = tree.static_value(head)
     if newest is not None:
         # Eager: a cached index instead of index arithmetic on every call.
         slots, later = _chronological_slots(q, newest, gram.device)
     else:
-        slots = _chronological(q, head).to(call.compute_device)
+        slots = _chronological(q, head).to(device)
         later = slots[1:]  # d at chronological position j + 1 is the column of gamma_j
     # ||f_i||^2, oldest first (real: `.real` of a real tensor is that tensor).
     residual_sq = torch.diagonal(gram).real.index_select(0, slots)
     dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
     dr_rhs = dr_rhs.index_select(0, later)
     order = newest if newest is not None else slots
-    num_valid = num_residuals.to(call.compute_device)
-    reg = ridge(call.options, dr_chrono, num_valid)
-    if call.exact:
-        if reduction is not None:
-            factor = reduction.factor  # every rank's, from this call's all_reduce
-        else:
-            factor = _factor(call, ring, head, num_residuals)
-        valid = _difference_valid(q, num_residuals).to(call.compute_device)
-        weights = solve_factor(factor, valid, reg)
-    else:
-        weights = solve_differences(
-            dr_chrono, dr_rhs, residual_sq, num_valid, reg, residual_norm=False
-        )
-    if reduction is None:
-        return Solution(weights, order)
-    return Solution(weights, order, reduction, residual_sq.clamp(min=0.0).sqrt())
+    num_valid = num_residuals.to(device)
+    reg = ridge(options, dr_chrono, num_valid)
+    if exact:
+        valid = _difference_valid(q, num_residuals).to(device)
+        return solve_factor(factor, valid, reg), order, residual_sq
+    weights = solve_differences(dr_chrono, dr_rhs, residual_sq, num_valid, reg, residual_norm=False)
+    return weights, order, residual_sq
 
 
 def to_ring_order(chrono_values: Tensor, order: Tensor | int) -> Tensor:
@@ -825,7 +856,7 @@ def _shard_factor(call: Call, ring: tuple, head: Tensor, num_residuals: Tensor) 
     """This rank's factor for the step's all_reduce: float64 windows, on calls that may mix."""
     if not call.exact or flags.value(may_mix(call)) is False:
         return None
-    return _factor(call, ring, head, num_residuals)
+    return window_factor(ring, head, num_residuals, call.compute_device)
 
 
 def reduce_rows(

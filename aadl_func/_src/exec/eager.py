@@ -22,7 +22,6 @@ real CPU params with their window and Grams on the CPU, no `loss_fn`, moving ave
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,9 +29,9 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import stages, tree
+from aadl_func._src import deferred, flags, stages, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
-from aadl_func._src.checks import layout_of, mark_verified, remember_layout
+from aadl_func._src.checks import mark_verified
 from aadl_func._src.exec import passes
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.solve import aadl_coefficients, classic_coefficients
@@ -89,18 +88,11 @@ def run(
 ) -> tuple[Any, AndersonState] | None:
     """The call, or None, having written nothing, when a deferred rejection is due (the
     general path carries it out)."""
-    pending = state.pending_loss.item()
-    if loss is not None and pending != math.inf:
-        # The deferred safeguard's verdict (aadl_func._src.deferred.rejects).
-        loss_value = loss.to(dtype=torch.float64).item()
-        if math.isfinite(pending) and not loss_value < pending:
-            return None
+    if flags.value(deferred.rejects(state, loss)):
+        return None  # the deferred safeguard rejects the pending mix: the general path reverts
     if not inplace:
         out, new_state = _call(options, state, params, p_leaves, spec, grads, loss, None)
-        # Made here: no value check on the next call, and the layout of the state passed in.
-        layout = layout_of(state)
-        mark_verified(new_state)
-        remember_layout(new_state, layout)
+        mark_verified(new_state, made_from=state)  # as anderson._returned marks it
         return out, new_state
     guard = InterruptGuard()
     return guarded(guard, lambda: _call(options, state, params, p_leaves, spec, grads, loss, guard))
@@ -333,7 +325,7 @@ class _Step:
             count=_counter(self.count),
             inner_state=self.inner_state,
             skip_streak=self.zero_streak(),
-            pending_loss=_cleared(state.pending_loss),
+            pending_loss=deferred.cleared(state),
             gram=grams[0],
             dr_gram=grams[1],
             dr_rhs=grams[2],
@@ -379,10 +371,7 @@ class _Step:
         """The final state (`stages.count_outcome()`) and the returned params (`output()`),
         written and committed in place."""
         current = self.current
-        pending = current.pending_loss
-        if self.loss is not None and ok:
-            loss = self.loss.to(device=pending.device, dtype=torch.float64)
-            pending = torch.where(torch.isfinite(loss), loss, math.inf)
+        pending = deferred.pending_after(self, flags.known(ok), current.pending_loss)
         failed = mixes and not ok and not poisoned  # a poisoned call was counted at the commit
         final = current._replace(
             num_mixed=current.num_mixed + 1 if ok else current.num_mixed,
@@ -438,8 +427,3 @@ def _write(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
 
 def _same(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _cleared(pending: Tensor) -> Tensor:
-    """`aadl_func._src.deferred.cleared()`."""
-    return pending if pending.item() == math.inf else torch.full_like(pending, math.inf)

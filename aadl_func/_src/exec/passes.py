@@ -20,9 +20,9 @@ from torch import Tensor
 from aadl_func._src import kernels, native, stages
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.scalars import EXACT
-from aadl_func._src.solve import MixingWeights, ridge, solve_differences, solve_factor
+from aadl_func._src.solve import MixingWeights
 from aadl_func._src.window import combine as window_combine
-from aadl_func._src.window import difference_factor, difference_rows, rows_from_dots
+from aadl_func._src.window import difference_rows, rows_from_dots
 
 __all__ = ["appended_grams", "combine", "finite", "gram_rows", "mixing_weights"]
 
@@ -76,20 +76,15 @@ def mixing_weights(
     """The mixing weights of the window whose newest residual is in slot `head`
     (`aadl_func._src.stages.solve()`), chronological: from the Grams, or for a float64
     window from a QR factor streamed from the ring."""
-    gram, dr_gram, dr_rhs = grams
-    q, device = len(ring), gram.device
-    slots, later = stages._chronological_slots(q, head, device)
-    residual_sq = torch.diagonal(gram).real.index_select(0, slots)
-    dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
-    rhs = dr_rhs.index_select(0, later)
-    num_valid = torch.scalar_tensor(num_residuals, dtype=_INT64)
-    reg = ridge(options, dr_chrono, num_valid)
-    if all(leaf.dtype in EXACT for leaf in ring[0]):
-        valid = torch.arange(q - 1) >= q - num_valid
-        order = stages._chronological(q, torch.scalar_tensor(head, dtype=_INT64))
-        factor = difference_factor(ring, order, valid, device)
-        return solve_factor(factor, valid.to(device), reg)
-    return solve_differences(dr_chrono, rhs, residual_sq, num_valid, reg, residual_norm=False)
+    device = grams[0].device
+    head_t = torch.scalar_tensor(head, dtype=_INT64)
+    num_t = torch.scalar_tensor(num_residuals, dtype=_INT64)
+    exact = all(leaf.dtype in EXACT for leaf in ring[0])
+    factor = stages.window_factor(ring, head_t, num_t, device) if exact else None
+    weights, _, _ = stages.window_weights(
+        options, ring, grams, head_t, num_t, device, exact=exact, factor=factor
+    )
+    return weights
 
 
 def combine(
