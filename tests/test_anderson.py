@@ -38,7 +38,8 @@ def prescribed_mix_bound(window: np.ndarray, relaxation=1.0, reg=0.0) -> float:
     """The bound on a float64 mix of ``window`` (``(n, k)``, the plain steps exactly as the
     library stored them) against ``aadl_extrapolate``'s: the window's points are the same on
     both sides, its stored differences round by the float64 solve's backward error
-    (``references.mix_bound``: ``8 P + (k + 1) u``, ``P`` the reference's own sensitivity)."""
+    (``references.mix_bound``: ``8 sqrt(2) S + (k + 1) u``, ``S`` the reference's own
+    sensitivity)."""
     n, k = window.shape
     return mix_bound(
         lambda w: aadl_extrapolate(w, relaxation, reg), window, U64, solve_roundoff(n, k), 0.0

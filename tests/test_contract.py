@@ -359,8 +359,10 @@ def check_against_reference(spec: OptionSet, outputs, kinds, scale=1.0, seed=0):
 
 
 def assert_has_teeth(spec, outputs, expected, kinds, bounds, scale, seed):
-    """Mixing moved the params by more than 10x the call's bound on some call: a run that
-    returned the plain steps (or a wrong mix) could not pass."""
+    """Mixing moved the params by more than 5x the call's bound on some call: a run that
+    returned the plain steps (or a wrong mix that far off) fails there by that factor. (It
+    was 10x under the old 8-times-two-samples bound; the sampled bound is about 1.4x that,
+    and a bf16 window's largest mix moves 7.5x it.)"""
     assert "mix" in kinds, kinds
     reference = spec.reference(scale)
     inner, state = reference.inner, reference.inner.init(start(scale, seed))
@@ -373,7 +375,7 @@ def assert_has_teeth(spec, outputs, expected, kinds, bounds, scale, seed):
         state = new_state
         if kind == "mix":
             effect = max(effect, relative_error(out, y) / bound)
-    assert effect > 10, effect
+    assert effect > 5, effect
 
 
 def grads_of(spec: OptionSet, x: np.ndarray, gradient) -> dict:
