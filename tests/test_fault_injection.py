@@ -398,6 +398,7 @@ def test_wrapper_deferred_step_ends_consistent_whatever_is_raised_in_its_code(er
 # block ends, before ``__exit__``, where an exception skips ``__exit__``).
 FRAMES = {
     "anderson.py": ("init", "update", "step", "call_guarded", "_without_graph"),
+    "grad_mode.py": ("kept",),
     "atomic.py": ("__enter__", "__exit__", "release", "guarded"),
     "wrapper.py": ("step",),
 }
@@ -448,6 +449,60 @@ def test_wrapper_step_leaves_grad_mode_and_sigint_as_they_were_whatever_is_raise
         faults.run(lambda: opt.step(closure))  # noqa: B023
         assert faults.fired
         assert_ctrl_c_works()
+
+
+def _in_files(*names: str):
+    """Every frame of the package's files ``names``."""
+    return lambda code: (
+        code.co_filename.startswith(PACKAGE) and Path(code.co_filename).name in (names)
+    )
+
+
+def test_rna_averager_leaves_grad_mode_as_it_was_whatever_is_raised():
+    # The averager copies candidates into the module (and back, and BatchNorm statistics) with
+    # autograd off: a fault at any line of rna.py or grad_mode.py leaves grad mode on.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    data = torch.randn(8, 3)
+    averager = aa.RNAAverager(net, history_depth=3)
+    for _ in range(4):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        averager.snapshot()
+
+    def held_out():
+        with torch.no_grad():
+            return net(data).square().mean()
+
+    run = lambda faults: faults.run(  # noqa: E731
+        lambda: averager.extrapolate(held_out, load=False, bn_loader=[data])
+    )
+    traced = _in_files("rna.py", "grad_mode.py")
+    for at in _every_line_event(run, traced):
+        faults = LineFaults(traced, RuntimeError, at)
+        run(faults)
+        assert faults.fired
+        assert torch.is_grad_enabled(), f"line event {at}: grad mode left disabled"
+
+
+def test_solver_leaves_grad_mode_as_it_was_whatever_is_raised():
+    # The solver iterates with autograd off: a fault at any line of its entry point (the
+    # loop's own frames excepted: they run inside it) leaves grad mode on.
+    x0 = torch.zeros(3, dtype=torch.float64)
+    g = lambda x: torch.cos(x) / 2  # noqa: E731
+    run = lambda faults: faults.run(lambda: aa.fixed_point(g, x0, max_iter=3))  # noqa: E731
+    traced = lambda code: (
+        _in_files("grad_mode.py")(code)
+        or (  # noqa: E731
+            _in_files("solver.py")(code) and code.co_name in ("_solve", "iterate", "<lambda>")
+        )
+    )
+    for at in _every_line_event(run, traced):
+        faults = LineFaults(traced, RuntimeError, at)
+        run(faults)
+        assert faults.fired
+        assert torch.is_grad_enabled(), f"line event {at}: grad mode left disabled"
 
 
 def test_init_leaves_grad_mode_as_it_was_whatever_is_raised():

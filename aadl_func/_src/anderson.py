@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import deferred, distributed, flags, native, tree
+from aadl_func._src import deferred, distributed, flags, grad_mode, native, tree
 from aadl_func._src.atomic import InterruptGuard, guarded
 from aadl_func._src.checks import (
     MISSING,
@@ -245,21 +245,9 @@ def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
 
 
 def _without_graph(run: Callable[[], Any]) -> Any:
-    """`run()` under `autograd_policy()`, torch's grad mode put
-    back as it was however it ends.
-
-    The `finally` is there for what `with` alone misses: CPython (3.11) emits a line event
-    for a `with` statement's line as its block ends, *before* it calls `__exit__` and
-    outside the block's exception handler, so an exception raised there (by a signal's
-    handler, a trace function) skips `torch.no_grad().__exit__` and grad mode would stay
-    off for the rest of the process. On the normal path `__exit__` has restored it already.
-    """
-    enabled = torch.is_grad_enabled()
-    try:
-        with autograd_policy():
-            return run()
-    finally:
-        torch.set_grad_enabled(enabled)
+    """`run()` under `autograd_policy()`, torch's grad mode put back as it was however it
+    ends (`grad_mode.kept`: a `with` alone can skip its `__exit__`)."""
+    return grad_mode.kept(run, autograd_policy)
 
 
 def _counter() -> Tensor:

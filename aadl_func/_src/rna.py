@@ -66,6 +66,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from aadl_func._src import grad_mode
 from aadl_func._src.solve import solve_weights
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import (
@@ -478,11 +479,20 @@ def recompute_bn(
         unknown = sorted(set(params) - set(own))
         if unknown:
             raise ValueError(f"recompute_bn: `params` has names the module lacks: {unknown}")
-        with torch.no_grad():
-            for name, value in params.items():
-                own[name].copy_(value)
+        _copy_all((own[name], value) for name, value in params.items())
     update_bn(loader, module, device=device)
     return dict(module.named_buffers())
+
+
+def _copy_all(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
+    """Each `(target, value)`: `target.copy_(value)`, recording no graph, with torch's grad
+    mode put back however it ends (`grad_mode.kept`)."""
+
+    def run() -> None:
+        for target, value in pairs:
+            target.copy_(value)
+
+    grad_mode.kept(run)
 
 
 class RNAAverager:
@@ -535,9 +545,7 @@ class RNAAverager:
         self.state = self.rna.snapshot(self.state, self._values(), inplace=True)
 
     def _load(self, values: Sequence[Tensor]) -> None:
-        with torch.no_grad():
-            for p, v in zip(self.params, values):
-                p.copy_(v)
+        _copy_all(zip(self.params, values))
 
     def extrapolate(
         self,
@@ -597,6 +605,4 @@ class RNAAverager:
         self._load(saved)
         if buffers:
             own = dict(self.module.named_buffers())
-            with torch.no_grad():
-                for k, b in buffers.items():
-                    own[k].copy_(b)
+            _copy_all((own[k], b) for k, b in buffers.items())

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import tree
+from aadl_func._src import grad_mode, tree
 from aadl_func._src.anderson import Anderson, functions
 from aadl_func._src.checks import differentiating
 from aadl_func._src.inner import InnerOptimizer
@@ -589,7 +589,8 @@ def _solve(
             "gradient of a fixed point, or call the solver under torch.no_grad()"
         )
     grad_on = torch.is_grad_enabled()
-    with torch.no_grad():  # no graph through the iterations (nor through the window)
+
+    def iterate() -> tuple[list[Tensor], SolverInfo, bool]:
         x = [t.detach() if t.requires_grad else t for t in leaves]
         value_norms = isinstance(options.gtol, Tensor) or options.gtol > 0
         problem = _Problem(owner, fn, spec, x, kind, value_norms, batch_dims)
@@ -603,7 +604,10 @@ def _solve(
         if kind == "root":
             problem.scale = _root_alpha(problem, x, alpha, masked)
         loop = _masked_loop if masked else _eager_loop
-        x, info = loop(problem, x, opt, options, spec)
+        return (*loop(problem, x, opt, options, spec), recorded)
+
+    # No graph through the iterations (nor through the window).
+    x, info, recorded = grad_mode.kept(iterate)
     if recorded:
         x = list(_NoGradient.apply(owner, _ANCHOR, *x))
     return tree.unflatten(spec, x), info
@@ -968,8 +972,8 @@ def _adjoint(
         (ju,) = vjp_z(u)
         return tree.unflatten(spec, _axpy(1.0, tree.flatten(ju, "u")[0], cotangent))
 
-    with torch.no_grad():  # first derivatives only: no graph through the adjoint iterations
-        u, info = fixed_point(adjoint_map, rhs, **options)
+    # First derivatives only: no graph through the adjoint iterations.
+    u, info = grad_mode.kept(lambda: fixed_point(adjoint_map, rhs, **options))
     if not _masked_wanted(options.get("masked"), cotangent):
         _report(
             on_failure, info, "the adjoint fixed point u = J^T u + dL/dz*",
@@ -1146,8 +1150,7 @@ def _phantom(
 ) -> tuple[PyTree, SolverInfo]:
     """The forward solve without a graph, then `steps` damped steps from $z^*$ with
     one (torchdeq's phantom gradient; a module `f` is called as it is)."""
-    with torch.no_grad():
-        z, info = fixed_point(lambda z: f(z, theta), z0, **options)
+    z, info = grad_mode.kept(lambda: fixed_point(lambda z: f(z, theta), z0, **options))
     leaves, spec = tree.flatten(z, "z")
     z = tree.unflatten(spec, [t.detach() for t in leaves])
     for _ in range(steps):

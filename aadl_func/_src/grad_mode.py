@@ -1,0 +1,35 @@
+"""Running code without autograd, with torch's grad mode put back however it ends.
+
+`with torch.no_grad(): ...` alone is not enough in a library that promises to leave the
+process as it found it: CPython (3.11) emits a line event for a `with` statement's line as
+its block ends, *before* it calls `__exit__` and outside the block's exception handler, so
+an exception raised there (by a signal's handler, a trace function) skips `__exit__`, and
+grad mode would stay off for the rest of the process. A `finally` around the `with` runs
+whatever happens inside it. (One fault at a time: an exception at the `finally`'s own line
+finds `__exit__` already run.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+__all__ = ["kept"]
+
+T = TypeVar("T")
+
+
+def kept(
+    run: Callable[[], T], context: Callable[[], contextlib.AbstractContextManager] = torch.no_grad
+) -> T:
+    """`run()` under `context()` (`torch.no_grad()` by default), grad mode restored to what
+    it was before, whether `run` returns or raises, and wherever an exception arrives."""
+    enabled = torch.is_grad_enabled()
+    try:
+        with context():
+            return run()
+    finally:
+        torch.set_grad_enabled(enabled)
