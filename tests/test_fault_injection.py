@@ -458,6 +458,16 @@ def _in_files(*names: str):
     )
 
 
+def assert_grad_mode_kept(run, traced) -> None:
+    """``run(faults)`` with a ``RuntimeError`` injected at each line event of the frames
+    ``traced`` selects in turn: afterwards grad mode is on every time."""
+    for at in _every_line_event(run, traced):
+        faults = LineFaults(traced, RuntimeError, at)
+        run(faults)
+        assert faults.fired
+        assert torch.is_grad_enabled(), f"line event {at}: grad mode left disabled"
+
+
 def test_rna_averager_leaves_grad_mode_as_it_was_whatever_is_raised():
     # The averager copies candidates into the module (and back, and BatchNorm statistics) with
     # autograd off: a fault at any line of rna.py or grad_mode.py leaves grad mode on.
@@ -479,11 +489,7 @@ def test_rna_averager_leaves_grad_mode_as_it_was_whatever_is_raised():
         lambda: averager.extrapolate(held_out, load=False, bn_loader=[data])
     )
     traced = _in_files("rna.py", "grad_mode.py")
-    for at in _every_line_event(run, traced):
-        faults = LineFaults(traced, RuntimeError, at)
-        run(faults)
-        assert faults.fired
-        assert torch.is_grad_enabled(), f"line event {at}: grad mode left disabled"
+    assert_grad_mode_kept(run, traced)
 
 
 def test_solver_leaves_grad_mode_as_it_was_whatever_is_raised():
@@ -492,24 +498,16 @@ def test_solver_leaves_grad_mode_as_it_was_whatever_is_raised():
     x0 = torch.zeros(3, dtype=torch.float64)
     g = lambda x: torch.cos(x) / 2  # noqa: E731
     run = lambda faults: faults.run(lambda: aa.fixed_point(g, x0, max_iter=3))  # noqa: E731
-    traced = lambda code: (
-        _in_files("grad_mode.py")(code)
-        or (  # noqa: E731
-            _in_files("solver.py")(code) and code.co_name in ("_solve", "iterate", "<lambda>")
-        )
-    )
-    for at in _every_line_event(run, traced):
-        faults = LineFaults(traced, RuntimeError, at)
-        run(faults)
-        assert faults.fired
-        assert torch.is_grad_enabled(), f"line event {at}: grad mode left disabled"
+    entry = ("_solve", "iterate", "<lambda>")
+
+    def traced(code) -> bool:
+        in_solver = _in_files("solver.py")(code) and code.co_name in entry
+        return in_solver or _in_files("grad_mode.py")(code)
+
+    assert_grad_mode_kept(run, traced)
 
 
 def test_init_leaves_grad_mode_as_it_was_whatever_is_raised():
     opt = aa.anderson(aa.sgd(0.1), history_depth=3)
     params = {"w": torch.ones(3)}
-    for at in _every_line_event(lambda faults: faults.run(lambda: opt.init(params))):
-        faults = LineFaults(_sets_process_state, RuntimeError, at)
-        faults.run(lambda: opt.init(params))  # noqa: B023
-        assert faults.fired
-        assert torch.is_grad_enabled(), f"line event {at}: grad mode left disabled"
+    assert_grad_mode_kept(lambda faults: faults.run(lambda: opt.init(params)), _sets_process_state)
