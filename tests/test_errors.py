@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import aadl_func as aa
-from aadl_func._src.inner import adam, sgd
+from aadl_func import adam, sgd
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 EXCEPTIONS = {"TypeError": TypeError, "ValueError": ValueError}

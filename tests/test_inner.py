@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.func import grad, vmap
 
-from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
+from aadl_func import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
 
 STEPS = 50
 

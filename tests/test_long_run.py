@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import aadl_func as aa
-from aadl_func._src.inner import sgd
+from aadl_func import sgd
 
 STATM = "/proc/self/statm"
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import aadl_func as aa
-from aadl_func._src.inner import sgd
+from aadl_func import sgd
 
 N = 1 << 20  # the size: 4 MiB of float32 per parameter-sized buffer
 DEPTH = 10  # history_depth = m

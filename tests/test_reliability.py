@@ -18,7 +18,7 @@ from conftest import GradientDescent
 from references import aadl_extrapolate, type2_anderson
 
 import aadl_func as aa
-from aadl_func._src.inner import AdamState, SgdState, adam, sgd
+from aadl_func import AdamState, SgdState, adam, sgd
 
 # -- independent references -------------------------------------------------------------------
 

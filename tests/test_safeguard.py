@@ -15,7 +15,7 @@ import torch
 from references import Recurrence
 
 import aadl_func as aa
-from aadl_func._src.inner import sgd
+from aadl_func import sgd
 
 # -- reference -------------------------------------------------------------------------------
 

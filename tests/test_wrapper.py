@@ -17,7 +17,7 @@ from test_wrapper_deferred import TorchStep
 from torch import nn
 
 import aadl_func as aa
-from aadl_func._src.wrapper import AcceleratedOptimizer, accelerate
+from aadl_func import AcceleratedOptimizer, accelerate
 
 # -- models and helpers ----------------------------------------------------------------------
 
