@@ -400,7 +400,7 @@ FRAMES = {
     "anderson.py": ("init", "update", "step", "call_guarded", "_without_graph"),
     "grad_mode.py": ("kept",),
     "atomic.py": ("__enter__", "__exit__", "release", "guarded"),
-    "wrapper.py": ("step",),
+    "wrapper.py": ("step", "_step_without_grad"),
 }
 
 
@@ -435,7 +435,7 @@ def test_update_leaves_grad_mode_and_sigint_as_they_were_whatever_is_raised(name
 def _wrapper_or_guard(code) -> bool:
     """The wrapper's ``step`` and the guard's frames (the core's are covered above)."""
     name = Path(code.co_filename).name
-    return _sets_process_state(code) and name in ("wrapper.py", "atomic.py")
+    return _sets_process_state(code) and name in ("wrapper.py", "atomic.py", "grad_mode.py")
 
 
 @pytest.mark.usefixtures("default_sigint")

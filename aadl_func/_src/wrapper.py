@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from aadl_func._src import deferred, flags
+from aadl_func._src import deferred, flags, grad_mode
 from aadl_func._src.anderson import Anderson, check_skip_allowed, count_skip, functions, step
 from aadl_func._src.atomic import InterruptGuard, guarded
 from aadl_func._src.checks import check_state_values
@@ -259,7 +259,6 @@ class AcceleratedOptimizer(Optimizer):
         return self._windows
 
     # -- step --------------------------------------------------------------------------------
-    @torch.no_grad()
     def step(  # type: ignore[override]
         self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None
     ) -> Any:
@@ -302,6 +301,14 @@ class AcceleratedOptimizer(Optimizer):
             got neither `closure` nor `loss`.
           ValueError: `loss` without `safeguard="deferred"`, or with `closure`.
         """
+        # Without autograd, as torch.optim's steps; grad mode put back however the step ends
+        # (`grad_mode.kept`: `@torch.no_grad()` alone can skip its `__exit__`).
+        return grad_mode.kept(functools.partial(self._step_without_grad, closure, loss))
+
+    def _step_without_grad(
+        self, closure: Callable[[], Any] | None, loss: Tensor | float | None
+    ) -> Any:
+        """`step`'s body, under `torch.no_grad()`."""
         loss = self._check_loss_argument(closure, loss)
         if self._safeguard == "deferred" and closure is not None:
             # The closure's loss, at the params the step starts from, judges the last mix;
