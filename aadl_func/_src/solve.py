@@ -33,6 +33,8 @@ CUDA) exactly when the window was rank deficient."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -50,6 +52,7 @@ __all__ = [
     "solve_weights",
     "solve_coefficients",
     "solve_differences",
+    "solve_known",
     "RCOND",
     "RTOL",
     "aadl_coefficients",
@@ -428,7 +431,56 @@ def solve_differences(
     return MixingWeights(gamma, alpha, (mixed_sq.clamp(min=0.0) * unit).sqrt(), ok)
 
 
-def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False) -> Tensor:
+def solve_known(
+    dr_gram: Sequence[Sequence[float]],
+    dr_rhs: Sequence[float],
+    residual_sq: Sequence[float],
+    reg: float = 0.0,
+) -> tuple[Tensor, list[float]] | None:
+    r"""`solve_differences()` for a full window of real values known as Python floats
+    (an eager step on the CPU): `(gamma, alpha)`, `alpha` as a list, or None when a value
+    is not finite (that function then answers, with its fallback).
+
+    The same arithmetic, bit for bit: the elementwise `m`-sized steps (the scaling, the
+    eigenvalue cut-off $\lambda_i \mapsto 1/\lambda_i$, the differences of
+    $[0, \gamma, 1]$) are single IEEE double operations, which Python floats round exactly
+    as torch's CPU kernels do; the eigen-decomposition and the two matrix-vector products
+    stay torch operations on the same tensors. What it saves is the dozen tiny tensor
+    operations (masks, finiteness reductions, comparisons) of the general route.
+
+    Args:
+      dr_gram: `(m, m)` float64 $H$, chronological, as nested lists.
+      dr_rhs: `(m,)` $c$, chronological.
+      residual_sq: `(m + 1,)` $\|f_i\|^2$, chronological.
+      reg: the Tikhonov weight on $\gamma$, `>= 0` (a number).
+    """
+    values = [*residual_sq, *dr_rhs, *(v for row in dr_gram for v in row)]
+    if not all(math.isfinite(v) for v in values):
+        return None
+    unit = max(residual_sq)
+    unit = unit if unit > 0 else 1.0
+    h = torch.tensor([[v / unit for v in row] for row in dr_gram], dtype=torch.float64)
+    c = torch.tensor([v / unit for v in dr_rhs], dtype=torch.float64)
+    reg = reg / unit
+    eigvals, eigvecs = torch.linalg.eigh(h)
+    inverse = []
+    for value in eigvals.tolist():
+        shifted = max(value, 0.0)  # clamp(min=0): NaN stays NaN, and is dropped below
+        if reg != 0.0:
+            shifted = shifted + reg
+        inverse.append(1.0 / shifted if shifted > RTOL else 0.0)
+    gamma = eigvecs @ (torch.tensor(inverse, dtype=torch.float64) * (eigvecs.mH @ c))
+    listed = gamma.tolist()
+    if not all(math.isfinite(v) for v in listed):
+        return None
+    # The differences of [0, gamma, 1] (`_affine_weights()`), each rounded once.
+    ends = [0.0, *listed, 1.0]
+    return gamma, [b - a for a, b in zip(ends, ends[1:])]
+
+
+def aadl_coefficients(
+    alpha: Tensor | list[float], relaxation: float, *, negated: bool = False
+) -> Tensor | list[float]:
     r"""Weights `c` with `mix = x_last - sum_j c_j DX[:, j]` (float64, oldest first).
 
     Writing every window entry through the newest one, $x_i = x_{k-1} - \sum_{j \ge i}
@@ -438,14 +490,21 @@ def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False
     $A = \mathrm{cumsum}(\alpha)$.
 
     `negated=True` returns `-c`, formed by the swapped subtraction (`b - a` rounds to
-    exactly `-(a - b)`), one operation fewer than negating `c`.
+    exactly `-(a - b)`), one operation fewer than negating `c`. `alpha` given as a list
+    (`solve_known()`): `c` as a list, with the same roundings (the cumulative sum from 0,
+    one addition after another, as torch's CPU `cumsum` of a float64 vector).
     """
+    if isinstance(alpha, list):
+        partial = list(itertools.accumulate(alpha, initial=0.0))[1:]
+        if negated:
+            return [relaxation * a - p for a, p in zip(alpha, partial)]
+        return [p - relaxation * a for a, p in zip(alpha, partial)]
     if negated:
         return relaxation * alpha - torch.cumsum(alpha, 0)
     return torch.cumsum(alpha, 0) - relaxation * alpha
 
 
-def classic_coefficients(alpha: Tensor) -> Tensor:
+def classic_coefficients(alpha: Tensor | list[float]) -> Tensor | list[float]:
     r"""Weights `w` with $\sum_i \alpha_i x_i = x_{\mathrm{last}} + \sum_j w_j
     \Delta x_j$ (float64, oldest first), $\Delta x_j = x_j - x_{j-1}$.
 
@@ -453,7 +512,11 @@ def classic_coefficients(alpha: Tensor) -> Tensor:
     \Delta x_j$, and using $\sum_i \alpha_i = 1$:
     $w_j = -\sum_{i < j} \alpha_i$, so $w_0 = 0$: the oldest difference (to a
     point outside the window) is never used. Mode "classic" keeps its points this way.
+    `alpha` given as a list: `w` as a list, with the same roundings.
     """
+    if isinstance(alpha, list):
+        partial = list(itertools.accumulate(alpha, initial=0.0))[1:-1]
+        return [0.0, *(-p for p in partial)]
     partial = torch.cumsum(alpha, 0)
     return torch.cat([torch.zeros_like(partial[:1]), -partial[:-1]])
 

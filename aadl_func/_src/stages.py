@@ -37,6 +37,7 @@ from aadl_func._src.solve import (
     ridge,
     solve_differences,
     solve_factor,
+    solve_known,
     stack_factors,
 )
 from aadl_func._src.state import AndersonState
@@ -75,6 +76,7 @@ __all__ = [
     "window_tree",
     "window_factor",
     "window_weights",
+    "known_weights",
 ]
 
 Params = Any
@@ -433,6 +435,12 @@ def solve(
     nothing; the `Solution` carries it on to `finite()`.
     """
     gram, dr_gram, dr_rhs = grams
+    if call.shards is None and not call.exact:
+        newest = tree.static_value(head)
+        known = known_weights(call.options, grams, newest, tree.static_value(num_residuals))
+        if known is not None:
+            alpha = torch.tensor(known[1], dtype=torch.float64)
+            return Solution(MixingWeights(known[0], alpha, None, flags.TRUE), newest)
     if call.shards is not None:
         if reduction is None:
             factor = _shard_factor(call, ring, head, num_residuals)
@@ -496,6 +504,30 @@ def window_weights(
         return solve_factor(factor, valid, reg), order, residual_sq
     weights = solve_differences(dr_chrono, dr_rhs, residual_sq, num_valid, reg, residual_norm=False)
     return weights, order, residual_sq
+
+
+def known_weights(
+    options: AndersonOptions, grams: tuple, newest: int | None, num_residuals: int | None
+) -> tuple[Tensor, list[float]] | None:
+    """`window_weights()` by `aadl_func._src.solve.solve_known()`, the same bits: `(gamma,
+    alpha)`, `alpha` chronological as Python floats, for a full window on the Gram route
+    whose Grams are plain CPU values (an eager call) and whose ridge is `reg` alone;
+    otherwise, or when a value is not finite, None."""
+    q = grams[0].shape[-1]
+    if newest is None or num_residuals != q or options.reg_relative or options.reg_column:
+        return None
+    for t in grams:
+        if t.dtype != torch.float64 or not t.is_cpu or tree.is_transformed(t):
+            return None
+    gram, dr_gram, dr_rhs = (t.tolist() for t in grams)
+    slots = [(newest + 1 + j) % q for j in range(q)]  # oldest first
+    later = slots[1:]  # the newer ends of the differences (the columns of gamma)
+    return solve_known(
+        [[dr_gram[i][j] for j in later] for i in later],
+        [dr_rhs[i] for i in later],
+        [gram[s][s] for s in slots],
+        options.reg,
+    )
 
 
 def to_ring_order(chrono_values: Tensor, order: Tensor | int) -> Tensor:
