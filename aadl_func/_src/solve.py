@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import flags, tree
-from aadl_func._src.scalars import abs2, wide
+from aadl_func._src.scalars import abs2, float64_tensor, wide
 from aadl_func._src.state import allow_weights_only
 
 __all__ = [
@@ -459,8 +459,8 @@ def solve_known(
         return None
     unit = max(residual_sq)
     unit = unit if unit > 0 else 1.0
-    h = torch.tensor([[v / unit for v in row] for row in dr_gram], dtype=torch.float64)
-    c = torch.tensor([v / unit for v in dr_rhs], dtype=torch.float64)
+    h = float64_tensor([v / unit for row in dr_gram for v in row], len(dr_gram))
+    c = float64_tensor([v / unit for v in dr_rhs])
     reg = reg / unit
     eigvals, eigvecs = torch.linalg.eigh(h)
     inverse = []
@@ -469,7 +469,7 @@ def solve_known(
         if reg != 0.0:
             shifted = shifted + reg
         inverse.append(1.0 / shifted if shifted > RTOL else 0.0)
-    gamma = eigvecs @ (torch.tensor(inverse, dtype=torch.float64) * (eigvecs.mH @ c))
+    gamma = eigvecs @ (float64_tensor(inverse) * (eigvecs.mH @ c))
     listed = gamma.tolist()
     if not all(math.isfinite(v) for v in listed):
         return None

@@ -31,7 +31,7 @@ from torch import Tensor
 from aadl_func._src import deferred, distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, write_back
 from aadl_func._src.blend import Blend
-from aadl_func._src.scalars import EXACT, real_view
+from aadl_func._src.scalars import EXACT, float64_tensor, real_view
 from aadl_func._src.solve import (
     MixingWeights,
     ridge,
@@ -439,7 +439,7 @@ def solve(
         newest = tree.static_value(head)
         known = known_weights(call.options, grams, newest, tree.static_value(num_residuals))
         if known is not None:
-            alpha = torch.tensor(known[1], dtype=torch.float64)
+            alpha = float64_tensor(known[1])
             return Solution(MixingWeights(known[0], alpha, None, flags.TRUE), newest)
     if call.shards is not None:
         if reduction is None:

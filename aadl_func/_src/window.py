@@ -28,7 +28,7 @@ from torch import Tensor
 
 from aadl_func._src import batched, kernels, native, tree
 from aadl_func._src.blend import Blend
-from aadl_func._src.scalars import EXACT, wide
+from aadl_func._src.scalars import EXACT, float64_tensor, wide
 
 __all__ = [
     "append_difference",
@@ -398,10 +398,10 @@ def rows_from_dots(
     float64 window, $p_t = \langle f_t, d_s \rangle$ (None otherwise: then taken from
     `gram`'s row $s - 1$). `slot` is the 0-d slot tensor, `index` its value when known."""
     q, acc = g.shape[0], g.dtype
-    if p is None and index is not None and _plain_cpu(g, gram) and not acc.is_complex:
+    if p is None and index is not None and acc == torch.float64 and _plain_cpu(g, gram):
         # Eager on the CPU: the same subtractions on Python floats (fewer tiny operations).
         _, h, c = known_rows(g.tolist(), gram[(index - 1) % q].tolist(), index)
-        return g, torch.tensor(h, dtype=acc), torch.tensor(c, dtype=acc)
+        return g, float64_tensor(h), float64_tensor(c)
     c = g - g.roll(1)
     if p is None:
         # p_t = <f_t, d_s> = g_t - <f_t, f_{s-1}>, the last the conjugate of the stored row

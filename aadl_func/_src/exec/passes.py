@@ -19,7 +19,7 @@ from torch import Tensor
 
 from aadl_func._src import kernels, native, stages
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.scalars import EXACT
+from aadl_func._src.scalars import EXACT, float64_tensor
 from aadl_func._src.window import combine as window_combine
 from aadl_func._src.window import difference_rows, known_rows
 
@@ -83,7 +83,7 @@ def _appended_known(grams: tuple, slot: int, grown: int, g: Tensor) -> tuple | N
     return (
         _with_row(gram, slot, g),
         _with_row(dr_gram, slot, h),
-        torch.tensor(c, dtype=torch.float64),
+        float64_tensor(c),
     )
 
 
@@ -115,7 +115,7 @@ def ring_order(newest: int, *chrono: Tensor | list[float]) -> Tensor:
     if isinstance(chrono[0], list):
         shift = (newest + 1) % len(chrono[0])
         moved = [v for c in chrono for v in (c[-shift:] + c[:-shift] if shift else c)]
-        return torch.tensor(moved, dtype=torch.float64)
+        return float64_tensor(moved)
     if len(chrono) == 1:
         return chrono[0].roll(newest + 1)
     return torch.cat([c.roll(newest + 1) for c in chrono])
@@ -145,14 +145,16 @@ def combine(
             leaf_runs.append((first, matrix))
             first += len(ring)
         runs.append(leaf_runs)
-    results = []
+    results, converted = [], {}  # the weights in each compute dtype, converted once
     for i, template in enumerate(like):
         cdt = compute_dtypes[i]
+        if cdt not in converted:
+            converted[cdt] = weights.to(dtype=cdt)
         result = torch.empty_like(template, dtype=cdt) if out is None else out[i]
         kernels.combine_leaf(
             None if base is None else base[i].view(-1),
             [entry[i] for ring in rings for entry in ring],
-            weights.to(dtype=cdt),
+            converted[cdt],
             result.view(-1),
             runs[i],
         )
@@ -199,7 +201,7 @@ def _with_row(matrix: list[list[float]], slot: int, row: list[float]) -> Tensor:
     matrix[slot] = list(row)
     for i, value in enumerate(row):
         matrix[i][slot] = value
-    return torch.tensor(matrix, dtype=torch.float64)
+    return float64_tensor([v for r in matrix for v in r], len(matrix))
 
 
 def _set_row(gram: Tensor, slot: int, row: Tensor) -> Tensor:
