@@ -74,6 +74,47 @@ def test_solve_known_gives_the_tensor_route_bits(case):
     )
 
 
+def _factor(q: int, n: int, seed: int, *, rank: int | None = None, scale: float = 1.0):
+    """The float64 `R` of `[DF | f_last]` for `q` random residuals (`solve.stack_factors`)."""
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(q, n, generator=g, dtype=torch.float64)
+    if rank is not None:
+        f = torch.randn(q, rank, generator=g, dtype=torch.float64) @ f[:rank]
+    f = f * scale * torch.logspace(0, -3, q, dtype=torch.float64)[:, None]
+    a = torch.cat([(f[1:] - f[:-1]).T, f[-1:].T], dim=1)
+    return solve.stack_factors([a])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_solve_factor_known_gives_the_tensor_route_bits(case):
+    case = dict(case)
+    reg = case.pop("reg", 0.0)
+    factor = _factor(n=40, **case)
+    valid = torch.ones(factor.shape[0] - 1, dtype=torch.bool)
+    expected = solve.solve_factor(factor, valid, reg)
+    gamma, alpha = solve.solve_factor_known(factor, reg)
+    assert _same_bits(gamma, expected.gamma)
+    assert _same_bits(torch.tensor(alpha, dtype=torch.float64), expected.alpha)
+
+
+@pytest.mark.parametrize("reg", [1e-6, 1e-3, 0.3])
+def test_solve_factor_known_rounds_the_ridge_as_torch_does(reg):
+    # `reg / scale` with a tensor scale is `scale.reciprocal() * reg` in torch: two roundings,
+    # which differ from one division for about one scale in three.
+    for seed in range(40):
+        factor = _factor(q=4, n=12, seed=seed, scale=1.0 + seed / 7)
+        valid = torch.ones(3, dtype=torch.bool)
+        expected = solve.solve_factor(factor, valid, reg)
+        gamma, _ = solve.solve_factor_known(factor, reg)
+        assert _same_bits(gamma, expected.gamma), seed
+
+
+def test_solve_factor_known_hands_non_finite_factors_back():
+    factor = _factor(q=4, n=10, seed=0)
+    factor[0, 2] = float("nan")
+    assert solve.solve_factor_known(factor) is None
+
+
 def test_solve_known_hands_non_finite_windows_back():
     h, c, norms = _window(q=4, n=10, seed=0)
     h[1, 2] = float("nan")
@@ -136,3 +177,33 @@ def test_small_in_place_step_runs_few_torch_operations(mode, most):
     with _CountOps() as ops:
         _, state = opt.update(state, x, grad, inplace=True)
     assert sum(ops.count.values()) <= most, ops.count.most_common()
+
+
+@pytest.mark.parametrize("mode", ["classic", "aadl"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_solver_loop_in_place_gives_the_pure_loop_bits(monkeypatch, mode, dtype):
+    # The eager solver loop steps a copy of each iterate in place (the window keeps init's
+    # layout); the pure calls it replaced must give the same iterates, bit for bit.
+    from aadl_func._src import solver as solver_module
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(40, 40, generator=g, dtype=torch.float64)
+    a = (0.9 * a / torch.linalg.matrix_norm(a, 2)).to(dtype)
+    c = torch.randn(40, generator=g, dtype=dtype)
+
+    def solve():
+        return aa.fixed_point(
+            lambda x: {"x": torch.tanh(a @ x["x"] + c)},
+            {"x": torch.zeros(40, dtype=dtype)},
+            tol=0.0,
+            max_iter=25,
+            mode=mode,
+            reg=1e-6,
+        )
+
+    x_in_place, info_in_place = solve()
+    monkeypatch.setattr(solver_module, "_updates_in_place", lambda x: False)
+    x_pure, info_pure = solve()
+    assert _same_bits(x_in_place["x"].double(), x_pure["x"].double())
+    assert _same_bits(info_in_place.residual_norms, info_pure.residual_norms)
+    assert int(info_in_place.iterations) == 25

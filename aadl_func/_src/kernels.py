@@ -198,7 +198,7 @@ def combine_leaf(
         # Each run's weights and, in one chunk, its whole matrix, sliced once: the pure path
         # (slots not rows of one buffer) has a run per slot, and slicing costs per call.
         terms = [
-            (w if block.shape[0] == len(w) else w[first : first + block.shape[0]], block)
+            (w if block.shape[0] == w.shape[0] else w[first : first + block.shape[0]], block)
             for first, block in runs
         ]
         whole = step == numel

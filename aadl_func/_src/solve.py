@@ -53,6 +53,7 @@ __all__ = [
     "solve_coefficients",
     "solve_differences",
     "solve_known",
+    "solve_factor_known",
     "RCOND",
     "RTOL",
     "aadl_coefficients",
@@ -475,6 +476,45 @@ def solve_known(
         return None
     # The differences of [0, gamma, 1] (`_affine_weights()`), each rounded once.
     ends = [0.0, *listed, 1.0]
+    return gamma, [b - a for a, b in zip(ends, ends[1:])]
+
+
+def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[float]] | None:
+    r"""`solve_factor()` for a full window (every column valid) whose real float64 factor
+    is a plain CPU tensor (an eager step), and a number `reg`: `(gamma, alpha)`, `alpha` as
+    a list, or None when a value is not finite (that function then answers).
+
+    The same bits: the elementwise steps (the two scalings, $\sigma^2 + \mathrm{reg}$,
+    $\varphi$, $\varphi b$, the affine weights) on Python floats, which round as torch's
+    CPU kernels; the column norms, the SVD and the two matrix-vector products as torch
+    operations on the same tensors, laid out alike (`R_11` and `r_12` views of the scaled
+    factor). The residual norm, which `update` does not use, is not formed."""
+    q = factor.shape[-1]
+    m = q - 1
+    rows = factor.tolist()
+    flat = [v for row in rows for v in row]
+    if not all(math.isfinite(v) for v in flat):
+        return None
+    peak = max(abs(v) for v in flat)
+    peak = peak if peak > 0 else 1.0
+    norms = torch.linalg.vector_norm(float64_tensor([v / peak for v in flat], q), dim=0)
+    scale = peak * max(norms.tolist())
+    scale = scale if scale > 0 else 1.0
+    r = float64_tensor([v / scale for v in flat], q)
+    # `reg / scale` with a tensor `scale` is torch's `scale.reciprocal() * reg` (two
+    # roundings), then a true division: the same two steps here.
+    shift = (1.0 / scale) * reg / scale
+    u, sigma, vh = torch.linalg.svd(r[:m, :m])
+    weighted = []
+    for s_i, b_i in zip(sigma.tolist(), (u.mH @ r[:m, m]).tolist()):
+        denominator = s_i * s_i + shift
+        phi = s_i / denominator if denominator > RCOND * RCOND else 0.0
+        weighted.append(phi * b_i)
+    gamma = vh.mH @ float64_tensor(weighted)
+    listed = gamma.tolist()
+    if not all(math.isfinite(v) for v in listed):
+        return None
+    ends = [0.0, *listed, 1.0]  # the differences of [0, gamma, 1] (`_affine_weights()`)
     return gamma, [b - a for a, b in zip(ends, ends[1:])]
 
 

@@ -37,6 +37,7 @@ from aadl_func._src.solve import (
     ridge,
     solve_differences,
     solve_factor,
+    solve_factor_known,
     solve_known,
     stack_factors,
 )
@@ -435,9 +436,13 @@ def solve(
     nothing; the `Solution` carries it on to `finite()`.
     """
     gram, dr_gram, dr_rhs = grams
-    if call.shards is None and not call.exact:
+    factor = None
+    if call.shards is None:
         newest = tree.static_value(head)
-        known = known_weights(call.options, grams, newest, tree.static_value(num_residuals))
+        if call.exact and newest is not None:
+            factor = window_factor(ring, head, num_residuals, call.compute_device)
+        count = tree.static_value(num_residuals)
+        known = known_weights(call.options, grams, newest, count, factor if call.exact else None)
         if known is not None:
             alpha = float64_tensor(known[1])
             return Solution(MixingWeights(known[0], alpha, None, flags.TRUE), newest)
@@ -447,11 +452,10 @@ def solve(
             (gram, dr_gram, _), reduction = reduce_rows(call, grams, head, factor=factor)
         g, h, dr_rhs = reduction.rows
         gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
-    factor = None
     if call.exact:
         if reduction is not None:
             factor = reduction.factor  # every rank's, from this call's all_reduce
-        else:
+        elif factor is None:
             factor = window_factor(ring, head, num_residuals, call.compute_device)
     weights, order, residual_sq = window_weights(
         call.options,
@@ -507,18 +511,25 @@ def window_weights(
 
 
 def known_weights(
-    options: AndersonOptions, grams: tuple, newest: int | None, num_residuals: int | None
+    options: AndersonOptions,
+    grams: tuple,
+    newest: int | None,
+    num_residuals: int | None,
+    factor: Tensor | None = None,
 ) -> tuple[Tensor, list[float]] | None:
-    """`window_weights()` by `aadl_func._src.solve.solve_known()`, the same bits: `(gamma,
-    alpha)`, `alpha` chronological as Python floats, for a full window on the Gram route
-    whose Grams are plain CPU values (an eager call) and whose ridge is `reg` alone;
-    otherwise, or when a value is not finite, None."""
+    """`window_weights()` by `aadl_func._src.solve.solve_known()` (the Gram route) or, given
+    a float64 window's `factor`, `solve_factor_known()`: the same bits, `(gamma, alpha)`,
+    `alpha` chronological as Python floats, for a full window whose Grams or factor are
+    plain real CPU values (an eager call) and whose ridge is `reg` alone; otherwise, or when a
+    value is not finite, None."""
     q = grams[0].shape[-1]
     if newest is None or num_residuals != q or options.reg_relative or options.reg_column:
         return None
-    for t in grams:
+    for t in grams if factor is None else (factor,):
         if t.dtype != torch.float64 or not t.is_cpu or tree.is_transformed(t):
             return None
+    if factor is not None:
+        return solve_factor_known(factor, options.reg)
     gram, dr_gram, dr_rhs = (t.tolist() for t in grams)
     slots = [(newest + 1 + j) % q for j in range(q)]  # oldest first
     later = slots[1:]  # the newer ends of the differences (the columns of gamma)

@@ -92,20 +92,27 @@ def mixing_weights(
 ) -> tuple[Tensor | list[float], Any]:
     """The affine weights $\alpha$ of the window whose newest residual is in slot `head`
     (`aadl_func._src.stages.solve()`), chronological, and whether the solve succeeded:
-    from the Grams (a full window: as Python floats, `stages.known_weights()`), or for a
-    float64 window from a QR factor streamed from the ring."""
+    from the Grams, or for a float64 window from a QR factor streamed from the ring (a full
+    window: as Python floats, `stages.known_weights()`)."""
     exact = all(leaf.dtype in EXACT for leaf in ring[0])
-    known = None if exact else stages.known_weights(options, grams, head, num_residuals)
+    device = grams[0].device
+    head_t, num_t, factor = None, None, None
+    if exact:
+        head_t, num_t = _counters(head, num_residuals)
+        factor = stages.window_factor(ring, head_t, num_t, device)
+    known = stages.known_weights(options, grams, head, num_residuals, factor)
     if known is not None:
         return known[1], True
-    device = grams[0].device
-    head_t = torch.scalar_tensor(head, dtype=_INT64)
-    num_t = torch.scalar_tensor(num_residuals, dtype=_INT64)
-    factor = stages.window_factor(ring, head_t, num_t, device) if exact else None
+    if head_t is None:
+        head_t, num_t = _counters(head, num_residuals)
     weights, _, _ = stages.window_weights(
         options, ring, grams, head_t, num_t, device, exact=exact, factor=factor
     )
     return weights.alpha, weights.ok
+
+
+def _counters(*values: int) -> tuple[Tensor, ...]:
+    return tuple(torch.scalar_tensor(v, dtype=_INT64) for v in values)
 
 
 def ring_order(newest: int, *chrono: Tensor | list[float]) -> Tensor:
