@@ -456,7 +456,7 @@ def solve_known(
       reg: the Tikhonov weight on $\gamma$, `>= 0` (a number).
     """
     values = [*residual_sq, *dr_rhs, *(v for row in dr_gram for v in row)]
-    if not all(math.isfinite(v) for v in values):
+    if not all(map(math.isfinite, values)):
         return None
     unit = max(residual_sq)
     unit = unit if unit > 0 else 1.0
@@ -472,7 +472,7 @@ def solve_known(
         inverse.append(1.0 / shifted if shifted > RTOL else 0.0)
     gamma = eigvecs @ (float64_tensor(inverse) * (eigvecs.mH @ c))
     listed = gamma.tolist()
-    if not all(math.isfinite(v) for v in listed):
+    if not all(map(math.isfinite, listed)):
         return None
     # The differences of [0, gamma, 1] (`_affine_weights()`), each rounded once.
     ends = [0.0, *listed, 1.0]
@@ -493,7 +493,7 @@ def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[f
     m = q - 1
     rows = factor.tolist()
     flat = [v for row in rows for v in row]
-    if not all(math.isfinite(v) for v in flat):
+    if not all(map(math.isfinite, flat)):
         return None
     peak = max(abs(v) for v in flat)
     peak = peak if peak > 0 else 1.0
@@ -512,7 +512,7 @@ def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[f
         weighted.append(phi * b_i)
     gamma = vh.mH @ float64_tensor(weighted)
     listed = gamma.tolist()
-    if not all(math.isfinite(v) for v in listed):
+    if not all(map(math.isfinite, listed)):
         return None
     ends = [0.0, *listed, 1.0]  # the differences of [0, gamma, 1] (`_affine_weights()`)
     return gamma, [b - a for a, b in zip(ends, ends[1:])]

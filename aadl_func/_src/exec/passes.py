@@ -77,8 +77,10 @@ def _appended_known(grams: tuple, slot: int, grown: int, g: Tensor) -> tuple | N
     q = len(g)
     gram, dr_gram = grams[0].tolist(), grams[1].tolist()
     g, h, c = known_rows(g.tolist(), gram[(slot - 1) % q], slot)
-    valid = [(slot - t) % q < grown for t in range(q)]
-    if not all(math.isfinite(v) for row in (g, h, c) for v, keep in zip(row, valid) if keep):
+    checked = (g, h, c)
+    if grown != q:  # only the slots in the window (their age below `grown`)
+        checked = [[v for t, v in enumerate(row) if (slot - t) % q < grown] for row in checked]
+    if not all(all(map(math.isfinite, row)) for row in checked):
         return None
     return (
         _with_row(gram, slot, g),
