@@ -470,7 +470,8 @@ def solve_known(
         if reg != 0.0:
             shifted = shifted + reg
         inverse.append(1.0 / shifted if shifted > RTOL else 0.0)
-    gamma = eigvecs @ (float64_tensor(inverse) * (eigvecs.mH @ c))
+    # torch.mv is what `@` runs for a matrix and a vector, without its Python wrapper.
+    gamma = torch.mv(eigvecs, float64_tensor(inverse) * torch.mv(eigvecs.mT, c))
     listed = gamma.tolist()
     if not all(map(math.isfinite, listed)):
         return None
@@ -506,11 +507,11 @@ def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[f
     shift = (1.0 / scale) * reg / scale
     u, sigma, vh = torch.linalg.svd(r[:m, :m])
     weighted = []
-    for s_i, b_i in zip(sigma.tolist(), (u.mH @ r[:m, m]).tolist()):
+    for s_i, b_i in zip(sigma.tolist(), torch.mv(u.mT, r[:m, m]).tolist()):
         denominator = s_i * s_i + shift
         phi = s_i / denominator if denominator > RCOND * RCOND else 0.0
         weighted.append(phi * b_i)
-    gamma = vh.mH @ float64_tensor(weighted)
+    gamma = torch.mv(vh.mT, float64_tensor(weighted))
     listed = gamma.tolist()
     if not all(map(math.isfinite, listed)):
         return None
