@@ -680,7 +680,7 @@ def _trivial_update(opt):
     """The core's update replaced by ``x + r``: what is left is the solver loop's own time."""
     from aadl_func._src import tree
 
-    def update(state, x, r):
+    def update(state, x, r, inplace=False):  # the loop's own x + r, whatever `inplace`
         xs, spec = tree.flatten(x, "x")
         return tree.unflatten(spec, [a + b for a, b in zip(xs, tree.flatten(r, "r")[0])]), state
 
