@@ -680,7 +680,7 @@ def _trivial_update(opt):
     """The core's update replaced by ``x + r``: what is left is the solver loop's own time."""
     from aadl_func._src import tree
 
-    def update(state, x, r):
+    def update(state, x, r, inplace=False):  # the loop's own x + r, whatever `inplace`
         xs, spec = tree.flatten(x, "x")
         return tree.unflatten(spec, [a + b for a, b in zip(xs, tree.flatten(r, "r")[0])]), state
 
@@ -799,11 +799,26 @@ def _count_ops(step) -> int:
     return Count.calls
 
 
+def _small_mlp() -> torch.nn.Module:
+    """The 64-32-10 MLP of the small-model row (2,410 params), with fixed gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+    for p in model.parameters():
+        p.grad = 1e-2 * torch.randn_like(p)
+    return model
+
+
 def step_rows(rounds: int, n: int = 1 << 10, history_depth: int = 5) -> list[dict]:
-    """One small step against ``torch.optim.Adam(foreach=True).step()`` on the same one-leaf
-    tensor of ``n`` elements: the eager in-place ``anderson(aa.adam)`` step in each mode
-    (microseconds, medians of interleaved rounds of 100 steps, one thread) and the torch
-    operations of one call."""
+    """Small steps against their plain counterparts, side by side in one process (medians of
+    interleaved rounds, one thread), with the torch operations of one call:
+
+    * the eager in-place ``anderson(aa.adam)`` step in each mode on a one-leaf tensor of
+      ``n`` elements, against ``torch.optim.Adam(foreach=True).step()`` on the same tensor;
+    * ``AcceleratedOptimizer(Adam).step()`` on the small-model row's MLP (2,410 params, fixed
+      gradients), against that Adam's own ``step()`` on the same model;
+    * ``aa.fixed_point`` per evaluation on the 40-dimensional map of the solver rows
+      (50 evaluations), against ``scipy.optimize.anderson``'s (M=5, w0=0) on it.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
@@ -811,7 +826,8 @@ def step_rows(rounds: int, n: int = 1 << 10, history_depth: int = 5) -> list[dic
     param = torch.nn.Parameter(start.clone())
     param.grad = grad.clone()
     adam = torch.optim.Adam([param], lr=1e-3, foreach=True)
-    steps = {"torch.optim.Adam": adam.step}
+    # name: (one call, the name of the call it is measured against, calls per timing)
+    steps: dict = {"torch.optim.Adam": (adam.step, None, 100)}
     for mode in ("classic", "aadl"):
         opt = aa.anderson(aa.adam(1e-3), history_depth=history_depth, mode=mode)
         x = start.clone()
@@ -820,39 +836,88 @@ def step_rows(rounds: int, n: int = 1 << 10, history_depth: int = 5) -> list[dic
         def step(opt=opt, x=x, holder=holder) -> None:
             holder[0] = opt.update(holder[0], x, grad, inplace=True)[1]
 
-        steps[f"anderson {mode}"] = step
-    for step in steps.values():
+        steps[f"anderson {mode}"] = (step, "torch.optim.Adam", 100)
+    plain, wrapped = _small_mlp(), _small_mlp()
+    steps["Adam on the MLP"] = (
+        torch.optim.Adam(plain.parameters(), lr=1e-3, foreach=True).step,
+        None,
+        100,
+    )
+    accelerated = aa.AcceleratedOptimizer(
+        torch.optim.Adam(wrapped.parameters(), lr=1e-3, foreach=True)
+    )
+    steps["AcceleratedOptimizer"] = (accelerated.step, "Adam on the MLP", 100)
+    evaluations = 50
+    F_np, F_t = _map40()
+    # The solver rows' call: root with alpha = -1 is fixed_point on x + F(x) (same loop).
+    steps["root/fixed_point eval"] = (
+        lambda: aa.root(
+            F_t, torch.zeros(40, dtype=torch.float64), alpha=-1.0, tol=0.0, max_iter=evaluations - 1
+        ),
+        "scipy anderson" if _scipy_anderson() is not None else None,
+        1,
+    )
+    if _scipy_anderson() is not None:
+        steps["scipy anderson"] = (lambda: _scipy40(F_np, evaluations), None, 1)
+    for step, _, _ in steps.values():
         for _ in range(30):  # past the window's filling: every call mixes
             step()
     samples: dict = collections.defaultdict(list)
     for _ in range(rounds):
-        for name, step in steps.items():
+        for name, (step, _, calls) in steps.items():
             t0 = time.perf_counter()
-            for _ in range(100):
+            for _ in range(calls):
                 step()
-            samples[name].append((time.perf_counter() - t0) / 100 * 1e6)
+            per = calls if calls > 1 else evaluations  # a solve: per evaluation
+            samples[name].append((time.perf_counter() - t0) / per * 1e6)
     torch.set_num_threads(threads)
-    adam_us = statistics.median(samples["torch.optim.Adam"])
     rows = []
-    for name, step in steps.items():
+    for name, (step, against, calls) in steps.items():
+        if against is None:
+            continue
         us = statistics.median(samples[name])
-        ops = _count_ops(step)
-        rows.append({"step": name, "n": n, "history_depth": history_depth, "us": us,
-                     "ratio_to_adam": us / adam_us, "torch_ops": ops})  # fmt: skip
+        reference = statistics.median(samples[against])
+        ops = _count_ops(step) if calls > 1 else None
+        rows.append({"step": name, "us": us, "against": against, "against_us": reference,
+                     "ratio": us / reference, "torch_ops": ops,
+                     "n": n, "history_depth": history_depth})  # fmt: skip
     return rows
 
 
+def _scipy_anderson():
+    try:
+        from scipy.optimize import anderson
+    except ImportError:
+        return None
+    return anderson
+
+
+def _scipy40(F_np, evaluations: int) -> None:
+    try:
+        _scipy_anderson()(F_np, [0.0] * 40, alpha=-1.0, M=5, w0=0, maxiter=evaluations,
+                          f_tol=1e-300, line_search=None)  # fmt: skip
+    except Exception:  # NoConvergence at the fixed budget: the time is what we want
+        pass
+
+
 def step_table(rows: list[dict]) -> str:
-    lines = [f"{'step':>18} {'us':>8} {'x Adam':>7} {'torch ops':>9}"]
+    head = f"{'step':>22} {'us':>8} {'against':>18} {'us':>8} {'ratio':>7} {'torch ops':>9}"
+    lines = [head]
     for r in rows:
+        ops = "" if r["torch_ops"] is None else str(r["torch_ops"])
         lines.append(
-            f"{r['step']:>18} {r['us']:>8.1f} {r['ratio_to_adam']:>6.2f}x {r['torch_ops']:>9}"
+            f"{r['step']:>22} {r['us']:>8.1f} {r['against']:>18} {r['against_us']:>8.1f} "
+            f"{r['ratio']:>6.2f}x {ops:>9}"
         )
     r = rows[0]
     lines.append(
-        f"one leaf of {r['n']} float32 values, history_depth {r['history_depth']}, eager "
-        "update(..., inplace=True) with aa.adam(1e-3) against torch.optim.Adam(foreach=True)"
-        ".step(); one thread, medians of interleaved rounds of 100 steps"
+        f"anderson: one leaf of {r['n']} float32 values, history_depth {r['history_depth']}, "
+        "eager update(..., inplace=True) with aa.adam(1e-3), against torch.optim.Adam"
+        "(foreach=True).step(); AcceleratedOptimizer(Adam(foreach=True)).step() on the "
+        "64-32-10 MLP (2,410 params, fixed grads) against that Adam's step(); root/fixed_point: "
+        "microseconds per evaluation of a 50-evaluation aa.root(alpha=-1) of the solver rows' "
+        "40-dimensional map, against scipy.optimize.anderson(M=5, w0=0); one thread, medians "
+        "of interleaved rounds"
     )
     return "\n".join(lines)
 

@@ -197,7 +197,10 @@ def combine_leaf(
         step = numel if len(runs) == 1 else min(chunk_size(1, result.device), numel)
         # Each run's weights and, in one chunk, its whole matrix, sliced once: the pure path
         # (slots not rows of one buffer) has a run per slot, and slicing costs per call.
-        terms = [(w[first : first + block.shape[0]], block) for first, block in runs]
+        terms = [
+            (w if block.shape[0] == w.shape[0] else w[first : first + block.shape[0]], block)
+            for first, block in runs
+        ]
         whole = step == numel
         for start in range(0, numel, step):
             stop = min(start + step, numel)

@@ -33,6 +33,8 @@ CUDA) exactly when the window was rank deficient."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -40,7 +42,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import flags, tree
-from aadl_func._src.scalars import abs2, wide
+from aadl_func._src.scalars import abs2, float64_tensor, wide
 from aadl_func._src.state import allow_weights_only
 
 __all__ = [
@@ -50,6 +52,8 @@ __all__ = [
     "solve_weights",
     "solve_coefficients",
     "solve_differences",
+    "solve_known",
+    "solve_factor_known",
     "RCOND",
     "RTOL",
     "aadl_coefficients",
@@ -428,7 +432,96 @@ def solve_differences(
     return MixingWeights(gamma, alpha, (mixed_sq.clamp(min=0.0) * unit).sqrt(), ok)
 
 
-def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False) -> Tensor:
+def solve_known(
+    dr_gram: Sequence[Sequence[float]],
+    dr_rhs: Sequence[float],
+    residual_sq: Sequence[float],
+    reg: float = 0.0,
+) -> tuple[Tensor, list[float]] | None:
+    r"""`solve_differences()` for a full window of real values known as Python floats
+    (an eager step on the CPU): `(gamma, alpha)`, `alpha` as a list, or None when a value
+    is not finite (that function then answers, with its fallback).
+
+    The same arithmetic, bit for bit: the elementwise `m`-sized steps (the scaling, the
+    eigenvalue cut-off $\lambda_i \mapsto 1/\lambda_i$, the differences of
+    $[0, \gamma, 1]$) are single IEEE double operations, which Python floats round exactly
+    as torch's CPU kernels do; the eigen-decomposition and the two matrix-vector products
+    stay torch operations on the same tensors. What it saves is the dozen tiny tensor
+    operations (masks, finiteness reductions, comparisons) of the general route.
+
+    Args:
+      dr_gram: `(m, m)` float64 $H$, chronological, as nested lists.
+      dr_rhs: `(m,)` $c$, chronological.
+      residual_sq: `(m + 1,)` $\|f_i\|^2$, chronological.
+      reg: the Tikhonov weight on $\gamma$, `>= 0` (a number).
+    """
+    values = [*residual_sq, *dr_rhs, *(v for row in dr_gram for v in row)]
+    if not all(map(math.isfinite, values)):
+        return None
+    unit = max(residual_sq)
+    unit = unit if unit > 0 else 1.0
+    h = float64_tensor([v / unit for row in dr_gram for v in row], len(dr_gram))
+    c = float64_tensor([v / unit for v in dr_rhs])
+    reg = reg / unit
+    eigvals, eigvecs = torch.linalg.eigh(h)
+    inverse = []
+    for value in eigvals.tolist():
+        shifted = max(value, 0.0)  # clamp(min=0): NaN stays NaN, and is dropped below
+        if reg != 0.0:
+            shifted = shifted + reg
+        inverse.append(1.0 / shifted if shifted > RTOL else 0.0)
+    # torch.mv is what `@` runs for a matrix and a vector, without its Python wrapper.
+    gamma = torch.mv(eigvecs, float64_tensor(inverse) * torch.mv(eigvecs.mT, c))
+    listed = gamma.tolist()
+    if not all(map(math.isfinite, listed)):
+        return None
+    # The differences of [0, gamma, 1] (`_affine_weights()`), each rounded once.
+    ends = [0.0, *listed, 1.0]
+    return gamma, [b - a for a, b in zip(ends, ends[1:])]
+
+
+def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[float]] | None:
+    r"""`solve_factor()` for a full window (every column valid) whose real float64 factor
+    is a plain CPU tensor (an eager step), and a number `reg`: `(gamma, alpha)`, `alpha` as
+    a list, or None when a value is not finite (that function then answers).
+
+    The same bits: the elementwise steps (the two scalings, $\sigma^2 + \mathrm{reg}$,
+    $\varphi$, $\varphi b$, the affine weights) on Python floats, which round as torch's
+    CPU kernels; the column norms, the SVD and the two matrix-vector products as torch
+    operations on the same tensors, laid out alike (`R_11` and `r_12` views of the scaled
+    factor). The residual norm, which `update` does not use, is not formed."""
+    q = factor.shape[-1]
+    m = q - 1
+    rows = factor.tolist()
+    flat = [v for row in rows for v in row]
+    if not all(map(math.isfinite, flat)):
+        return None
+    peak = max(abs(v) for v in flat)
+    peak = peak if peak > 0 else 1.0
+    norms = torch.linalg.vector_norm(float64_tensor([v / peak for v in flat], q), dim=0)
+    scale = peak * max(norms.tolist())
+    scale = scale if scale > 0 else 1.0
+    r = float64_tensor([v / scale for v in flat], q)
+    # `reg / scale` with a tensor `scale` is torch's `scale.reciprocal() * reg` (two
+    # roundings), then a true division: the same two steps here.
+    shift = (1.0 / scale) * reg / scale
+    u, sigma, vh = torch.linalg.svd(r[:m, :m])
+    weighted = []
+    for s_i, b_i in zip(sigma.tolist(), torch.mv(u.mT, r[:m, m]).tolist()):
+        denominator = s_i * s_i + shift
+        phi = s_i / denominator if denominator > RCOND * RCOND else 0.0
+        weighted.append(phi * b_i)
+    gamma = torch.mv(vh.mT, float64_tensor(weighted))
+    listed = gamma.tolist()
+    if not all(map(math.isfinite, listed)):
+        return None
+    ends = [0.0, *listed, 1.0]  # the differences of [0, gamma, 1] (`_affine_weights()`)
+    return gamma, [b - a for a, b in zip(ends, ends[1:])]
+
+
+def aadl_coefficients(
+    alpha: Tensor | list[float], relaxation: float, *, negated: bool = False
+) -> Tensor | list[float]:
     r"""Weights `c` with `mix = x_last - sum_j c_j DX[:, j]` (float64, oldest first).
 
     Writing every window entry through the newest one, $x_i = x_{k-1} - \sum_{j \ge i}
@@ -438,14 +531,21 @@ def aadl_coefficients(alpha: Tensor, relaxation: float, *, negated: bool = False
     $A = \mathrm{cumsum}(\alpha)$.
 
     `negated=True` returns `-c`, formed by the swapped subtraction (`b - a` rounds to
-    exactly `-(a - b)`), one operation fewer than negating `c`.
+    exactly `-(a - b)`), one operation fewer than negating `c`. `alpha` given as a list
+    (`solve_known()`): `c` as a list, with the same roundings (the cumulative sum from 0,
+    one addition after another, as torch's CPU `cumsum` of a float64 vector).
     """
+    if isinstance(alpha, list):
+        partial = list(itertools.accumulate(alpha, initial=0.0))[1:]
+        if negated:
+            return [relaxation * a - p for a, p in zip(alpha, partial)]
+        return [p - relaxation * a for a, p in zip(alpha, partial)]
     if negated:
         return relaxation * alpha - torch.cumsum(alpha, 0)
     return torch.cumsum(alpha, 0) - relaxation * alpha
 
 
-def classic_coefficients(alpha: Tensor) -> Tensor:
+def classic_coefficients(alpha: Tensor | list[float]) -> Tensor | list[float]:
     r"""Weights `w` with $\sum_i \alpha_i x_i = x_{\mathrm{last}} + \sum_j w_j
     \Delta x_j$ (float64, oldest first), $\Delta x_j = x_j - x_{j-1}$.
 
@@ -453,7 +553,11 @@ def classic_coefficients(alpha: Tensor) -> Tensor:
     \Delta x_j$, and using $\sum_i \alpha_i = 1$:
     $w_j = -\sum_{i < j} \alpha_i$, so $w_0 = 0$: the oldest difference (to a
     point outside the window) is never used. Mode "classic" keeps its points this way.
+    `alpha` given as a list: `w` as a list, with the same roundings.
     """
+    if isinstance(alpha, list):
+        partial = list(itertools.accumulate(alpha, initial=0.0))[1:-1]
+        return [0.0, *(-p for p in partial)]
     partial = torch.cumsum(alpha, 0)
     return torch.cat([torch.zeros_like(partial[:1]), -partial[:-1]])
 

@@ -434,6 +434,7 @@ def _eager_loop(
     threshold = max(tol, rtol * norm)
     best = (norm, x, 0)  # the lowest residual so far: (norm, iterate, step)
     state = opt.init(tree.unflatten(spec, x))
+    inplace = _updates_in_place(x)
     status = NONFINITE if not math.isfinite(norm) else MAX_ITER
     while status != NONFINITE:
         if _met(norm, threshold, gtol, value):
@@ -441,7 +442,12 @@ def _eager_loop(
             break
         if iterations == options.max_iter:
             break
-        proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
+        # In place on a copy of x (x itself stays the iterate that `best` may hold): the
+        # same bits as the pure call, with the window kept as `init` laid it out.
+        start = [t.clone() for t in x] if inplace else x
+        proposal, state = opt.update(
+            state, tree.unflatten(spec, start), tree.unflatten(spec, step), inplace=inplace
+        )
         proposal = tree.flatten(proposal, "x")[0]
         if options.line_search:
             new_x, new_step, new_norm_t, new_value, spent = _line_search(problem, x, proposal, norm)
@@ -474,6 +480,12 @@ def _eager_loop(
         returned_iteration=torch.tensor(returned),
     )
     return x, info
+
+
+def _updates_in_place(x: list[Tensor]) -> bool:
+    """Whether the eager loop may step copies of its iterates in place: outside the
+    differentiating transforms (which refuse in-place steps) and autograd's graph."""
+    return not differentiating() and not any(t.requires_grad for t in x)
 
 
 def _met(norm: float, threshold: float, gtol: float, value: Tensor | None) -> bool:

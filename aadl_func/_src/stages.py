@@ -31,12 +31,14 @@ from torch import Tensor
 from aadl_func._src import deferred, distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, write_back
 from aadl_func._src.blend import Blend
-from aadl_func._src.scalars import EXACT, real_view
+from aadl_func._src.scalars import EXACT, float64_tensor, real_view
 from aadl_func._src.solve import (
     MixingWeights,
     ridge,
     solve_differences,
     solve_factor,
+    solve_factor_known,
+    solve_known,
     stack_factors,
 )
 from aadl_func._src.state import AndersonState
@@ -75,6 +77,7 @@ __all__ = [
     "window_tree",
     "window_factor",
     "window_weights",
+    "known_weights",
 ]
 
 Params = Any
@@ -433,17 +436,26 @@ def solve(
     nothing; the `Solution` carries it on to `finite()`.
     """
     gram, dr_gram, dr_rhs = grams
+    factor = None
+    if call.shards is None:
+        newest = tree.static_value(head)
+        if call.exact and newest is not None:
+            factor = window_factor(ring, head, num_residuals, call.compute_device)
+        count = tree.static_value(num_residuals)
+        known = known_weights(call.options, grams, newest, count, factor if call.exact else None)
+        if known is not None:
+            alpha = float64_tensor(known[1])
+            return Solution(MixingWeights(known[0], alpha, None, flags.TRUE), newest)
     if call.shards is not None:
         if reduction is None:
             factor = _shard_factor(call, ring, head, num_residuals)
             (gram, dr_gram, _), reduction = reduce_rows(call, grams, head, factor=factor)
         g, h, dr_rhs = reduction.rows
         gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
-    factor = None
     if call.exact:
         if reduction is not None:
             factor = reduction.factor  # every rank's, from this call's all_reduce
-        else:
+        elif factor is None:
             factor = window_factor(ring, head, num_residuals, call.compute_device)
     weights, order, residual_sq = window_weights(
         call.options,
@@ -496,6 +508,37 @@ def window_weights(
         return solve_factor(factor, valid, reg), order, residual_sq
     weights = solve_differences(dr_chrono, dr_rhs, residual_sq, num_valid, reg, residual_norm=False)
     return weights, order, residual_sq
+
+
+def known_weights(
+    options: AndersonOptions,
+    grams: tuple,
+    newest: int | None,
+    num_residuals: int | None,
+    factor: Tensor | None = None,
+) -> tuple[Tensor, list[float]] | None:
+    """`window_weights()` by `aadl_func._src.solve.solve_known()` (the Gram route) or, given
+    a float64 window's `factor`, `solve_factor_known()`: the same bits, `(gamma, alpha)`,
+    `alpha` chronological as Python floats, for a full window whose Grams or factor are
+    plain real CPU values (an eager call) and whose ridge is `reg` alone; otherwise, or when a
+    value is not finite, None."""
+    q = grams[0].shape[-1]
+    if newest is None or num_residuals != q or options.reg_relative or options.reg_column:
+        return None
+    for t in grams if factor is None else (factor,):
+        if t.dtype != torch.float64 or not t.is_cpu or tree.is_transformed(t):
+            return None
+    if factor is not None:
+        return solve_factor_known(factor, options.reg)
+    gram, dr_gram, dr_rhs = (t.tolist() for t in grams)
+    slots = [(newest + 1 + j) % q for j in range(q)]  # oldest first
+    later = slots[1:]  # the newer ends of the differences (the columns of gamma)
+    return solve_known(
+        [[dr_gram[i][j] for j in later] for i in later],
+        [dr_rhs[i] for i in later],
+        [gram[s][s] for s in slots],
+        options.reg,
+    )
 
 
 def to_ring_order(chrono_values: Tensor, order: Tensor | int) -> Tensor:

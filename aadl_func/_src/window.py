@@ -28,7 +28,7 @@ from torch import Tensor
 
 from aadl_func._src import batched, kernels, native, tree
 from aadl_func._src.blend import Blend
-from aadl_func._src.scalars import EXACT, wide
+from aadl_func._src.scalars import EXACT, float64_tensor, wide
 
 __all__ = [
     "append_difference",
@@ -398,6 +398,10 @@ def rows_from_dots(
     float64 window, $p_t = \langle f_t, d_s \rangle$ (None otherwise: then taken from
     `gram`'s row $s - 1$). `slot` is the 0-d slot tensor, `index` its value when known."""
     q, acc = g.shape[0], g.dtype
+    if p is None and index is not None and acc == torch.float64 and _plain_cpu(g, gram):
+        # Eager on the CPU: the same subtractions on Python floats (fewer tiny operations).
+        _, h, c = known_rows(g.tolist(), gram[(index - 1) % q].tolist(), index)
+        return g, float64_tensor(h), float64_tensor(c)
     c = g - g.roll(1)
     if p is None:
         # p_t = <f_t, d_s> = g_t - <f_t, f_{s-1}>, the last the conjugate of the stored row
@@ -414,6 +418,25 @@ def rows_from_dots(
             before = torch.where(ring == at, _pick(g, previous), _pick(gram.to(device), previous))
             p = g - before.conj()
     return g, p - p.roll(1), c
+
+
+def known_rows(
+    g: list[float], before: list[float], index: int
+) -> tuple[list[float], list[float], list[float]]:
+    r"""`rows_from_dots()` for a real float32/bf16/fp16 window whose row $g$ and the Gram's
+    row `before` $= G_{s-1, :}$ are known as Python floats (an eager step): `(g, h, c)` as
+    lists, each entry one IEEE subtraction, as that function's tensor operations round it.
+    `index` is the slot $s$."""
+    q = len(g)
+    c = [g[t] - g[t - 1] for t in range(q)]  # g - g.roll(1)
+    p = [g[t] - before[t] for t in range(q)]
+    p[index] = c[index]  # p_s = g_s - g_{s-1} (real data)
+    return g, [p[t] - p[t - 1] for t in range(q)], c
+
+
+def _plain_cpu(*tensors: Tensor) -> bool:
+    """Whether every tensor is a plain CPU tensor, whose values Python may read."""
+    return all(t.is_cpu and not tree.is_transformed(t) for t in tensors)
 
 
 def _pick(t: Tensor, index: Tensor) -> Tensor:

@@ -183,16 +183,13 @@ class _Step:
         self.commit_plain(grams, head, size, poisoned, stored)
         if not self.mixes(size, options.rules.min_window):
             return self.finish(False, False, poisoned, y)
-        weights = passes.mixing_weights(self.options, self.ring, grams, head, size)
-        coefficients = torch.cat(
-            [
-                classic_coefficients(weights.alpha).roll(head + 1),
-                (options.relaxation * weights.alpha).roll(head + 1),
-            ]
-        )
+        alpha, solved = passes.mixing_weights(self.options, self.ring, grams, head, size)
+        relaxation = options.relaxation
+        scaled = [relaxation * a for a in alpha] if isinstance(alpha, list) else relaxation * alpha
+        coefficients = passes.ring_order(head, classic_coefficients(alpha), scaled)
         steps = self.combine(None, [self.iterates, self.ring], coefficients)
         x_hist = [v.add_(a) for v, a in zip(steps, self.anchor)]
-        ok = passes.finite(x_hist, self.params, weights.ok)
+        ok = passes.finite(x_hist, self.params, solved)
         x = stages.to_params(self, x_hist) if ok else y
         return self.finish(True, ok, poisoned, x)
 
@@ -223,16 +220,16 @@ class _Step:
         grams = (current.gram, current.dr_gram, current.dr_rhs)  # in place: the caller's
         if not self.mixes(size, options.rules.min_window):
             return self.finish(False, False, poisoned, y)
-        weights = passes.mixing_weights(self.options, self.ring, grams, head, num_residuals)
-        minus_c = aadl_coefficients(weights.alpha, options.relaxation, negated=True)
+        alpha, solved = passes.mixing_weights(self.options, self.ring, grams, head, num_residuals)
+        minus_c = aadl_coefficients(alpha, options.relaxation, negated=True)
         into = self.params if self.inplace and stored and self._mixes_into_params() else None
         if into is not None:
             # The params hold y, bit for bit the anchor: accumulate the mix there.
             self.progress.undo.append((self.params, self.anchor))
         try:
             base = self.anchor if into is None else into
-            x_hist = self.combine(base, [self.ring], minus_c.roll(head + 1), out=into)
-            ok = passes.finite(x_hist, self.params, weights.ok)
+            x_hist = self.combine(base, [self.ring], passes.ring_order(head, minus_c), out=into)
+            ok = passes.finite(x_hist, self.params, solved)
         except BaseException:
             if into is not None:
                 _write(self.params, self.anchor)  # back to y

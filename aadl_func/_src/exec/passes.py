@@ -19,49 +19,34 @@ from torch import Tensor
 
 from aadl_func._src import kernels, native, stages
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.scalars import EXACT
-from aadl_func._src.solve import MixingWeights
+from aadl_func._src.scalars import EXACT, float64_tensor
 from aadl_func._src.window import combine as window_combine
-from aadl_func._src.window import difference_rows, rows_from_dots
+from aadl_func._src.window import difference_rows, known_rows
 
-__all__ = ["appended_grams", "combine", "finite", "gram_rows", "mixing_weights"]
+__all__ = ["appended_grams", "combine", "finite", "mixing_weights", "ring_order"]
 
 _INT64 = torch.int64
-
-
-def gram_rows(ring: tuple, slot: int, gram: Tensor, g: Tensor | None = None) -> tuple:
-    r"""`(g, h, c)`, the Gram rows of the residual in `ring[slot]`
-    (`aadl_func._src.window.difference_rows()`): the native kernel's pass over the slots
-    as they lie for a float32 or bf16 window, else that function's own passes. `g`: the row
-    $g$ when the fused append computed it."""
-    device = gram.device
-    slot_t = torch.scalar_tensor(slot, dtype=_INT64)
-    if g is None and not any(leaf.dtype in EXACT for leaf in ring[0]):
-        g = torch.zeros(len(ring), dtype=torch.float64, device=device)
-        for i, newest in enumerate(ring[slot]):
-            if newest.numel() == 0:
-                continue
-            part = None
-            if newest.is_contiguous():
-                part = native.float64_dots([entry[i] for entry in ring], newest.view(-1))
-            if part is None:  # not a plain contiguous CPU window: the general pass
-                return difference_rows(ring, slot_t, device, gram)
-            g = g + part.to(device)
-        return rows_from_dots(g, None, gram, slot_t, slot, device)
-    return difference_rows(ring, slot_t, device, gram, g=g)
 
 
 def appended_grams(
     ring: tuple, slot: int, grams: tuple, grown: int, g: Tensor | None = None
 ) -> tuple | None:
-    """The Grams `(gram, dr_gram, dr_rhs)` after the residual in `ring[slot]` joined the
+    r"""The Grams `(gram, dr_gram, dr_rhs)` after the residual in `ring[slot]` joined the
     window of `grown` residuals (`aadl_func._src.stages.append()`), or None when its rows
-    are not finite over the valid slots (the append is poisoned)."""
+    are not finite over the valid slots (the append is poisoned). A float32 or bf16
+    window: the row $g$ from the native kernel's pass (or `g`, which the fused append
+    computed), and the rest as Python floats (`window.known_rows()`); other windows:
+    `aadl_func._src.window.difference_rows()`."""
     q = len(ring)
-    rows = gram_rows(ring, slot, grams[0], g)
+    if not any(leaf.dtype in EXACT for leaf in ring[0]):
+        g = _dots_row(ring, slot, grams[0].device) if g is None else g
+        if g is not None and grams[0].dtype == torch.float64 and grams[0].is_cpu:
+            return _appended_known(grams, slot, grown, g)
+    slot_t = torch.scalar_tensor(slot, dtype=_INT64)
+    rows = difference_rows(ring, slot_t, grams[0].device, grams[0], g=g)
     stacked = torch.stack(rows)
     if grown != q:
-        age = (torch.scalar_tensor(slot, dtype=_INT64) - torch.arange(q)) % q
+        age = (slot_t - torch.arange(q)) % q
         stacked = torch.where((age < grown).to(stacked.device), stacked, 0.0)
     low, high = torch.aminmax(stacked)
     if not (-math.inf < low.item() and high.item() < math.inf):
@@ -70,21 +55,79 @@ def appended_grams(
     return _set_row(grams[0], slot, g), _set_row(grams[1], slot, h), c
 
 
+def _dots_row(ring: tuple, slot: int, device: torch.device) -> Tensor | None:
+    r"""The row $g_t = \langle f_t, f_s \rangle$ of the residual in `ring[slot]` by the
+    native kernel (summed over leaves), or None where a leaf does not lie as it takes it."""
+    g = torch.zeros(len(ring), dtype=torch.float64, device=device)
+    for i, newest in enumerate(ring[slot]):
+        if newest.numel() == 0:
+            continue
+        part = None
+        if newest.is_contiguous():
+            part = native.float64_dots([entry[i] for entry in ring], newest.view(-1))
+        if part is None:  # not a plain contiguous CPU window: the general pass
+            return None
+        g = g + part.to(device)
+    return g
+
+
+def _appended_known(grams: tuple, slot: int, grown: int, g: Tensor) -> tuple | None:
+    """`appended_grams()` from the row `g` of a real window, the rows and the finiteness
+    test over the valid slots (age below `grown`) in Python floats."""
+    q = len(g)
+    gram, dr_gram = grams[0].tolist(), grams[1].tolist()
+    g, h, c = known_rows(g.tolist(), gram[(slot - 1) % q], slot)
+    checked = (g, h, c)
+    if grown != q:  # only the slots in the window (their age below `grown`)
+        checked = [[v for t, v in enumerate(row) if (slot - t) % q < grown] for row in checked]
+    if not all(all(map(math.isfinite, row)) for row in checked):
+        return None
+    return (
+        _with_row(gram, slot, g),
+        _with_row(dr_gram, slot, h),
+        float64_tensor(c),
+    )
+
+
 def mixing_weights(
     options: AndersonOptions, ring: tuple, grams: tuple, head: int, num_residuals: int
-) -> MixingWeights:
-    """The mixing weights of the window whose newest residual is in slot `head`
-    (`aadl_func._src.stages.solve()`), chronological: from the Grams, or for a float64
-    window from a QR factor streamed from the ring."""
-    device = grams[0].device
-    head_t = torch.scalar_tensor(head, dtype=_INT64)
-    num_t = torch.scalar_tensor(num_residuals, dtype=_INT64)
+) -> tuple[Tensor | list[float], Any]:
+    """The affine weights $\alpha$ of the window whose newest residual is in slot `head`
+    (`aadl_func._src.stages.solve()`), chronological, and whether the solve succeeded:
+    from the Grams, or for a float64 window from a QR factor streamed from the ring (a full
+    window: as Python floats, `stages.known_weights()`)."""
     exact = all(leaf.dtype in EXACT for leaf in ring[0])
-    factor = stages.window_factor(ring, head_t, num_t, device) if exact else None
+    device = grams[0].device
+    head_t, num_t, factor = None, None, None
+    if exact:
+        head_t, num_t = _counters(head, num_residuals)
+        factor = stages.window_factor(ring, head_t, num_t, device)
+    known = stages.known_weights(options, grams, head, num_residuals, factor)
+    if known is not None:
+        return known[1], True
+    if head_t is None:
+        head_t, num_t = _counters(head, num_residuals)
     weights, _, _ = stages.window_weights(
         options, ring, grams, head_t, num_t, device, exact=exact, factor=factor
     )
-    return weights
+    return weights.alpha, weights.ok
+
+
+def _counters(*values: int) -> tuple[Tensor, ...]:
+    return tuple(torch.scalar_tensor(v, dtype=_INT64) for v in values)
+
+
+def ring_order(newest: int, *chrono: Tensor | list[float]) -> Tensor:
+    """Vectors by chronological position moved to their ring slots and concatenated
+    (`aadl_func._src.stages.to_ring_order()`): position `j` goes to slot
+    `(newest + 1 + j) % Q`. Lists (known values) become one float64 tensor."""
+    if isinstance(chrono[0], list):
+        shift = (newest + 1) % len(chrono[0])
+        moved = [v for c in chrono for v in (c[-shift:] + c[:-shift] if shift else c)]
+        return float64_tensor(moved)
+    if len(chrono) == 1:
+        return chrono[0].roll(newest + 1)
+    return torch.cat([c.roll(newest + 1) for c in chrono])
 
 
 def combine(
@@ -111,14 +154,16 @@ def combine(
             leaf_runs.append((first, matrix))
             first += len(ring)
         runs.append(leaf_runs)
-    results = []
+    results, converted = [], {}  # the weights in each compute dtype, converted once
     for i, template in enumerate(like):
         cdt = compute_dtypes[i]
+        if cdt not in converted:
+            converted[cdt] = weights.to(dtype=cdt)
         result = torch.empty_like(template, dtype=cdt) if out is None else out[i]
         kernels.combine_leaf(
             None if base is None else base[i].view(-1),
             [entry[i] for ring in rings for entry in ring],
-            weights.to(dtype=cdt),
+            converted[cdt],
             result.view(-1),
             runs[i],
         )
@@ -158,6 +203,14 @@ def _rows_of_one_buffer(slots: Sequence[Tensor]) -> Tensor | None:
     if first.untyped_storage().nbytes() < (first.storage_offset() + len(slots) * n) * size:
         return None
     return first.as_strided((len(slots), n), (n, 1))
+
+
+def _with_row(matrix: list[list[float]], slot: int, row: list[float]) -> Tensor:
+    """`_set_row()` for a real matrix given as nested lists: a new float64 tensor."""
+    matrix[slot] = list(row)
+    for i, value in enumerate(row):
+        matrix[i][slot] = value
+    return float64_tensor([v for r in matrix for v in r], len(matrix))
 
 
 def _set_row(gram: Tensor, slot: int, row: Tensor) -> Tensor:

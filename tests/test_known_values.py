@@ -1,0 +1,209 @@
+"""The eager step's small arithmetic on Python floats gives the tensor operations' bits.
+
+An eager call on the CPU knows the window's small values (the Gram rows, the `m x m` problem,
+the affine weights) and does their elementwise arithmetic in Python floats, IEEE doubles that
+round each operation as torch's CPU kernels do; the eigen-decomposition and the
+matrix-vector products stay torch operations. Each route is checked here against the tensor
+route it replaces, which vmap and torch.compile still run, byte for byte, on windows that
+exercise the edges: rank deficiency, a ridge, tiny and huge scales, negative zeros.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import aadl_func as aa
+from aadl_func._src import solve
+from aadl_func._src.exec import passes
+from aadl_func._src.window import known_rows, rows_from_dots
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.int64), b.contiguous().view(torch.int64))
+    )
+
+
+def _window(q: int, n: int, seed: int, *, rank: int | None = None, scale: float = 1.0):
+    """Chronological `(H, c, ||f_i||^2)` of `q` random residuals in float64."""
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(q, n, generator=g, dtype=torch.float64)
+    if rank is not None:  # residuals in a subspace: Delta F rank deficient
+        f = torch.randn(q, rank, generator=g, dtype=torch.float64) @ f[:rank]
+    f = f * scale * torch.logspace(0, -3, q, dtype=torch.float64)[:, None]
+    d = f[1:] - f[:-1]
+    return d @ d.T, d @ f[-1], (f * f).sum(1)
+
+
+CASES = [
+    dict(q=5, seed=0),
+    dict(q=2, seed=1),
+    dict(q=8, seed=2),
+    dict(q=6, seed=3, rank=2),
+    dict(q=5, seed=4, scale=1e-150),
+    dict(q=5, seed=5, scale=1e150),
+    dict(q=5, seed=6, reg=1e-3),
+    dict(q=5, seed=7, rank=1, reg=1e-9),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_solve_known_gives_the_tensor_route_bits(case):
+    case = dict(case)
+    reg = case.pop("reg", 0.0)
+    h, c, norms = _window(n=40, **case)
+    expected = solve.solve_differences(h, c, norms, h.shape[0] + 1, reg, residual_norm=False)
+    gamma, alpha = solve.solve_known(h.tolist(), c.tolist(), norms.tolist(), reg)
+    assert _same_bits(gamma, expected.gamma)
+    assert _same_bits(torch.tensor(alpha, dtype=torch.float64), expected.alpha)
+    # The coefficients of both modes from the listed weights.
+    for relaxation in (1.0, 0.7):
+        for negated in (False, True):
+            listed = solve.aadl_coefficients(alpha, relaxation, negated=negated)
+            tensor = solve.aadl_coefficients(expected.alpha, relaxation, negated=negated)
+            assert _same_bits(torch.tensor(listed, dtype=torch.float64), tensor)
+    listed = solve.classic_coefficients(alpha)
+    assert _same_bits(
+        torch.tensor(listed, dtype=torch.float64), solve.classic_coefficients(expected.alpha)
+    )
+
+
+def _factor(q: int, n: int, seed: int, *, rank: int | None = None, scale: float = 1.0):
+    """The float64 `R` of `[DF | f_last]` for `q` random residuals (`solve.stack_factors`)."""
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(q, n, generator=g, dtype=torch.float64)
+    if rank is not None:
+        f = torch.randn(q, rank, generator=g, dtype=torch.float64) @ f[:rank]
+    f = f * scale * torch.logspace(0, -3, q, dtype=torch.float64)[:, None]
+    a = torch.cat([(f[1:] - f[:-1]).T, f[-1:].T], dim=1)
+    return solve.stack_factors([a])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_solve_factor_known_gives_the_tensor_route_bits(case):
+    case = dict(case)
+    reg = case.pop("reg", 0.0)
+    factor = _factor(n=40, **case)
+    valid = torch.ones(factor.shape[0] - 1, dtype=torch.bool)
+    expected = solve.solve_factor(factor, valid, reg)
+    gamma, alpha = solve.solve_factor_known(factor, reg)
+    assert _same_bits(gamma, expected.gamma)
+    assert _same_bits(torch.tensor(alpha, dtype=torch.float64), expected.alpha)
+
+
+@pytest.mark.parametrize("reg", [1e-6, 1e-3, 0.3])
+def test_solve_factor_known_rounds_the_ridge_as_torch_does(reg):
+    # `reg / scale` with a tensor scale is `scale.reciprocal() * reg` in torch: two roundings,
+    # which differ from one division for about one scale in three.
+    for seed in range(40):
+        factor = _factor(q=4, n=12, seed=seed, scale=1.0 + seed / 7)
+        valid = torch.ones(3, dtype=torch.bool)
+        expected = solve.solve_factor(factor, valid, reg)
+        gamma, _ = solve.solve_factor_known(factor, reg)
+        assert _same_bits(gamma, expected.gamma), seed
+
+
+def test_solve_factor_known_hands_non_finite_factors_back():
+    factor = _factor(q=4, n=10, seed=0)
+    factor[0, 2] = float("nan")
+    assert solve.solve_factor_known(factor) is None
+
+
+def test_solve_known_hands_non_finite_windows_back():
+    h, c, norms = _window(q=4, n=10, seed=0)
+    h[1, 2] = float("nan")
+    assert solve.solve_known(h.tolist(), c.tolist(), norms.tolist()) is None
+    h, c, norms = _window(q=4, n=10, seed=0)
+    norms[0] = float("inf")
+    assert solve.solve_known(h.tolist(), c.tolist(), norms.tolist()) is None
+
+
+@pytest.mark.parametrize("slot", [0, 1, 4])
+def test_known_rows_give_the_masked_route_bits(slot):
+    q = 5
+    g_ = torch.Generator().manual_seed(slot)
+    f = torch.randn(q, 30, generator=g_, dtype=torch.float64)
+    gram = f @ f.T
+    gram[2, 3] = gram[3, 2] = -0.0  # a negative zero survives as the tensor route leaves it
+    g = torch.randn(q, generator=g_, dtype=torch.float64)
+    g[(slot + 2) % q] = -0.0
+    slot_t = torch.scalar_tensor(slot, dtype=torch.int64)
+    # The route for an unknown slot (vmap, torch.compile): masks instead of Python indices.
+    expected = rows_from_dots(g, None, gram, slot_t, None, torch.device("cpu"))
+    rows = known_rows(g.tolist(), gram[(slot - 1) % q].tolist(), slot)
+    for row, want in zip(rows, expected):
+        assert _same_bits(torch.tensor(row, dtype=torch.float64), want)
+
+
+@pytest.mark.parametrize("newest", [0, 2, 4])
+def test_ring_order_of_lists_moves_like_roll(newest):
+    a = torch.randn(5, dtype=torch.float64)
+    b = torch.randn(5, dtype=torch.float64)
+    assert _same_bits(passes.ring_order(newest, a.tolist()), a.roll(newest + 1))
+    assert _same_bits(
+        passes.ring_order(newest, a.tolist(), b.tolist()),
+        torch.cat([a.roll(newest + 1), b.roll(newest + 1)]),
+    )
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("mode", "most"), [("aadl", 60), ("classic", 72)])
+def test_small_in_place_step_runs_few_torch_operations(mode, most):
+    # One leaf of 2^10, history 5, a full window: the steady state of a small model. The
+    # count is deterministic (dispatched operations, not time); it was 107 (aadl) and 125
+    # (classic) before the small arithmetic moved to Python floats.
+    opt = aa.anderson(aa.adam(1e-3), history_depth=5, mode=mode)
+    x = torch.randn(1 << 10)
+    grad = torch.randn(1 << 10) * 1e-2
+    state = opt.init(x)
+    for _ in range(30):
+        _, state = opt.update(state, x, grad, inplace=True)
+    assert state.num_mixed.item() > 20
+    with _CountOps() as ops:
+        _, state = opt.update(state, x, grad, inplace=True)
+    assert sum(ops.count.values()) <= most, ops.count.most_common()
+
+
+@pytest.mark.parametrize("mode", ["classic", "aadl"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_solver_loop_in_place_gives_the_pure_loop_bits(monkeypatch, mode, dtype):
+    # The eager solver loop steps a copy of each iterate in place (the window keeps init's
+    # layout); the pure calls it replaced must give the same iterates, bit for bit.
+    from aadl_func._src import solver as solver_module
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(40, 40, generator=g, dtype=torch.float64)
+    a = (0.9 * a / torch.linalg.matrix_norm(a, 2)).to(dtype)
+    c = torch.randn(40, generator=g, dtype=dtype)
+
+    def solve():
+        return aa.fixed_point(
+            lambda x: {"x": torch.tanh(a @ x["x"] + c)},
+            {"x": torch.zeros(40, dtype=dtype)},
+            tol=0.0,
+            max_iter=25,
+            mode=mode,
+            reg=1e-6,
+        )
+
+    x_in_place, info_in_place = solve()
+    monkeypatch.setattr(solver_module, "_updates_in_place", lambda x: False)
+    x_pure, info_pure = solve()
+    assert _same_bits(x_in_place["x"].double(), x_pure["x"].double())
+    assert _same_bits(info_in_place.residual_norms, info_pure.residual_norms)
+    assert int(info_in_place.iterations) == 25
