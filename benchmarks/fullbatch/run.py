@@ -390,10 +390,6 @@ def markdown_page(payload: dict[str, Any]) -> str:
         "**AA tuned** is the same with its learning rate tuned like the peers'.",
         "",
     ]
-    summary_path = os.path.join(HERE, "summary.md")
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            out += [f.read().strip(), ""]
     lines = verdicts(results)
     out += [
         "## Where AA loses",
@@ -404,18 +400,31 @@ def markdown_page(payload: dict[str, Any]) -> str:
         "",
         *(lines["loses"] or ["- nowhere"]),
         "",
+        "No row reached these on every seed within the budget: "
+        + ("; ".join(lines["nobody"]) if lines["nobody"] else "none")
+        + ".",
+        "",
         "## Where AA wins",
         "",
+    ]
+    summary_path = os.path.join(HERE, "summary.md")
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            out += [f.read().strip(), ""]
+    out += [
         "Where AA default or AA tuned needs no more evaluations and no more seconds than the "
         "best peer (a line can be in both lists: AA tuned wins where AA default loses):",
         "",
         *(lines["wins"] or ["- nowhere"]),
         "",
-        "No row reached these on every seed within the budget: "
-        + ("; ".join(lines["nobody"]) if lines["nobody"] else "none")
-        + ".",
-        "",
     ]
+    below = below_f_star(results)
+    if below:
+        out += [
+            "Runs that ended below their seed's $f^*$ (a lower minimum than the long float64 "
+            "run found from the same start): " + "; ".join(below) + ".",
+            "",
+        ]
     out += [
         "## The problems",
         "",
@@ -432,7 +441,8 @@ def markdown_page(payload: dict[str, Any]) -> str:
         out += [f"### {result['title']}", ""]
         if result["kind"] == "loss":
             out += [
-                f"$f^*$ per seed: {f_star_text(result)} ({payload['f_star'][key]['how']}); "
+                f"$f^*$ per seed: {f_star_text(result)} ({payload['f_star'][key]['how']}"
+                f"{f_star_gain(payload['f_star'][key])}); "
                 f"relative suboptimality $(f - f^*)/{denominator_text(result)}$. "
                 f"Budget {result['budget']:g} evaluations (tuning: {result['tuning_budget']:g}, "
                 f"by {result['tuning_target']}).",
@@ -451,6 +461,36 @@ def markdown_page(payload: dict[str, Any]) -> str:
             out.append(f"- {family}: `{entry['chosen']}`")
         out.append("")
     return "\n".join(out)
+
+
+def below_f_star(results: dict[str, Any]) -> list[str]:
+    """The runs whose relative suboptimality went below 0 by more than rounding."""
+    found = []
+    for result in results.values():
+        if result["kind"] != "loss":
+            continue
+        slack = 1e-12 if result["dtype"] == "float64" else 1e-5
+        for key, runs in result["runs"].items():
+            for r in runs:
+                if r["best_value"] is not None and r["best_value"] < -slack:
+                    found.append(
+                        f"{result['title'].split(' (')[0]}, {result['methods'][key]['label']}, "
+                        f"seed {r['seed']}: {r['best_value']:.1e}"
+                    )
+    return found
+
+
+def f_star_gain(f_star: dict[str, Any]) -> str:
+    """How converged the long runs were: the largest relative gain of their last tenth (none
+    where $f^* = 0$ is known)."""
+    if f_star["how"].startswith("0 (known)"):
+        return ""
+    gains = [
+        (r["loss_a_tenth_before"] - r["final_loss"]) / abs(r["final_loss"])
+        for r in f_star["runs"]
+        if r["final_loss"] != 0
+    ]
+    return f"; their last tenth still gained at most {max(gains):.0e} relative" if gains else ""
 
 
 def f_star_text(result: dict[str, Any]) -> str:
