@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo minibatch test fuzz docs compat sdist lint bench clean
+.PHONY: venv demo minibatch fullbatch test fuzz docs compat sdist lint bench clean
 
 # The install also compiles the CPU kernel (setup.py), so editing _dots.c reinstalls.
 $(STAMP): pyproject.toml setup.py aadl_func/_src/_dots.c Makefile
@@ -29,6 +29,13 @@ demo: $(STAMP)
 # Minibatch Adam / SGD-momentum vs Anderson acceleration on held-out accuracy (a few minutes).
 minibatch: $(STAMP)
 	$(PY) examples/minibatch.py
+
+# The full-batch suite (benchmarks/fullbatch): seven problems, the peers and AA tuned alike, 3
+# seeds (about 30 minutes on two cores); results.json there and the page docs/fullbatch.md.
+# FULLBATCH_ARGS: e.g. --quick, --problems softmax,rosenbrock, --recompute-f-star.
+FULLBATCH_ARGS ?= --markdown docs/fullbatch.md
+fullbatch: $(STAMP)
+	$(PY) -m benchmarks.fullbatch.run $(FULLBATCH_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -57,8 +64,8 @@ sdist: $(STAMP)
 	$(PY) scripts/sdist_check.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check aadl_func tests examples scripts
-	$(PY) -m ruff format --check aadl_func tests examples scripts
+	$(PY) -m ruff check aadl_func tests examples scripts benchmarks
+	$(PY) -m ruff format --check aadl_func tests examples scripts benchmarks
 
 bench: $(STAMP)
 	$(PY) examples/benchmark.py --markdown docs/benchmark_results.md

@@ -46,6 +46,8 @@ class Problem:
     for every iterate of the trace (``None``: not tracked). ``clock``: the process's CPU time
     by default. With one torch thread it equals the wall time on an idle machine, and other
     jobs on a shared machine do not inflate it (pass ``time.perf_counter`` for wall time).
+    ``stop(trace) -> bool``: ends a run before its budget once it returns True (the
+    full-batch suite stops at its last target; ``None``: runs spend the whole budget).
     """
 
     initial: dict[str, Tensor]
@@ -55,6 +57,7 @@ class Problem:
     forward_cost: float
     track: Callable | None = None
     clock: Callable[[], float] = time.process_time
+    stop: Callable[[Trace], bool] | None = None
 
     def params(self) -> dict[str, Tensor]:
         return {k: v.clone() for k, v in self.initial.items()}
@@ -163,6 +166,10 @@ def _track(problem: Problem, params) -> float | None:
     return None if problem.track is None else problem.track(params)
 
 
+def _stopped(problem: Problem, trace: Trace) -> bool:
+    return problem.stop is not None and bool(trace.grads) and problem.stop(trace)
+
+
 def run_functional(
     problem: Problem,
     optimizer: Any,
@@ -192,6 +199,8 @@ def run_functional(
         trace.elapsed += clock() - start
         trace.append(k, k + 1, forwards[0], trace.elapsed, value, _track(problem, params))
         if trace.equivalents(-1) >= budget or not math.isfinite(value):
+            break
+        if _stopped(problem, trace):
             break
         start = clock()
         judge = {"loss_fn": loss_fn} if safeguard else {"loss": loss} if deferred else {}
@@ -227,6 +236,8 @@ def run_wrapper(
         trace.elapsed += clock() - start
         trace.append(k, k + 1, 0, trace.elapsed, value, _track(problem, params))
         if trace.equivalents(-1) >= budget or not math.isfinite(value):
+            break
+        if _stopped(problem, trace):
             break
         start = clock()
         for p, g in zip(leaves, grads.values()):
@@ -287,7 +298,7 @@ def run_lbfgs(
         since[0] = clock()  # tracking is not timed
         return loss
 
-    while not trace.grads or trace.equivalents(-1) < budget:
+    while (not trace.grads or trace.equivalents(-1) < budget) and not _stopped(problem, trace):
         left = budget - (trace.equivalents(-1) if trace.grads else 0.0)
         optimizer.param_groups[0]["max_eval"] = max(1, min(max_iter * 5 // 4, math.ceil(left)))
         before = calls[0]

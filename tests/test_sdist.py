@@ -22,7 +22,13 @@ if not (ROOT / "pyproject.toml").exists():  # pragma: no cover - run from an ins
 
 def _checkout_files() -> set[str]:
     found = {"CHANGELOG.md", "README.md", "LICENSE", "Makefile", "mkdocs.yml", "setup.py"}
-    for folder, pattern in [("tests", "*.py"), ("docs", "*"), ("examples", "*"), ("scripts", "*")]:
+    for folder, pattern in [
+        ("tests", "*.py"),
+        ("docs", "*"),
+        ("examples", "*"),
+        ("scripts", "*"),
+        ("benchmarks", "*"),
+    ]:
         found |= {
             str(p.relative_to(ROOT))
             for p in (ROOT / folder).rglob(pattern)

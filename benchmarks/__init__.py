@@ -1,0 +1,1 @@
+"""Benchmark suites (not part of the installed package)."""
