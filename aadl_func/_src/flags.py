@@ -120,7 +120,7 @@ def all_finite(t: Tensor, device: torch.device | None = None) -> Tensor:
     """
     if t.numel() == 0:
         return TRUE
-    if t.is_cpu and not tree.is_transformed(t):
+    if tree.readable(t):
         low, high = torch.aminmax(real_view(t))  # complex: over the real and imaginary parts
         return known(-math.inf < low.item() and high.item() < math.inf)
     flag = torch.isfinite(t).all()

@@ -471,13 +471,7 @@ def solve_known(
             shifted = shifted + reg
         inverse.append(1.0 / shifted if shifted > RTOL else 0.0)
     # torch.mv is what `@` runs for a matrix and a vector, without its Python wrapper.
-    gamma = torch.mv(eigvecs, float64_tensor(inverse) * torch.mv(eigvecs.mT, c))
-    listed = gamma.tolist()
-    if not all(map(math.isfinite, listed)):
-        return None
-    # The differences of [0, gamma, 1] (`_affine_weights()`), each rounded once.
-    ends = [0.0, *listed, 1.0]
-    return gamma, [b - a for a, b in zip(ends, ends[1:])]
+    return _known_affine(torch.mv(eigvecs, float64_tensor(inverse) * torch.mv(eigvecs.mT, c)))
 
 
 def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[float]] | None:
@@ -511,11 +505,16 @@ def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[f
         denominator = s_i * s_i + shift
         phi = s_i / denominator if denominator > RCOND * RCOND else 0.0
         weighted.append(phi * b_i)
-    gamma = torch.mv(vh.mT, float64_tensor(weighted))
+    return _known_affine(torch.mv(vh.mT, float64_tensor(weighted)))
+
+
+def _known_affine(gamma: Tensor) -> tuple[Tensor, list[float]] | None:
+    r"""`(gamma, alpha)` with `alpha` the differences of $[0, \gamma, 1]$ as Python floats,
+    each rounded once (`_affine_weights()`'s), or None when `gamma` is not finite."""
     listed = gamma.tolist()
     if not all(map(math.isfinite, listed)):
         return None
-    ends = [0.0, *listed, 1.0]  # the differences of [0, gamma, 1] (`_affine_weights()`)
+    ends = [0.0, *listed, 1.0]
     return gamma, [b - a for a, b in zip(ends, ends[1:])]
 
 

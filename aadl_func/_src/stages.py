@@ -442,11 +442,11 @@ def solve(
         if call.exact and newest is not None:
             factor = window_factor(ring, head, num_residuals, call.compute_device)
         count = tree.static_value(num_residuals)
-        known = known_weights(call.options, grams, newest, count, factor if call.exact else None)
+        known = known_weights(call.options, grams, newest, count, factor)
         if known is not None:
             alpha = float64_tensor(known[1])
             return Solution(MixingWeights(known[0], alpha, None, flags.TRUE), newest)
-    if call.shards is not None:
+    else:
         if reduction is None:
             factor = _shard_factor(call, ring, head, num_residuals)
             (gram, dr_gram, _), reduction = reduce_rows(call, grams, head, factor=factor)
@@ -525,9 +525,9 @@ def known_weights(
     q = grams[0].shape[-1]
     if newest is None or num_residuals != q or options.reg_relative or options.reg_column:
         return None
-    for t in grams if factor is None else (factor,):
-        if t.dtype != torch.float64 or not t.is_cpu or tree.is_transformed(t):
-            return None
+    values = grams if factor is None else (factor,)
+    if any(t.dtype != torch.float64 for t in values) or not tree.readable(*values):
+        return None
     if factor is not None:
         return solve_factor_known(factor, options.reg)
     gram, dr_gram, dr_rhs = (t.tolist() for t in grams)

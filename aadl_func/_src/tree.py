@@ -23,6 +23,7 @@ __all__ = [
     "leaf_path",
     "structure_difference",
     "is_transformed",
+    "readable",
     "any_transformed",
     "tracing",
     "static_value",
@@ -210,6 +211,13 @@ def is_transformed(t: Tensor) -> bool:
     if _is_compiling():
         return True
     return _functorch.is_functorch_wrapped_tensor(t)
+
+
+def readable(*tensors: Tensor) -> bool:
+    """Whether Python may read the values of every tensor now (`.item()`, `.tolist()`) at
+    no more than a copy: plain CPU tensors, not under a transform or tracing (on an
+    accelerator a read would synchronise)."""
+    return all(t.is_cpu and not is_transformed(t) for t in tensors)
 
 
 def any_transformed(tensors: Iterable[Tensor | None]) -> bool:

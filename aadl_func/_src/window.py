@@ -398,7 +398,7 @@ def rows_from_dots(
     float64 window, $p_t = \langle f_t, d_s \rangle$ (None otherwise: then taken from
     `gram`'s row $s - 1$). `slot` is the 0-d slot tensor, `index` its value when known."""
     q, acc = g.shape[0], g.dtype
-    if p is None and index is not None and acc == torch.float64 and _plain_cpu(g, gram):
+    if p is None and index is not None and acc == torch.float64 and tree.readable(g, gram):
         # Eager on the CPU: the same subtractions on Python floats (fewer tiny operations).
         _, h, c = known_rows(g.tolist(), gram[(index - 1) % q].tolist(), index)
         return g, float64_tensor(h), float64_tensor(c)
@@ -432,11 +432,6 @@ def known_rows(
     p = [g[t] - before[t] for t in range(q)]
     p[index] = c[index]  # p_s = g_s - g_{s-1} (real data)
     return g, [p[t] - p[t - 1] for t in range(q)], c
-
-
-def _plain_cpu(*tensors: Tensor) -> bool:
-    """Whether every tensor is a plain CPU tensor, whose values Python may read."""
-    return all(t.is_cpu and not tree.is_transformed(t) for t in tensors)
 
 
 def _pick(t: Tensor, index: Tensor) -> Tensor:

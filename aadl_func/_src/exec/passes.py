@@ -126,8 +126,8 @@ def ring_order(newest: int, *chrono: Tensor | list[float]) -> Tensor:
         moved = [v for c in chrono for v in (c[-shift:] + c[:-shift] if shift else c)]
         return float64_tensor(moved)
     if len(chrono) == 1:
-        return chrono[0].roll(newest + 1)
-    return torch.cat([c.roll(newest + 1) for c in chrono])
+        return stages.to_ring_order(chrono[0], newest)
+    return torch.cat([stages.to_ring_order(c, newest) for c in chrono])
 
 
 def combine(
