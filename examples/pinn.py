@@ -53,7 +53,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -135,6 +135,29 @@ def make_model(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
     return model.to(dtype)
 
 
+def pointwise(model: nn.Module) -> Callable[[dict[str, Tensor], Tensor], Tensor]:
+    """`u(params, points)`: the network as a function of its params and a 1-d batch of
+    points, one output per point."""
+
+    def u(params: dict[str, Tensor], points: Tensor) -> Tensor:
+        return functional_call(model, params, (points.reshape(-1, 1),)).reshape(-1)
+
+    return u
+
+
+def derivatives(
+    u: Callable[[dict[str, Tensor], Tensor], Tensor], params: dict[str, Tensor], x: Tensor
+) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """`(du, d2u)`: the function `points -> u'(points)` and `u''(x)`. Each output depends on
+    its own input only, so the gradient of the sum over the batch is the batch of
+    derivatives."""
+
+    def du(points: Tensor) -> Tensor:
+        return grad(lambda p: u(params, p).sum())(points)
+
+    return du, grad(lambda p: du(p).sum())(x)
+
+
 def make_problem(seed: int, dtype: torch.dtype = torch.float32, wall_clock: bool = False):
     model = make_model(seed, dtype)
     x = torch.linspace(0, 1, COLLOCATION + 2, dtype=dtype)[1:-1]
@@ -144,16 +167,10 @@ def make_problem(seed: int, dtype: torch.dtype = torch.float32, wall_clock: bool
     x_test = torch.linspace(0, 1, 1001, dtype=dtype)
     u_test = exact(x_test)
 
-    def u(params: dict[str, Tensor], points: Tensor) -> Tensor:
-        return functional_call(model, params, (points.reshape(-1, 1),)).reshape(-1)
+    u = pointwise(model)
 
     def train_loss(params: dict[str, Tensor]) -> Tensor:
-        # Each output depends on its own input only, so the gradient of the sum over the
-        # batch is the batch of derivatives.
-        def du(points: Tensor) -> Tensor:
-            return grad(lambda p: u(params, p).sum())(points)
-
-        d2u = grad(lambda p: du(p).sum())(x)
+        _, d2u = derivatives(u, params, x)
         residual = ((d2u + f) ** 2).mean() / f_scale
         edge = functional_call(model, params, (boundary,))
         return residual + 0.5 * (edge**2).sum()

@@ -18,9 +18,8 @@ Poisson problem: the network first settles near a smooth wrong profile."""
 from __future__ import annotations
 
 import torch
-from pinn import make_model
+from pinn import derivatives, make_model, pointwise
 from torch import Tensor
-from torch.func import functional_call, grad
 
 from .problem import Spec, full_batch
 
@@ -40,16 +39,10 @@ def make(seed: int, dtype: torch.dtype):
     x_test = torch.linspace(-1, 1, 1001, dtype=dtype)
     u_test = exact(x_test)
 
-    def u(params: dict[str, Tensor], points: Tensor) -> Tensor:
-        return functional_call(model, params, (points.reshape(-1, 1),)).reshape(-1)
+    u = pointwise(model)
 
     def train_loss(params: dict[str, Tensor]) -> Tensor:
-        # Each output depends on its own input only: the gradient of the sum over the batch
-        # is the batch of derivatives.
-        def du(points: Tensor) -> Tensor:
-            return grad(lambda p: u(params, p).sum())(points)
-
-        d2u = grad(lambda p: du(p).sum())(x)
+        du, d2u = derivatives(u, params, x)
         residual = u(params, x) * du(x) - NU * d2u
         edge = u(params, boundary) - u_boundary
         return (residual**2).mean() + 0.5 * (edge**2).sum()
