@@ -217,7 +217,10 @@ def readable(*tensors: Tensor) -> bool:
     """Whether Python may read the values of every tensor now (`.item()`, `.tolist()`) at
     no more than a copy: plain CPU tensors, not under a transform or tracing (on an
     accelerator a read would synchronise)."""
-    return all(t.is_cpu and not is_transformed(t) for t in tensors)
+    for t in tensors:  # a loop, not all(genexpr): this is asked on the eager hot path
+        if not t.is_cpu or is_transformed(t):
+            return False
+    return True
 
 
 def any_transformed(tensors: Iterable[Tensor | None]) -> bool:
