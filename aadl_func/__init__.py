@@ -3,12 +3,12 @@
 from aadl_func._src.adasam import AdaSAM, AdaSAMState, adasam
 from aadl_func._src.anderson import Anderson, anderson
 from aadl_func._src.compose import ChainState, add_decayed_weights, chain, clip_by_global_norm
+from aadl_func._src.core.lstsq import MixingWeights, solve_weights
 from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
 from aadl_func._src.mix import mix, mixing_weights
 from aadl_func._src.native import kernel_info
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
 from aadl_func._src.rna import RNA, RNAAverager, RNAChoice, RNAState, recompute_bn, rna
-from aadl_func._src.solve import MixingWeights, solve_weights
 from aadl_func._src.solver import SolverInfo, fixed_point, implicit_fixed_point, root
 from aadl_func._src.state import AndersonState
 from aadl_func._src.wrapper import AcceleratedOptimizer, accelerate

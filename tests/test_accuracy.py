@@ -47,7 +47,7 @@ from references import (
 )
 
 import aadl_func as aa
-from aadl_func._src.solve import RCOND, solve_factor, stack_factors
+from aadl_func._src.core.lstsq import RCOND, solve_factor, stack_factors
 from aadl_func._src.window import difference_factor, new_ring
 
 EPS = float(np.finfo(np.float64).eps)

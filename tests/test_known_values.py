@@ -17,7 +17,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import aadl_func as aa
-from aadl_func._src import solve
+from aadl_func._src.core import lstsq as solve
+from aadl_func._src.core.variants.aadl import aadl_coefficients
+from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.exec import passes
 from aadl_func._src.window import known_rows, rows_from_dots
 
@@ -65,12 +67,12 @@ def test_solve_known_gives_the_tensor_route_bits(case):
     # The coefficients of both modes from the listed weights.
     for relaxation in (1.0, 0.7):
         for negated in (False, True):
-            listed = solve.aadl_coefficients(alpha, relaxation, negated=negated)
-            tensor = solve.aadl_coefficients(expected.alpha, relaxation, negated=negated)
+            listed = aadl_coefficients(alpha, relaxation, negated=negated)
+            tensor = aadl_coefficients(expected.alpha, relaxation, negated=negated)
             assert _same_bits(torch.tensor(listed, dtype=torch.float64), tensor)
-    listed = solve.classic_coefficients(alpha)
+    listed = classic_coefficients(alpha)
     assert _same_bits(
-        torch.tensor(listed, dtype=torch.float64), solve.classic_coefficients(expected.alpha)
+        torch.tensor(listed, dtype=torch.float64), classic_coefficients(expected.alpha)
     )
 
 

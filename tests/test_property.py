@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from references import aadl_gamma, aadl_point
 
 import aadl_func as aa
-from aadl_func._src.solve import RCOND, RTOL
+from aadl_func._src.core.lstsq import RCOND, RTOL
 
 SETTINGS = settings(
     max_examples=60,

@@ -295,7 +295,7 @@ def test_armijo_search_is_scipys(a, w, phase):
     step lengths and result on bumpy functions that reject s = 1 and the quadratic step, so
     that the cubic steps run (phase 1.0: no step qualifies, the search gives up)."""
     linesearch = pytest.importorskip("scipy.optimize._linesearch")
-    from aadl_func._src.solver import _armijo
+    from aadl_func._src.core.linesearch import armijo
 
     trials = {"ours": [], "scipy": []}
 
@@ -306,7 +306,7 @@ def test_armijo_search_is_scipys(a, w, phase):
 
         return phi
 
-    ours = _armijo(phi_for("ours"), 1.0, -1.0)
+    ours = armijo(phi_for("ours"), 1.0, -1.0)
     theirs, _ = linesearch.scalar_search_armijo(phi_for("scipy"), 1.0, -1.0, amin=1e-2)
     assert len(trials["scipy"]) >= 3  # the cubic interpolation did run
     assert trials["ours"] == trials["scipy"] and ours == theirs

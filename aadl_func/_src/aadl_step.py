@@ -12,7 +12,7 @@ y = g(x), \qquad
 x^+ = y - \sum_j c_j\, \Delta x_j,\quad c = \mathrm{cumsum}(\alpha) - \beta\alpha,
 $$
 
-$\alpha$ the affine weights of $\gamma$ (`aadl_func._src.solve()`).
+$\alpha$ the affine weights of $\gamma$ (`aadl_func._src.core.lstsq`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from torch import Tensor
 
 from aadl_func._src import distributed, flags, tree
 from aadl_func._src.average import window_average
-from aadl_func._src.solve import aadl_coefficients
+from aadl_func._src.core.grams import Grams
+from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.stages import (
     Call,
     Reduction,
@@ -54,14 +55,14 @@ from aadl_func._src.stages import (
 from aadl_func._src.state import AndersonState
 from aadl_func._src.window import append_difference, combine
 
-__all__ = ["aadl_step", "base_bound", "last_plain_step", "mix_bound"]
+__all__ = ["aadl_step", "base_bound", "last_plain_step"]
 
 
 class Window(NamedTuple):
     """The window after this call's plain step was stored (or not)."""
 
     ring: tuple
-    grams: tuple
+    grams: Grams
     head: Tensor
     num_residuals: Tensor
     window_size: Tensor
@@ -90,7 +91,7 @@ def aadl_step(call: Call) -> tuple[Any, AndersonState]:
     )
     # The committed tensors (the caller's, in place), so that the final state shares them
     # unless the safeguard moves the newest entry.
-    window = window._replace(grams=(plain.gram, plain.dr_gram, plain.dr_rhs))
+    window = window._replace(grams=Grams.of(plain))
     mean, averaged = moving_average(call, window)  # step 5, decided before any mix
     mixes = flags.both(gate(call, window.window_size), flags.negate(averaged))
     # x is only used where mixable = mixes & ok holds (the safeguard, the output): a gate
@@ -115,9 +116,9 @@ def aadl_step(call: Call) -> tuple[Any, AndersonState]:
         poisoned=window.poisoned,
         anchor=window_tree(call, "anchor", window.anchor),
         residuals=window_tree(call, "residuals", window.ring),
-        gram=window.grams[0],
-        dr_gram=window.grams[1],
-        dr_rhs=window.grams[2],
+        gram=window.grams.gram,
+        dr_gram=window.grams.dr_gram,
+        dr_rhs=window.grams.dr_rhs,
         num_averaged=flags.add_if(plain.num_averaged, averaged),
     )
     out = output(call, flags.either(use_mix, averaged), x, y, final)
@@ -137,7 +138,7 @@ def store_iterate(call: Call, y: list[Tensor], store: Tensor) -> Window:
         else state.count < call.options.store_each_nth
     )
     num_residuals, _ = advance(state.window_size, -1, low=0)
-    grams = (state.gram, state.dr_gram, state.dr_rhs)
+    grams = Grams.of(state)
 
     def append_residual() -> tuple:
         residual, g = _difference(call, y_hist)
@@ -210,7 +211,7 @@ def moving_average(call: Call, window: Window) -> tuple[list[Tensor] | None, Ten
         return window_average(
             window.anchor,
             window.ring,
-            window.grams[0],
+            window.grams.gram,
             window.head,
             window.window_size,
             tol=call.options.average_tol,
@@ -311,13 +312,6 @@ def base_bound(call: Call) -> Tensor:
     anchor = distributed.max_abs(call.anchor, device)
     newest = distributed.max_abs(call.params, device) + distributed.max_abs(call.updates, device)
     return torch.maximum(anchor, newest)
-
-
-def mix_bound(options: Any, alpha: Tensor, norms: Tensor, base: Tensor) -> Tensor:
-    r"""A bound of every entry of $x^+ = a - \sum_s c_s r_s$:
-    $A + \sum_s |c_s| \|r_s\|$, $A$ the base's bound."""
-    c = aadl_coefficients(alpha, options.relaxation).abs()
-    return base + torch.where(c > 0, c * norms, 0.0).sum()
 
 
 def last_plain_step(call: Call) -> list[Tensor]:

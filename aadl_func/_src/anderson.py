@@ -30,10 +30,11 @@ from aadl_func._src.checks import (
     keep_requires_grad,
     mark_verified,
 )
+from aadl_func._src.core import accept
+from aadl_func._src.core.scalars import wide
 from aadl_func._src.exec import eager
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
-from aadl_func._src.scalars import wide
 from aadl_func._src.stages import Call, commit, recover, revert
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.window import new_ring
@@ -114,13 +115,13 @@ def anderson(
     The window is a ring of residuals with float64 Gram matrices (of the residuals and of their
     consecutive differences) updated one row per stored entry: a step costs two passes over
     the window ($O(m n)$), solves an $m \times m$ problem in float64
-    (`aadl_func._src.solve.solve_differences`) and stores, in mode "aadl", the newest entry
+    (`aadl_func._src.core.lstsq.solve_differences`) and stores, in mode "aadl", the newest entry
     plus `history_depth - 1` differences; in mode "classic", the newest point plus
     `history_depth` differences of points and `history_depth` residuals (points are
     stored as steps so that a low-precision `history_dtype` rounds the steps, not the
     points). A float64 window is solved more accurately, from
     a float64 QR factor of the differences streamed from the ring on mixing calls
-    (`aadl_func._src.solve.solve_factor`: $O(m^2 n)$ flops, no extra
+    (`aadl_func._src.core.lstsq.solve_factor`: $O(m^2 n)$ flops, no extra
     parameter-sized memory), so that the condition number of the differences is not squared.
 
     Args:
@@ -573,7 +574,7 @@ def check_skip_allowed(options: AndersonOptions, state: AndersonState, owner: st
     `max_consecutive_skips` (eager mode: the streak is a concrete counter)."""
     limit = options.max_consecutive_skips
     streak = tree.static_value(state.skip_streak)
-    if limit is not None and streak is not None and streak >= limit:
+    if streak is not None and accept.skips_exhausted(streak, limit):
         raise FloatingPointError(
             f"{owner}: the grads or the inner update are not finite for the {streak + 1}-th "
             f"call in a row (max_consecutive_skips={limit}); params and state are left as "

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
+from aadl_func._src.core import accept
 from aadl_func._src.window import combine, gram_row
 
 __all__ = ["window_average"]
@@ -110,6 +111,4 @@ def window_average(
 
     mean_sq = gram_row([mean], mean, device)[0]
     variance_sum = scatter / torch.clamp(k - 1, min=1).to(torch.float64)
-    triggered = (k >= 2) & (variance_sum > (tol * tol) * mean_sq) & torch.isfinite(mean_sq)
-    triggered = triggered & torch.isfinite(variance_sum)
-    return mean, tree.decision(triggered, device)
+    return mean, tree.decision(accept.spread_exceeds(k, variance_sum, mean_sq, tol), device)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import kernels, tree, vmap_rules
-from aadl_func._src.scalars import wide
+from aadl_func._src.core.scalars import wide
 
 __all__ = ["combine_leaf", "difference_rows_leaf", "factor_leaf", "gram_leaf"]
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import tree
-from aadl_func._src.scalars import COMPLEX_HISTORY, wide
+from aadl_func._src.core.scalars import COMPLEX_HISTORY, wide
 from aadl_func._src.state import COUNTERS, AndersonState
 from aadl_func._src.validation import (
     check_bool,

@@ -11,7 +11,7 @@ x^+ = \sum_i \alpha_i \big(x_i + \beta f_i\big)
     = x_{k} + \sum_j w_j \Delta x_j + \beta \sum_i \alpha_i f_i,
 $$
 
-$w_j = -\sum_{i<j} \alpha_i$ (`aadl_func._src.solve.classic_coefficients()`): the
+$w_j = -\sum_{i<j} \alpha_i$ (`aadl_func._src.core.variants.classic.classic_coefficients()`): the
 points are combined through their steps, so a low-precision window rounds the steps, not
 the points. On a linear map with full history and $\beta = 1$ the iterates are
 GMRES's (Walker & Ni, 2011).
@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import distributed, flags, tree
-from aadl_func._src.solve import classic_coefficients
+from aadl_func._src.core.grams import Grams
+from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.stages import (
     Call,
     Reduction,
@@ -53,7 +54,7 @@ from aadl_func._src.stages import (
 from aadl_func._src.state import AndersonState
 from aadl_func._src.window import combine, write_slot
 
-__all__ = ["base_bound", "classic_step", "last_plain_step", "mix_bound"]
+__all__ = ["base_bound", "classic_step", "last_plain_step"]
 
 
 class Window(NamedTuple):
@@ -62,7 +63,7 @@ class Window(NamedTuple):
     iterates: tuple
     anchor: list[Tensor]
     ring: tuple
-    grams: tuple
+    grams: Grams
     head: Tensor
     window_size: Tensor
     poisoned: Tensor
@@ -77,7 +78,7 @@ def classic_step(call: Call) -> tuple[Any, AndersonState]:
         call.iterates,
         call.anchor,
         call.ring,
-        (state.gram, state.dr_gram, state.dr_rhs),
+        Grams.of(state),
         state.head,
         state.window_size,
         flags.FALSE,
@@ -120,7 +121,7 @@ def store_pair(call: Call) -> Window:
     step = [(x - a).to(d.dtype) for x, a, d in zip(point, anchor, iterates[0])]
     iterates = write_slot(iterates, slot, to_history(step, iterates[0]), call.inplace, call.blend)
     residual = owned(call, to_history(call.updates, call.ring[0]), call.updates)
-    grams = (state.gram, state.dr_gram, state.dr_rhs)
+    grams = Grams.of(state)
     ring, grams, head, size, poisoned, reduction = append(
         call, call.ring, grams, state.head, state.window_size, residual
     )
@@ -169,13 +170,6 @@ def base_bound(call: Call) -> Tensor:
     steps = [leaf for entry in call.iterates for leaf in entry]
     step = torch.maximum(distributed.max_abs(steps, device), anchor + newest)
     return torch.maximum(anchor, newest) + call.q * step
-
-
-def mix_bound(options: Any, alpha: Tensor, norms: Tensor, base: Tensor) -> Tensor:
-    r"""A bound of every entry of $x^+ = \sum_i \alpha_i (x_i + \beta f_i)$:
-    $A \sum_i |\alpha_i| + \beta \sum_i |\alpha_i| \|f_i\|$."""
-    a = alpha.abs()
-    return base * a.sum() + options.relaxation * torch.where(a > 0, a * norms, 0.0).sum()
 
 
 def last_plain_step(call: Call) -> list[Tensor]:

@@ -26,7 +26,6 @@ $y_k$'s update in mode "classic" ($y_k = x_k + f_k$ from the stored residual).
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +33,7 @@ from torch import Tensor
 
 from aadl_func._src import flags, tree
 from aadl_func._src.checks import OWNER
+from aadl_func._src.core import accept
 from aadl_func._src.state import AndersonState
 
 if TYPE_CHECKING:  # an annotation only: options -> modes -> the steps -> stages -> here
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # an annotation only: options -> modes -> the steps -> stages
 
 __all__ = ["INF", "check_loss", "cleared", "empty", "pending_after", "rejects"]
 
-INF = math.inf
+INF = accept.INF
 
 
 def empty() -> Tensor:
@@ -84,8 +84,8 @@ def rejects(state: AndersonState, loss: Tensor | None) -> Tensor:
     pending = state.pending_loss
     if tree.static_value(pending) == INF:
         return flags.FALSE  # eager, nothing pending: no read of the loss
-    loss = as_pending(loss, pending)
-    return flags.decision(torch.isfinite(pending) & ~(loss < pending), pending.device)
+    verdict = accept.rejects_pending(pending, as_pending(loss, pending))
+    return flags.decision(verdict, pending.device)
 
 
 def as_pending(loss: Tensor, pending: Tensor) -> Tensor:
@@ -111,7 +111,7 @@ def pending_after(call: Any, use_mix: Tensor, nothing: Tensor) -> Tensor:
     if known is False:
         return nothing
     loss = as_pending(call.loss, nothing)
-    judged = torch.where(torch.isfinite(loss), loss, INF)
+    judged = accept.judged_loss(loss)
     if known:
         return judged
     return torch.where(use_mix.to(judged.device), judged, nothing)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
-from aadl_func._src.scalars import real_view
+from aadl_func._src.core.scalars import real_view
 
 __all__ = [
     "TRUE",

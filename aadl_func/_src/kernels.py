@@ -6,7 +6,7 @@ window-sized temporary:
 * `gram_leaf()` -- $\langle s_j, v \rangle$ for every slot, accumulated in float64
   from the stored values (products of float32 or bf16 numbers are exact in float64); a
   complex window's in complex128, $\langle s, v \rangle = \sum_i \overline{s_i} v_i$
-  (`block.conj()`, which is the block itself for real data: `aadl_func._src.scalars`);
+  (`block.conj()`, which is the block itself for real data: `aadl_func._src.core.scalars`);
 * `combine_leaf()` -- $b + \sum_j w_j s_j$ in the compute dtype;
 * `difference_rows_leaf()` -- the Gram rows of a newly written slot;
 * `factor_leaf()` -- a streaming float64 QR factor of the slots' differences.
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import native
-from aadl_func._src.scalars import wide
+from aadl_func._src.core.scalars import wide
 
 __all__ = [
     "accumulator",

@@ -1,8 +1,8 @@
 """`mix`: AADL's extrapolation over an explicit, stacked window (no state, no ring).
 
 It is the package's reference for the step: `update` does not call it, but mixes with the
-same solver (`aadl_func._src.solve.solve_factor()` for float64 windows) and the same
-coefficients (`aadl_func._src.solve.aadl_coefficients()`) over its ring, and the tests
+same solver (`aadl_func._src.core.lstsq.solve_factor()` for float64 windows) and the same
+coefficients (`aadl_func._src.core.variants.aadl.aadl_coefficients()`) over its ring, and the tests
 hold the two to each other and both to NumPy references written from the mathematics.
 """
 
@@ -14,7 +14,9 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
-from aadl_func._src.solve import MixingWeights, aadl_coefficients, solve_factor
+from aadl_func._src.core.lstsq import MixingWeights, solve_factor
+from aadl_func._src.core.variants.aadl import aadl_coefficients
+from aadl_func._src.exec.ops import OPS
 from aadl_func._src.validation import check_float
 from aadl_func._src.window import difference_factor
 
@@ -70,7 +72,7 @@ def _solve(leaves: list[Tensor], window: int, reg: float) -> tuple[MixingWeights
     coordinates by chunk, leaf by leaf, to its `(m + 1) x (m + 1)` factor by Householder
     QR (`aadl_func._src.window.difference_factor()`, a TSQR; the second differences are
     formed chunk by chunk, exactly as `numpy.diff` forms them), and the small problem is
-    solved from it by `aadl_func._src.solve.solve_factor()`. No normal equations: the
+    solved from it by `aadl_func._src.core.lstsq.solve_factor()`. No normal equations: the
     condition number of $\Delta R$ enters once, which makes this the most accurate path
     of the library (and $O(m^2 n)$, where the incremental window of
     [`aadl_func.anderson()`][aadl_func.anderson] is $O(m n)$ for float32/bf16 windows).
@@ -86,7 +88,7 @@ def _solve(leaves: list[Tensor], window: int, reg: float) -> tuple[MixingWeights
     factor = difference_factor(steps, order, valid, solve_device)
     # A non-finite factor (an overflowing window) gives ok = False and gamma = 0: the newest
     # iterate.
-    return solve_factor(factor, valid.to(solve_device), reg), per_leaf
+    return solve_factor(factor, valid.to(solve_device), reg, ops=OPS), per_leaf
 
 
 def mixing_weights(history: Any, *, reg: float = 0.0) -> MixingWeights:
@@ -123,7 +125,7 @@ def mix(history: Any, *, relaxation: float = 1.0, reg: float = 0.0) -> Any:
     with $\beta$ = `relaxation`. The differences and the combination are formed in
     float64; $\gamma$ comes from a float64 Householder QR of
     $[\Delta R \mid \Delta X[:, -1]]$ and an SVD of its small triangular factor
-    (`aadl_func._src.solve.solve_factor()`: singular values of $\Delta R$ with
+    (`aadl_func._src.core.lstsq.solve_factor()`: singular values of $\Delta R$ with
     $\sigma^2 + \mathrm{reg} \le (10^{-13} s)^2$ dropped, $s$ the largest column
     norm, which gives the minimum-norm answer on rank-deficient windows). The error is about
     $\epsilon_{64}\,\mathrm{cond}(\Delta R)$ relative, never squared, and near

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aadl_func._src import aadl_step, classic_step
+from aadl_func._src.core.variants import aadl, classic
 
 __all__ = ["MODES", "Mode"]
 
@@ -64,7 +65,7 @@ MODES = {
         complex_params=False,
         step=aadl_step.aadl_step,
         base_bound=aadl_step.base_bound,
-        mix_bound=aadl_step.mix_bound,
+        mix_bound=aadl.mix_bound,
         last_plain_step=aadl_step.last_plain_step,
     ),
     # Classic stores one residual and one step per pair. The moving average needs a window
@@ -80,7 +81,7 @@ MODES = {
         complex_params=True,
         step=classic_step.classic_step,
         base_bound=classic_step.base_bound,
-        mix_bound=classic_step.mix_bound,
+        mix_bound=classic.mix_bound,
         last_plain_step=classic_step.last_plain_step,
     ),
 }

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from aadl_func._src.core.scalars import COMPLEX_HISTORY
 from aadl_func._src.modes import MODES, Mode
-from aadl_func._src.scalars import COMPLEX_HISTORY
 from aadl_func._src.validation import (
     check_bool,
     check_choice,

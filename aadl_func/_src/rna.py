@@ -67,7 +67,8 @@ import torch
 from torch import Tensor, nn
 
 from aadl_func._src import grad_mode
-from aadl_func._src.solve import solve_weights
+from aadl_func._src.core.lstsq import solve_weights
+from aadl_func._src.exec.ops import OPS
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import (
     check_bool,
@@ -333,7 +334,7 @@ def _coefficients(gram: Tensor, lam: float) -> Tensor:
     if math.isinf(lam) or p == 1 or not torch.isfinite(gram).all():
         return uniform
     if lam == 0:
-        weights = solve_weights(gram, p)
+        weights = solve_weights(gram, p, ops=OPS)
         return weights.alpha if bool(weights.ok) else uniform
     w, v = torch.linalg.eigh(gram)
     top = w.max()

@@ -30,9 +30,10 @@ from torch._C import _functorch
 from aadl_func._src import grad_mode, tree
 from aadl_func._src.anderson import Anderson, functions
 from aadl_func._src.checks import differentiating
+from aadl_func._src.core.linesearch import armijo
+from aadl_func._src.core.scalars import wide
 from aadl_func._src.inner import InnerOptimizer
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.scalars import wide
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import (
     check_bool,
@@ -355,44 +356,6 @@ def _is_one(value: Any) -> bool:
 
 
 # -- SciPy's backtracking line search --------------------------------------------------------
-def _armijo(
-    phi: Callable[[float], float], phi0: float, derphi0: float, c1: float = 1e-4, amin: float = 1e-2
-) -> float | None:
-    """`scipy.optimize._linesearch.scalar_search_armijo` (BSD licence), as SciPy's `nonlin`
-    calls it: the first `s` found with $\\phi(s) \\le \\phi(0) + c_1 s \\phi'(0)$, trying
-    `s = 1`, then the minimiser of a quadratic, then of cubic interpolants through the last
-    two trials, down to `amin`; None if none is found. Kept line for line, SciPy's
-    safeguard included: its two conditions together always hold, so after each rejected cubic
-    trial the next interpolation starts from half the previous step."""
-    alpha0 = 1.0
-    phi_a0 = phi(alpha0)
-    if phi_a0 <= phi0 + c1 * alpha0 * derphi0:
-        return alpha0
-    alpha1 = -derphi0 * alpha0**2 / 2.0 / (phi_a0 - phi0 - derphi0 * alpha0)
-    phi_a1 = phi(alpha1)
-    if phi_a1 <= phi0 + c1 * alpha1 * derphi0:
-        return alpha1
-    while alpha1 > amin:  # alpha > 0 is assumed a descent direction, as SciPy does
-        factor = alpha0**2 * alpha1**2 * (alpha1 - alpha0)
-        a = alpha0**2 * (phi_a1 - phi0 - derphi0 * alpha1) - alpha1**2 * (
-            phi_a0 - phi0 - derphi0 * alpha0
-        )
-        a = a / factor
-        b = -(alpha0**3) * (phi_a1 - phi0 - derphi0 * alpha1) + alpha1**3 * (
-            phi_a0 - phi0 - derphi0 * alpha0
-        )
-        b = b / factor
-        alpha2 = (-b + math.sqrt(abs(b**2 - 3 * a * derphi0))) / (3.0 * a)
-        phi_a2 = phi(alpha2)
-        if phi_a2 <= phi0 + c1 * alpha2 * derphi0:
-            return alpha2
-        if (alpha1 - alpha2) > alpha1 / 2.0 or (1 - alpha2 / alpha1) < 0.96:
-            alpha2 = alpha1 / 2.0
-        alpha0, alpha1 = alpha1, alpha2
-        phi_a0, phi_a1 = phi_a1, phi_a2
-    return None
-
-
 def _line_search(
     problem: _Problem, x: list[Tensor], proposal: list[Tensor], norm: float
 ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor | None, int]:
@@ -418,7 +381,7 @@ def _line_search(
         return value * value if math.isfinite(value) else math.inf
 
     phi0 = norm * norm
-    s = _armijo(phi, phi0, -phi0)
+    s = armijo(phi, phi0, -phi0)
     return (*point(1.0 if s is None else s), len(trials))
 
 

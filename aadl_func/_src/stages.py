@@ -31,8 +31,9 @@ from torch import Tensor
 from aadl_func._src import deferred, distributed, flags, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, write_back
 from aadl_func._src.blend import Blend
-from aadl_func._src.scalars import EXACT, float64_tensor, real_view
-from aadl_func._src.solve import (
+from aadl_func._src.core import accept
+from aadl_func._src.core.grams import Grams
+from aadl_func._src.core.lstsq import (
     MixingWeights,
     ridge,
     solve_differences,
@@ -41,6 +42,8 @@ from aadl_func._src.solve import (
     solve_known,
     stack_factors,
 )
+from aadl_func._src.core.scalars import EXACT, float64_tensor, real_view
+from aadl_func._src.exec.ops import OPS
 from aadl_func._src.state import AndersonState
 from aadl_func._src.window import difference_factor, difference_rows, set_gram_row, write_slot
 
@@ -334,7 +337,7 @@ def _difference_valid(q: int, num_residuals: Tensor) -> Tensor:
 def append(
     call: Call,
     ring: tuple,
-    grams: tuple,
+    grams: Grams,
     head: Tensor,
     num_residuals: Tensor,
     residual: list[Tensor],
@@ -354,7 +357,7 @@ def append(
     q = call.q
     slot, _ = advance(head, 1, modulo=q)
     ring = write_slot(ring, slot, residual, call.inplace, call.blend)
-    rows = local_rows = difference_rows(ring, slot, call.compute_device, grams[0], g=g)
+    rows = local_rows = difference_rows(ring, slot, call.compute_device, grams.gram, g=g)
     grown, _ = advance(num_residuals, 1, high=q)
     reduction = None
     if call.shards is not None:
@@ -376,12 +379,12 @@ def append(
             zeros = [r.new_zeros(()).expand_as(r) for r in residual]
         else:
             zeros = [torch.zeros_like(r) for r in residual]
-        return write_slot(ring, slot, zeros, call.inplace, call.blend), tuple(
-            map(torch.zeros_like, grams)
+        return write_slot(ring, slot, zeros, call.inplace, call.blend), Grams(
+            *map(torch.zeros_like, grams)
         )
 
     g, h, c = local_rows
-    updated = (set_gram_row(grams[0], slot, g), set_gram_row(grams[1], slot, h), c)
+    updated = Grams(set_gram_row(grams.gram, slot, g), set_gram_row(grams.dr_gram, slot, h), c)
     ring, grams = call.blend.select(poisoned, restart, (ring, updated))
     num_residuals = call.blend.select(poisoned, lambda: torch.zeros_like(grown), grown)
     if reduction is not None:
@@ -390,7 +393,7 @@ def append(
     return ring, grams, slot, num_residuals, poisoned, reduction
 
 
-def replace_newest(call: Call, ring: tuple, grams: tuple, head: Tensor, residual: list[Tensor]):
+def replace_newest(call: Call, ring: tuple, grams: Grams, head: Tensor, residual: list[Tensor]):
     """`ring[head] = residual` (the safeguard moved the newest entry) and its Gram rows.
 
     Only the newest residual changed, so the rows of `head` and `dr_rhs` are recomputed;
@@ -400,9 +403,9 @@ def replace_newest(call: Call, ring: tuple, grams: tuple, head: Tensor, residual
     """
     ring = write_slot(ring, head, residual, call.inplace, call.blend)
     g, h, c = difference_rows(
-        ring, head, call.compute_device, grams[0], direct=call.shards is not None
+        ring, head, call.compute_device, grams.gram, direct=call.shards is not None
     )
-    return ring, (set_gram_row(grams[0], head, g), set_gram_row(grams[1], head, h), c)
+    return ring, Grams(set_gram_row(grams.gram, head, g), set_gram_row(grams.dr_gram, head, h), c)
 
 
 # -- the least-squares problem ----------------------------------------------------------------
@@ -418,7 +421,7 @@ def window_factor(ring: tuple, head: Tensor, num_residuals: Tensor, device: Any)
 def solve(
     call: Call,
     ring: tuple,
-    grams: tuple,
+    grams: Grams,
     head: Tensor,
     num_residuals: Tensor,
     reduction: Reduction | None = None,
@@ -428,9 +431,9 @@ def solve(
 
     A float64 window: a float64 QR factor of `[DF | f_last]` streamed from the ring
     (summed over ranks by stacking every rank's factor) and
-    `aadl_func._src.solve.solve_factor()`, accurate to `eps * cond(DF)`. Other
+    `aadl_func._src.core.lstsq.solve_factor()`, accurate to `eps * cond(DF)`. Other
     windows: the incrementally kept float64 Gram matrices and
-    `aadl_func._src.solve.solve_differences()` (normal equations, `O(Q^2)`).
+    `aadl_func._src.core.lstsq.solve_differences()` (normal equations, `O(Q^2)`).
 
     Sharded params: `reduction` is `append()`'s, or made here on a call that stored
     nothing; the `Solution` carries it on to `finite()`.
@@ -460,7 +463,7 @@ def solve(
     weights, order, residual_sq = window_weights(
         call.options,
         ring,
-        (gram, dr_gram, dr_rhs),
+        Grams(gram, dr_gram, dr_rhs),
         head,
         num_residuals,
         call.compute_device,
@@ -475,7 +478,7 @@ def solve(
 def window_weights(
     options: AndersonOptions,
     ring: tuple,
-    grams: tuple,
+    grams: Grams,
     head: Tensor,
     num_residuals: Tensor,
     device: torch.device,
@@ -505,24 +508,26 @@ def window_weights(
     reg = ridge(options, dr_chrono, num_valid)
     if exact:
         valid = _difference_valid(q, num_residuals).to(device)
-        return solve_factor(factor, valid, reg), order, residual_sq
-    weights = solve_differences(dr_chrono, dr_rhs, residual_sq, num_valid, reg, residual_norm=False)
+        return solve_factor(factor, valid, reg, ops=OPS), order, residual_sq
+    weights = solve_differences(
+        dr_chrono, dr_rhs, residual_sq, num_valid, reg, residual_norm=False, ops=OPS
+    )
     return weights, order, residual_sq
 
 
 def known_weights(
     options: AndersonOptions,
-    grams: tuple,
+    grams: Grams,
     newest: int | None,
     num_residuals: int | None,
     factor: Tensor | None = None,
 ) -> tuple[Tensor, list[float]] | None:
-    """`window_weights()` by `aadl_func._src.solve.solve_known()` (the Gram route) or, given
+    """`window_weights()` by `aadl_func._src.core.lstsq.solve_known()` (the Gram route) or, given
     a float64 window's `factor`, `solve_factor_known()`: the same bits, `(gamma, alpha)`,
     `alpha` chronological as Python floats, for a full window whose Grams or factor are
     plain real CPU values (an eager call) and whose ridge is `reg` alone; otherwise, or when a
     value is not finite, None."""
-    q = grams[0].shape[-1]
+    q = grams.gram.shape[-1]
     if newest is None or num_residuals != q or options.reg_relative or options.reg_column:
         return None
     values = grams if factor is None else (factor,)
@@ -556,13 +561,11 @@ def finite(call: Call, leaves: list[Tensor], solution: Solution) -> Tensor:
     if call.shards is not None:
         # A local check would differ between ranks; the certificate is the same on all.
         return flags.both(solved, certified_finite(call, solution))
-    # Checked against the params' dtype, which the mix is cast to: a float32 mix of fp16
-    # params can be finite and still overflow there. NaN fails both comparisons.
+    # Checked against the params' dtype, which the mix is cast to.
     flag = flags.TRUE
     for t, p in zip(leaves, call.params):
         if t.numel() == 0:
             continue
-        limit = torch.finfo(p.dtype).max
         transformed = tree.is_transformed(t)
         t = real_view(t)  # a complex mix: its real and imaginary parts
         if transformed:
@@ -573,12 +576,11 @@ def finite(call: Call, leaves: list[Tensor], solution: Solution) -> Tensor:
         if not transformed and flags.value(flag) is not None:
             # Eager on the CPU: the two values read and compared in Python (no device
             # wait there), which saves the small comparison operations.
-            lo, hi = low.item(), high.item()
-            if not (lo >= -limit and hi <= limit):
+            if not accept.in_range(low.item(), high.item(), p.dtype):
                 return flags.both(solved, flags.FALSE)
             continue
         flag = flags.both(
-            flag, tree.decision((low >= -limit) & (high <= limit), call.compute_device)
+            flag, tree.decision(accept.in_range(low, high, p.dtype), call.compute_device)
         )
     return flags.both(solved, flag)
 
@@ -598,8 +600,8 @@ def safeguard(call: Call, gate: Tensor, x: list[Tensor], y: list[Tensor]) -> Ten
                 raise TypeError("anderson.update: `loss_fn` must return a scalar tensor")
         if call.shards is not None:
             loss_x, loss_y = call.shards.mean_losses(loss_x, loss_y)
-        better = torch.isfinite(loss_x) & (loss_x < loss_y)
-        return flags.both(gate, flags.decision(better.reshape(()), call.compute_device))
+        better = accept.beats(loss_x, loss_y).reshape(())
+        return flags.both(gate, flags.decision(better, call.compute_device))
 
     return call.blend.select(gate, decide, flags.FALSE)
 
@@ -657,7 +659,7 @@ def window_tree(call: Call, name: str, leaves: Any) -> Any:
 def commit_plain(
     call: Call,
     ring: tuple,
-    grams: tuple,
+    grams: Grams,
     head: Tensor,
     window_size: Tensor,
     poisoned: Tensor,
@@ -673,9 +675,9 @@ def commit_plain(
         skip_streak=reset_streak(call),
         pending_loss=deferred.cleared(state),  # the plain step is no mix to judge
         residuals=window_tree(call, "residuals", ring),
-        gram=grams[0],
-        dr_gram=grams[1],
-        dr_rhs=grams[2],
+        gram=grams.gram,
+        dr_gram=grams.dr_gram,
+        dr_rhs=grams.dr_rhs,
         head=head,
         window_size=window_size,
         num_nonfinite=flags.add_if(state.num_nonfinite, poisoned),
@@ -904,11 +906,11 @@ def _shard_factor(call: Call, ring: tuple, head: Tensor, num_residuals: Tensor) 
 
 def reduce_rows(
     call: Call,
-    grams: tuple,
+    grams: Grams,
     head: Tensor,
     new_rows: tuple | None = None,
     factor: Tensor | None = None,
-) -> tuple[tuple, Reduction]:
+) -> tuple[Grams, Reduction]:
     """The step's one all_reduce over the shard group.
 
     Sums over ranks, in one float64 vector: the rows `gram[head]` and `dr_gram[head]` of
@@ -920,7 +922,7 @@ def reduce_rows(
     rank's bound for `certified_finite()`.
 
     The sum of the blocks is every rank's factor, in rank order, on every rank; their
-    stacked QR (`aadl_func._src.solve.stack_factors()`) is the factor of the whole
+    stacked QR (`aadl_func._src.core.lstsq.stack_factors()`) is the factor of the whole
     window, identical on all ranks. (Summing the factors' Gram matrices would square the
     condition number again; a TSQR tree needs a reduction with QR as its operator, which
     collectives do not offer.)
@@ -952,7 +954,7 @@ def reduce_rows(
         summed = (total[2 * q : 3 * q], total[3 * q : 4 * q], total[4 * q : 5 * q])
     else:
         summed = (total[:q], total[q : 2 * q], total[2 * q : 3 * q])
-    return (gram, dr_gram, dr_rhs), Reduction(summed, summed_factor, total[-1])
+    return Grams(gram, dr_gram, dr_rhs), Reduction(summed, summed_factor, total[-1])
 
 
 def _local_base_bound(call: Call) -> Tensor:

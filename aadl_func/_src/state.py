@@ -7,6 +7,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from aadl_func._src.core.lstsq import MixingWeights
+
 __all__ = ["AndersonState", "COUNTERS", "allow_weights_only"]
 
 
@@ -97,4 +99,4 @@ def allow_weights_only(*records: type) -> None:
         add(list(records))
 
 
-allow_weights_only(AndersonState)
+allow_weights_only(AndersonState, MixingWeights)

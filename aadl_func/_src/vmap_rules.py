@@ -36,7 +36,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import kernels, tree
-from aadl_func._src.scalars import wide
+from aadl_func._src.core.scalars import wide
 
 __all__ = ["per_member", "gram_row", "difference_rows", "combine"]
 

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from aadl_func._src import batched, kernels, native, tree
 from aadl_func._src.blend import Blend
-from aadl_func._src.scalars import EXACT, float64_tensor, wide
+from aadl_func._src.core.scalars import EXACT, float64_tensor, wide
 
 __all__ = [
     "append_difference",

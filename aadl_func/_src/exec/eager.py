@@ -32,9 +32,11 @@ from torch._C import _functorch
 from aadl_func._src import deferred, flags, stages, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
 from aadl_func._src.checks import mark_verified
+from aadl_func._src.core.grams import Grams
+from aadl_func._src.core.variants.aadl import aadl_coefficients
+from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.exec import passes
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.solve import aadl_coefficients, classic_coefficients
 from aadl_func._src.state import AndersonState
 from aadl_func._src.window import append_difference
 
@@ -164,7 +166,7 @@ class _Step:
         """Mode "classic" (`aadl_func._src.classic_step`)."""
         options, state = self.options, self.state
         self.begin_writes()
-        grams = (state.gram, state.dr_gram, state.dr_rhs)
+        grams = Grams.of(state)
         head, size, poisoned = self.head, self.size, False
         stored = self.count % options.store_each_nth == 0
         if stored:
@@ -198,7 +200,7 @@ class _Step:
         options, state = self.options, self.state
         self.begin_writes()
         y = self.plain_step()
-        grams = (state.gram, state.dr_gram, state.dr_rhs)
+        grams = Grams.of(state)
         head, size, poisoned = self.head, self.size, False
         num_residuals = max(self.size - 1, 0)
         stored = self.count % options.store_each_nth == 0
@@ -217,7 +219,7 @@ class _Step:
                 self.set_anchor(y_hist, y)
         self.commit_plain(grams, head, size, poisoned, stored)
         current = self.current
-        grams = (current.gram, current.dr_gram, current.dr_rhs)  # in place: the caller's
+        grams = Grams.of(current)  # in place: the caller's
         if not self.mixes(size, options.rules.min_window):
             return self.finish(False, False, poisoned, y)
         alpha, solved = passes.mixing_weights(self.options, self.ring, grams, head, num_residuals)
@@ -294,7 +296,7 @@ class _Step:
             ]
 
     def append(
-        self, grams: tuple, slot: int, num_residuals: int, g: Tensor | None = None
+        self, grams: Grams, slot: int, num_residuals: int, g: Tensor | None = None
     ) -> tuple[tuple, int, bool]:
         """The Gram rows of the residual written in `slot` (`stages.append()`): the new
         grams, the number of residuals and whether the append was poisoned (non-finite
@@ -304,7 +306,7 @@ class _Step:
         if appended is not None:
             return appended, grown, False
         self.ring = self.put(self.ring, slot, [torch.zeros_like(r) for r in self.ring[slot]])
-        return tuple(map(torch.zeros_like, grams)), 0, True
+        return Grams(*map(torch.zeros_like, grams)), 0, True
 
     def combine(
         self, base: list[Tensor] | None, rings: list[tuple], weights: Tensor, out: Any = None
@@ -313,7 +315,7 @@ class _Step:
         return passes.combine(self.anchor, self.compute_dtypes, base, rings, weights, out)
 
     def commit_plain(
-        self, grams: tuple, head: int, size: int, poisoned: bool, stored: bool
+        self, grams: Grams, head: int, size: int, poisoned: bool, stored: bool
     ) -> None:
         """The commit point (`stages.commit_plain()`): the state of the plain step, which an
         in-place call makes the caller's (a Ctrl-C deferred so far is raised here)."""
@@ -323,9 +325,9 @@ class _Step:
             inner_state=self.inner_state,
             skip_streak=self.zero_streak(),
             pending_loss=deferred.cleared(state),
-            gram=grams[0],
-            dr_gram=grams[1],
-            dr_rhs=grams[2],
+            gram=grams.gram,
+            dr_gram=grams.dr_gram,
+            dr_rhs=grams.dr_rhs,
             head=_counter(head) if stored else state.head,
             window_size=_counter(size) if stored else state.window_size,
             num_nonfinite=state.num_nonfinite + 1 if poisoned else state.num_nonfinite,

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import kernels, native, stages
+from aadl_func._src.core.grams import Grams
+from aadl_func._src.core.scalars import EXACT, float64_tensor
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.scalars import EXACT, float64_tensor
 from aadl_func._src.window import combine as window_combine
 from aadl_func._src.window import difference_rows, known_rows
 
@@ -29,8 +30,8 @@ _INT64 = torch.int64
 
 
 def appended_grams(
-    ring: tuple, slot: int, grams: tuple, grown: int, g: Tensor | None = None
-) -> tuple | None:
+    ring: tuple, slot: int, grams: Grams, grown: int, g: Tensor | None = None
+) -> Grams | None:
     r"""The Grams `(gram, dr_gram, dr_rhs)` after the residual in `ring[slot]` joined the
     window of `grown` residuals (`aadl_func._src.stages.append()`), or None when its rows
     are not finite over the valid slots (the append is poisoned). A float32 or bf16
@@ -39,11 +40,11 @@ def appended_grams(
     `aadl_func._src.window.difference_rows()`."""
     q = len(ring)
     if not any(leaf.dtype in EXACT for leaf in ring[0]):
-        g = _dots_row(ring, slot, grams[0].device) if g is None else g
-        if g is not None and grams[0].dtype == torch.float64 and grams[0].is_cpu:
+        g = _dots_row(ring, slot, grams.gram.device) if g is None else g
+        if g is not None and grams.gram.dtype == torch.float64 and grams.gram.is_cpu:
             return _appended_known(grams, slot, grown, g)
     slot_t = torch.scalar_tensor(slot, dtype=_INT64)
-    rows = difference_rows(ring, slot_t, grams[0].device, grams[0], g=g)
+    rows = difference_rows(ring, slot_t, grams.gram.device, grams.gram, g=g)
     stacked = torch.stack(rows)
     if grown != q:
         age = (slot_t - torch.arange(q)) % q
@@ -52,7 +53,7 @@ def appended_grams(
     if not (-math.inf < low.item() and high.item() < math.inf):
         return None
     g, h, c = rows
-    return _set_row(grams[0], slot, g), _set_row(grams[1], slot, h), c
+    return Grams(_set_row(grams.gram, slot, g), _set_row(grams.dr_gram, slot, h), c)
 
 
 def _dots_row(ring: tuple, slot: int, device: torch.device) -> Tensor | None:
@@ -71,18 +72,18 @@ def _dots_row(ring: tuple, slot: int, device: torch.device) -> Tensor | None:
     return g
 
 
-def _appended_known(grams: tuple, slot: int, grown: int, g: Tensor) -> tuple | None:
+def _appended_known(grams: Grams, slot: int, grown: int, g: Tensor) -> Grams | None:
     """`appended_grams()` from the row `g` of a real window, the rows and the finiteness
     test over the valid slots (age below `grown`) in Python floats."""
     q = len(g)
-    gram, dr_gram = grams[0].tolist(), grams[1].tolist()
+    gram, dr_gram = grams.gram.tolist(), grams.dr_gram.tolist()
     g, h, c = known_rows(g.tolist(), gram[(slot - 1) % q], slot)
     checked = (g, h, c)
     if grown != q:  # only the slots in the window (their age below `grown`)
         checked = [[v for t, v in enumerate(row) if (slot - t) % q < grown] for row in checked]
     if not all(all(map(math.isfinite, row)) for row in checked):
         return None
-    return (
+    return Grams(
         _with_row(gram, slot, g),
         _with_row(dr_gram, slot, h),
         float64_tensor(c),
@@ -90,14 +91,14 @@ def _appended_known(grams: tuple, slot: int, grown: int, g: Tensor) -> tuple | N
 
 
 def mixing_weights(
-    options: AndersonOptions, ring: tuple, grams: tuple, head: int, num_residuals: int
+    options: AndersonOptions, ring: tuple, grams: Grams, head: int, num_residuals: int
 ) -> tuple[Tensor | list[float], Any]:
     """The affine weights $\alpha$ of the window whose newest residual is in slot `head`
     (`aadl_func._src.stages.solve()`), chronological, and whether the solve succeeded:
     from the Grams, or for a float64 window from a QR factor streamed from the ring (a full
     window: as Python floats, `stages.known_weights()`)."""
     exact = all(leaf.dtype in EXACT for leaf in ring[0])
-    device = grams[0].device
+    device = grams.gram.device
     head_t, num_t, factor = None, None, None
     if exact:
         head_t, num_t = _counters(head, num_residuals)

@@ -33,7 +33,6 @@ CUDA) exactly when the window was rank deficient."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -41,9 +40,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import flags, tree
-from aadl_func._src.scalars import abs2, float64_tensor, wide
-from aadl_func._src.state import allow_weights_only
+from aadl_func._src.core.ops import PLAIN, Ops
+from aadl_func._src.core.scalars import abs2, float64_tensor, wide
 
 __all__ = [
     "MixingWeights",
@@ -56,8 +54,6 @@ __all__ = [
     "solve_factor_known",
     "RCOND",
     "RTOL",
-    "aadl_coefficients",
-    "classic_coefficients",
     "ridge",
 ]
 
@@ -94,9 +90,6 @@ class MixingWeights(NamedTuple):
     ok: Tensor
 
 
-allow_weights_only(MixingWeights)
-
-
 def stack_factors(blocks: Sequence[Tensor]) -> Tensor:
     r"""The triangular factor `R` (`q x q`, float64) of the rows of `blocks` stacked.
 
@@ -116,25 +109,16 @@ def stack_factors(blocks: Sequence[Tensor]) -> Tensor:
     return torch.linalg.qr(stacked, mode="reduced").R
 
 
-_ENDS: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
-
-
-def _affine_weights(gamma: Tensor) -> Tensor:
+def _affine_weights(gamma: Tensor, ops: Ops) -> Tensor:
     """`alpha = (gamma_0, gamma_1 - gamma_0, ..., 1 - gamma_{m-1})`: the differences of
-    `[0, gamma, 1]`, one operation (each difference rounded once).
-
-    The two ends are constants, kept per device and dtype (read only), except under
-    torch.compile, which makes them in the graph."""
-    key = (gamma.device, gamma.dtype)
-    ends = _ENDS.get(key) if not tree.tracing() else None
-    if ends is None:
-        ends = tuple(torch.full((1,), v, dtype=gamma.dtype, device=gamma.device) for v in (0, 1))
-        if not tree.tracing():
-            _ENDS[key] = ends
+    `[0, gamma, 1]`, one operation (each difference rounded once)."""
+    ends = ops.constant(0.0, gamma), ops.constant(1.0, gamma)
     return torch.diff(gamma, prepend=ends[0], append=ends[1])
 
 
-def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> MixingWeights:
+def solve_factor(
+    factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0, *, ops: Ops = PLAIN
+) -> MixingWeights:
     r"""Solves the regularised Anderson least-squares problem from a triangular factor.
 
     `factor` is the upper-triangular `R` (`(m + 1) x (m + 1)`, float64) of a QR
@@ -193,9 +177,9 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
         reg = reg.to(device=scale.device, dtype=scale.dtype)
     shift = reg / scale / scale  # reg / s^2, without forming s^2 (which may underflow)
 
-    # Eager: on the CPU (one LAPACK routine for every device). Traced by torch.compile: on
-    # the factor's device, so that the graph holds no device-to-host copy.
-    small = device if tree.tracing() else torch.device("cpu")
+    # On the CPU (one LAPACK routine for every device), except where the executor says
+    # otherwise (a compiled graph keeps it on the factor's device: no device-to-host copy).
+    small = ops.small_device(device)
     r11, rhs = r[:m, :m].to(small), r[:m, m].to(small)
     shift = shift.to(small)
     per_column = shift.dim() == 1
@@ -226,12 +210,14 @@ def solve_factor(factor: Tensor, valid: Tensor, reg: float | Tensor = 0.0) -> Mi
     gamma = gamma.to(device)
     ok = ok & torch.isfinite(gamma).all()
     gamma = torch.where(ok, gamma, 0.0)
-    alpha = _affine_weights(gamma)
+    alpha = _affine_weights(gamma, ops)
     residual_norm = torch.where(ok, mixed_sq.to(device).sqrt() * scale, 0.0)
     return MixingWeights(gamma, alpha, residual_norm, ok)
 
 
-def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> MixingWeights:
+def solve_weights(
+    gram: Tensor, num_valid: Tensor | int, reg: float = 0.0, *, ops: Ops = PLAIN
+) -> MixingWeights:
     r"""Solves the regularised Anderson least-squares problem from a residual Gram matrix.
 
     With residuals $F = [f_0, \dots, f_{q-1}]$ (oldest first), their differences
@@ -292,7 +278,7 @@ def solve_weights(gram: Tensor, num_valid: Tensor | int, reg: float = 0.0) -> Mi
     h = g_cols[1:, :] - g_cols[:-1, :]
     b = g[1:, -1] - g[:-1, -1]
 
-    weights = solve_differences(h, b, torch.diagonal(g).real, num_valid, reg / unit)
+    weights = solve_differences(h, b, torch.diagonal(g).real, num_valid, reg / unit, ops=ops)
     return weights._replace(residual_norm=weights.residual_norm * unit.sqrt(), ok=ok & weights.ok)
 
 
@@ -302,6 +288,8 @@ def solve_coefficients(
     residual_scale: Tensor | float,
     reg: float = 0.0,
     valid: Tensor | None = None,
+    *,
+    ops: Ops = PLAIN,
 ) -> Tensor:
     r"""The regularised least-squares coefficients from the normal equations of $\Delta F$.
 
@@ -354,10 +342,7 @@ def solve_coefficients(
         gamma = torch.where(valid, gamma, 0.0)
     # Inputs at the edge of the float64 range can still round to Inf/NaN: fall back to
     # gamma = 0, the plain newest iterate, rather than let them reach the parameters.
-    finite = flags.all_finite(gamma)
-    if finite is flags.TRUE:  # eager: the common case needs no blend
-        return gamma
-    return torch.where(finite, gamma, 0.0)
+    return ops.where(ops.all_finite(gamma), gamma, 0.0)
 
 
 def solve_differences(
@@ -368,6 +353,7 @@ def solve_differences(
     reg: float = 0.0,
     *,
     residual_norm: bool = True,
+    ops: Ops = PLAIN,
 ) -> MixingWeights:
     r"""Solves the mixing problem from the inner products of the residual differences.
 
@@ -395,7 +381,7 @@ def solve_differences(
     dev = residual_sq.device
     if not (isinstance(num_valid, Tensor) and num_valid.device == dev):
         num_valid = torch.as_tensor(num_valid, device=dev)
-    if tree.static_value(num_valid) == q:
+    if ops.value(num_valid) == q:
         # Eager, full window (the steady state): every mask below would be all True, and
         # torch.where with an all-True mask returns its input, so skipping them changes no
         # bit; it saves a dozen small operations per step.
@@ -408,12 +394,11 @@ def solve_differences(
         h = torch.where(pair, dr_gram, 0.0)
         c = torch.where(gamma_valid, dr_rhs, 0.0)
         norms = torch.where(valid, residual_sq, 0.0)
-    ok = flags.all_finite(torch.cat([h.reshape(-1), c, norms]))
-    if ok is not flags.TRUE:  # eager and finite: the blend would change nothing
-        h, c, norms = (torch.where(ok, t, 0.0) for t in (h, c, norms))
+    ok = ops.all_finite(torch.cat([h.reshape(-1), c, norms]))
+    h, c, norms = (ops.where(ok, t, 0.0) for t in (h, c, norms))
     # Scaled to max_i ||f_i||^2 = 1, as in solve_weights: O(1) entries whatever the scale.
     unit = norms.max()
-    known = tree.static_value(unit)
+    known = ops.value(unit)
     if known is not None:
         # Eager: the scale as a Python float, which divides exactly as the 0-d tensor would
         # (one IEEE division), with fewer small operations.
@@ -423,8 +408,8 @@ def solve_differences(
         unit = torch.where(unit > 0, unit, torch.ones_like(unit))
         one = torch.ones_like(unit)
     h, c = h / unit, c / unit
-    gamma = solve_coefficients(h, c, one, reg / unit, valid=gamma_valid)
-    alpha = _affine_weights(gamma)
+    gamma = solve_coefficients(h, c, one, reg / unit, valid=gamma_valid, ops=ops)
+    alpha = _affine_weights(gamma, ops)
     if not residual_norm:
         return MixingWeights(gamma, alpha, None, ok)
     # Re(gamma^H c) and gamma^H H gamma (real data: conj() and .real leave them as they are).
@@ -516,49 +501,6 @@ def _known_affine(gamma: Tensor) -> tuple[Tensor, list[float]] | None:
         return None
     ends = [0.0, *listed, 1.0]
     return gamma, [b - a for a, b in zip(ends, ends[1:])]
-
-
-def aadl_coefficients(
-    alpha: Tensor | list[float], relaxation: float, *, negated: bool = False
-) -> Tensor | list[float]:
-    r"""Weights `c` with `mix = x_last - sum_j c_j DX[:, j]` (float64, oldest first).
-
-    Writing every window entry through the newest one, $x_i = x_{k-1} - \sum_{j \ge i}
-    \Delta x_j$, the relaxed AADL point
-    $\sum_i \alpha_i((1-\beta) x_i + \beta x_{i+1})$ becomes
-    $x_{k-1} - \sum_j (A_j - \beta \alpha_j) \Delta x_j$ with
-    $A = \mathrm{cumsum}(\alpha)$.
-
-    `negated=True` returns `-c`, formed by the swapped subtraction (`b - a` rounds to
-    exactly `-(a - b)`), one operation fewer than negating `c`. `alpha` given as a list
-    (`solve_known()`): `c` as a list, with the same roundings (the cumulative sum from 0,
-    one addition after another, as torch's CPU `cumsum` of a float64 vector).
-    """
-    if isinstance(alpha, list):
-        partial = list(itertools.accumulate(alpha, initial=0.0))[1:]
-        if negated:
-            return [relaxation * a - p for a, p in zip(alpha, partial)]
-        return [p - relaxation * a for a, p in zip(alpha, partial)]
-    if negated:
-        return relaxation * alpha - torch.cumsum(alpha, 0)
-    return torch.cumsum(alpha, 0) - relaxation * alpha
-
-
-def classic_coefficients(alpha: Tensor | list[float]) -> Tensor | list[float]:
-    r"""Weights `w` with $\sum_i \alpha_i x_i = x_{\mathrm{last}} + \sum_j w_j
-    \Delta x_j$ (float64, oldest first), $\Delta x_j = x_j - x_{j-1}$.
-
-    Writing every point through the newest one, $x_i = x_{\mathrm{last}} - \sum_{j > i}
-    \Delta x_j$, and using $\sum_i \alpha_i = 1$:
-    $w_j = -\sum_{i < j} \alpha_i$, so $w_0 = 0$: the oldest difference (to a
-    point outside the window) is never used. Mode "classic" keeps its points this way.
-    `alpha` given as a list: `w` as a list, with the same roundings.
-    """
-    if isinstance(alpha, list):
-        partial = list(itertools.accumulate(alpha, initial=0.0))[1:-1]
-        return [0.0, *(-p for p in partial)]
-    partial = torch.cumsum(alpha, 0)
-    return torch.cat([torch.zeros_like(partial[:1]), -partial[:-1]])
 
 
 def ridge(options: Any, dr_chrono: Tensor, num_valid: Tensor) -> float | Tensor:

@@ -1,0 +1,20 @@
+"""The mathematics of Anderson acceleration, apart from how it runs.
+
+What lives here is written over explicit tensors and numbers, so that it can be read, tested
+and changed alone:
+
+* `ops`: the small interface through which the math asks its data-dependent questions
+  (is this known, is this finite, which of two results), which the execution layer answers;
+* `grams`: the window's inner products as a named record;
+* `lstsq`: the small least-squares problem, solved once, in float64;
+* `variants`: each mode's coefficient map and the bound of its mix;
+* `accept`: the rules that keep or drop a mix (the `loss_fn` and deferred safeguards, the
+  range of the params' dtype, finiteness);
+* `linesearch`: the backtracking (Armijo) search along a direction.
+
+The rule, held by `tests/test_core_rules.py`: no module here imports a package module outside
+`core/`, and none asks how it is being run (no `torch.compiler`, functorch, `tracing`,
+`static_value`, `is_transformed`, in-place or shard queries). Everything that depends on the
+execution (eager values, vmap and compile masks, in-place commits, sharded reductions) lives
+in `aadl_func._src.exec` and the stages that use it, and reaches the math through `ops`.
+"""
