@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import deferred, distributed, flags, grad_mode, native, tree
+from aadl_func._src import deferred, distributed, flags, grad_mode, native, protocols, tree
 from aadl_func._src.atomic import InterruptGuard, guarded
 from aadl_func._src.checks import (
     MISSING,
@@ -455,7 +455,7 @@ def _general_call(options, state, params, p_leaves, spec, grads, how: _Flags, gu
     # to.) In place it would only write the grads, which the guarantee does not cover.
     # A rejection without a value (vmap, compile) blends it with the kept call: out of
     # place too.
-    keeps_buffers = getattr(options.inner.update, "writes_state", True)
+    keeps_buffers = protocols.keeps_buffers(options.inner)
     updates, inner_state = options.inner.update(
         grads,
         state.inner_state,

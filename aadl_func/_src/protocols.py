@@ -48,3 +48,23 @@ class AndersonUpdate(Protocol):
         loss_fn: Callable[[P], Tensor] | None = None,
         loss: Tensor | float | None = None,
     ) -> tuple[P, AndersonState]: ...
+
+
+# -- what an inner optimizer's `update` says about its in-place writes ----------------------
+# The built-in inner optimizers set `update.writes_state` (aadl_func._src.inner): whether an
+# in-place update writes state buffers (momentum, moments), not only the gradients. One
+# attribute answers two questions, each with the default that is safe for an inner
+# optimizer that does not say.
+
+
+def keeps_buffers(inner: Any) -> bool:
+    """Whether `inner`'s in-place update may write state buffers, so that an in-place step
+    must ask for it out of place and commit the buffers with the plain step (atomic.py).
+    An inner optimizer that does not say is assumed to."""
+    return getattr(inner.update, "writes_state", True)
+
+
+def adopts_buffers(inner: Any) -> bool:
+    """Whether the new buffers of `inner`'s out-of-place update may be adopted into the
+    caller's (fresh tensors of the same layout: only the built-ins, which say so)."""
+    return getattr(inner.update, "writes_state", False)

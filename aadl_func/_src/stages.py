@@ -28,7 +28,7 @@ import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import deferred, distributed, flags, tree
+from aadl_func._src import deferred, distributed, flags, protocols, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, write_back
 from aadl_func._src.blend import Blend
 from aadl_func._src.core import accept
@@ -796,9 +796,8 @@ def commit_to(
 
 
 def _adopts(call: Call) -> bool:
-    """Whether the inner state's new buffers may be adopted by the caller's (built-in inner
-    optimizers, whose out-of-place buffers are fresh tensors of the same layout)."""
-    return getattr(call.options.inner.update, "writes_state", False)
+    """Whether the inner state's new buffers may be adopted by the caller's."""
+    return protocols.adopts_buffers(call.options.inner)
 
 
 def adopt(target: Any, source: Any) -> None:

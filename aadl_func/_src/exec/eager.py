@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import deferred, flags, stages, tree
+from aadl_func._src import deferred, flags, protocols, stages, tree
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
 from aadl_func._src.checks import mark_verified
 from aadl_func._src.core.grams import Grams
@@ -103,7 +103,7 @@ def run(
 def _call(options, state, params, p_leaves, spec, grads, loss, guard) -> tuple[Any, Any]:
     # In place, the inner update out of place when the inner optimizer keeps buffers: their
     # new values are committed with the plain step (as on the general path, anderson.step).
-    keeps_buffers = getattr(options.inner.update, "writes_state", True)
+    keeps_buffers = protocols.keeps_buffers(options.inner)
     updates, inner_state = options.inner.update(
         grads, state.inner_state, params=params, inplace=guard is not None and not keeps_buffers
     )
@@ -408,7 +408,7 @@ class _Step:
         stages.recover(call)
 
     def _adopts(self) -> bool:
-        return getattr(self.options.inner.update, "writes_state", False)
+        return protocols.adopts_buffers(self.options.inner)
 
     def _mixes_into_params(self) -> bool:
         """`aadl_step._mix_into_params()`: the params' buffers can take the mix."""
