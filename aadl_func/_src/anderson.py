@@ -18,7 +18,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import deferred, distributed, flags, grad_mode, native, protocols, tree
+from aadl_func._src import (
+    deferred,
+    distributed,
+    flags,
+    grad_mode,
+    mix_search,
+    native,
+    protocols,
+    tree,
+)
 from aadl_func._src.atomic import InterruptGuard, guarded
 from aadl_func._src.checks import (
     MISSING,
@@ -77,6 +86,7 @@ def anderson(
     reg_relative: float = 0.0,
     restart_on_reject: bool = False,
     reg_column: float = 0.0,
+    line_search: bool = False,
 ) -> Anderson:
     r"""Anderson-accelerates an inner optimizer, treating its step as a fixed-point map `g`.
 
@@ -161,6 +171,8 @@ def anderson(
         $\lambda$ (below). This is SciPy's `w0` (`scipy.optimize.anderson`) with
         `reg_column = w0**2`: each column is damped relative to its own norm, so the newest,
         smallest differences are not over-damped as by `reg_relative`'s window mean.
+      line_search: with `loss_fn`, search along the mix instead of keeping or dropping it
+        (below). Eager calls only (not under vmap or torch.compile, not sharded).
 
     Options for minibatch (stochastic) training, where consecutive residuals differ by gradient
     noise as much as by curvature (see examples/minibatch.py and the README):
@@ -188,6 +200,18 @@ def anderson(
       says the window's secant information no longer describes the map (in minibatch training,
       it is mostly noise). The restart itself costs nothing: no pass over the window, no
       extra loss evaluation (the safeguard's `loss_fn` may be a held-out minibatch's loss).
+
+    * `line_search` (N-GMRES's step, De Sterck 2012; O-ACCEL, Riseth 2019): with the plain
+      step $y$, the mix $x$ and $d = x - y$, the returned point is $y + s\,d$ for the
+      step length $s$ of a backtracking Armijo search on $\phi(s) = $ `loss_fn`$(y + s d)$
+      (`aadl_func._src.core.linesearch.armijo()`, SciPy's: $s = 1$ first, then
+      interpolations, down to $s = 0.01$) with $\phi'(0) = \nabla \ell(y)^\top d$ from
+      one forward-mode derivative (`torch.func.jvp` of `loss_fn`). When $d$ is not a
+      descent direction ($\phi'(0) \ge 0$) or no step length qualifies, $y$ is returned
+      and the window restarts from its newest entry, as `restart_on_reject` does. A point
+      that is kept counts as a mix and, in mode "aadl", replaces the newest window entry.
+      It costs `loss_fn`'s forward-mode derivative and one evaluation per trial (one when
+      $s = 1$ qualifies), where the plain `loss_fn` safeguard costs two evaluations.
 
     `inplace=True` is exception safe: whatever is raised wherever in a call (`loss_fn`,
     Ctrl-C, an out-of-memory error, another signal's handler), the params and the state
@@ -365,6 +389,8 @@ def step(
     # `grads` come back cast to the params' dtypes where they differ (as torch.optim does).
     p_leaves, spec, grads = check_update_inputs(options, state, params, grads, loss_fn, inplace)
     transformed = tree.any_transformed(p_leaves)  # vmap, or torch.compile
+    if options.line_search:
+        mix_search.check_call(loss_fn, shards, transformed)
     if eager.applies(
         options,
         state,

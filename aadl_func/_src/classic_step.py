@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import distributed, flags, tree
+from aadl_func._src import distributed, flags, mix_search, tree
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.stages import (
@@ -106,7 +106,10 @@ def classic_step(call: Call) -> tuple[Any, AndersonState]:
     )
     mixable = flags.both(mixes, ok)
     x = call.blend.select(mixable, lambda: to_params(call, x_hist), y, blend=False)
-    use_mix = safeguard(call, mixable, x, y)
+    if call.options.line_search:
+        use_mix, x, _ = mix_search.search(call, mixable, x, x_hist, y)
+    else:
+        use_mix = safeguard(call, mixable, x, y)
     final = count_outcome(call, plain, gate=mixes, ok=ok, use_mix=use_mix, poisoned=window.poisoned)
     out = output(call, use_mix, x, y, final)
     return tree.unflatten(call.spec, out), commit(call, final)

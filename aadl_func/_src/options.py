@@ -65,6 +65,7 @@ class AndersonOptions:
     reg_relative: float = 0.0
     restart_on_reject: bool = False
     reg_column: float = 0.0
+    line_search: bool = False
 
     def __post_init__(self) -> None:
         self._validate(OWNER, 3)
@@ -117,6 +118,7 @@ class AndersonOptions:
             reg_relative=check_float(owner, "reg_relative", self.reg_relative, minimum=0.0),
             restart_on_reject=check_bool(owner, "restart_on_reject", self.restart_on_reject),
             reg_column=check_float(owner, "reg_column", self.reg_column, minimum=0.0),
+            line_search=check_bool(owner, "line_search", self.line_search),
         )
         if checked["max_consecutive_skips"] is not None and not checked["skip_nonfinite"]:
             raise ValueError(f"{owner}: `max_consecutive_skips` needs `skip_nonfinite=True`")

@@ -609,7 +609,7 @@ def safeguard(call: Call, gate: Tensor, x: list[Tensor], y: list[Tensor]) -> Ten
 def restarted(call: Call, window_size: Tensor, rejected: Tensor) -> Tensor:
     """`restart_on_reject`: the window size after a rejected mix is cut to the newest
     entry (aadl) or pair (classic); older slots count again only once overwritten."""
-    if not call.options.restart_on_reject:
+    if not (call.options.restart_on_reject or call.options.line_search):
         return window_size
     known = flags.value(rejected)
     if known is not None:

@@ -3,16 +3,20 @@ r"""Backtracking (Armijo) line search along a direction, one for every caller.
 `armijo()` finds a step length $s$ with sufficient decrease,
 $\phi(s) \le \phi(0) + c_1 s \phi'(0)$, from $s = 1$ by quadratic then cubic
 interpolation. The solvers ([`aadl_func.root()`][aadl_func.root] with `line_search=True`)
-search $\phi(s) = \|F(x + s d)\|^2$ along the Anderson step; it works on Python floats, so
-the caller decides how $\phi$ is evaluated.
+search $\phi(s) = \|F(x + s d)\|^2$ along the Anderson step, and
+[`aadl_func.anderson()`][aadl_func.anderson] with `line_search=True` searches the loss along
+the mix, $\phi(s) = \ell(y + s (x - y))$; it works on Python floats, so the caller decides
+how $\phi$ is evaluated.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-__all__ = ["armijo"]
+from torch import Tensor
+
+__all__ = ["along", "armijo", "is_descent"]
 
 
 def armijo(
@@ -60,3 +64,16 @@ def armijo(
         alpha0, alpha1 = alpha1, alpha2
         phi_a0, phi_a1 = phi_a1, phi_a2
     return None
+
+
+def is_descent(derphi0: float) -> bool:
+    r"""Whether $\phi'(0)$ says the direction descends (finite and negative): else
+    N-GMRES restarts instead of searching."""
+    return math.isfinite(derphi0) and derphi0 < 0.0
+
+
+def along(y: Sequence[Tensor], x: Sequence[Tensor], s: float) -> list[Tensor]:
+    r"""The point $y + s\,(x - y)$ per leaf; $x$ itself for $s = 1$ (the mix, unrounded)."""
+    if s == 1.0:
+        return list(x)
+    return [yi + s * (xi - yi) for yi, xi in zip(y, x)]
