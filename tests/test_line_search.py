@@ -53,7 +53,10 @@ def reference_classic(x0: np.ndarray, steps: int, depth: int) -> tuple[list, int
             s = None
             if derphi0 < 0:
                 s, _ = scalar_search_armijo(
-                    lambda t: rosenbrock_np(y + t * d), rosenbrock_np(y), derphi0, amin=1e-2
+                    lambda t, y=y, d=d: rosenbrock_np(y + t * d),
+                    rosenbrock_np(y),
+                    derphi0,
+                    amin=1e-2,
                 )
             if s is None:
                 rejected += 1
@@ -166,3 +169,14 @@ def test_refusals_name_the_argument_and_change_nothing():
     assert int(state.count) == 0
     with pytest.raises(TypeError, match="line_search"):
         aa.anderson(aa.sgd(LR), line_search="yes")
+
+
+def test_the_wrapper_refuses_it_by_name():
+    """A closure writes candidates into the module's parameters, through which no forward-mode
+    derivative flows: the torch.optim faces refuse the option at construction."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    with pytest.raises(ValueError, match="line_search=True` is available in the functional API"):
+        aa.AcceleratedOptimizer(torch.optim.SGD(params, lr=0.1), line_search=True)
+    with pytest.raises(ValueError, match="line_search=True` is available in the functional API"):
+        aa.accelerate(torch.optim.SGD(params, lr=0.1), line_search=True)
+    assert not hasattr(torch.optim.SGD(params, lr=0.1), "anderson_states")

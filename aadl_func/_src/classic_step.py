@@ -26,6 +26,7 @@ from torch import Tensor
 
 from aadl_func._src import distributed, flags, mix_search, tree
 from aadl_func._src.core.grams import Grams
+from aadl_func._src.core.ring import to_ring_order
 from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.stages import (
     Call,
@@ -48,7 +49,6 @@ from aadl_func._src.stages import (
     stores,
     to_history,
     to_params,
-    to_ring_order,
     window_tree,
 )
 from aadl_func._src.state import AndersonState

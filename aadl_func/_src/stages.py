@@ -35,14 +35,11 @@ from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.lstsq import (
     MixingWeights,
-    ridge,
-    solve_differences,
-    solve_factor,
-    solve_factor_known,
-    solve_known,
     stack_factors,
 )
+from aadl_func._src.core.ring import chronological, difference_valid, slot_valid
 from aadl_func._src.core.scalars import EXACT, float64_tensor, real_view
+from aadl_func._src.core.weights import known_weights, window_weights
 from aadl_func._src.exec.ops import OPS
 from aadl_func._src.state import AndersonState
 from aadl_func._src.window import difference_factor, difference_rows, set_gram_row, write_slot
@@ -75,12 +72,9 @@ __all__ = [
     "stores",
     "to_history",
     "to_params",
-    "to_ring_order",
     "undo_later",
     "window_tree",
     "window_factor",
-    "window_weights",
-    "known_weights",
 ]
 
 Params = Any
@@ -318,22 +312,6 @@ def stores(call: Call) -> Tensor:
 
 
 # -- the ring and its Grams -------------------------------------------------------------------
-def _slot_valid(q: int, head: Tensor, num_residuals: Tensor) -> Tensor:
-    """Ring-order mask of slots holding one of the newest `num_residuals` residuals."""
-    age = (head - torch.arange(q, device=head.device)) % q
-    return age < num_residuals
-
-
-def _chronological(q: int, head: Tensor) -> Tensor:
-    """Ring slots from oldest to newest (the newest is `head`)."""
-    return (head + 1 + torch.arange(q, device=head.device)) % q
-
-
-def _difference_valid(q: int, num_residuals: Tensor) -> Tensor:
-    """Chronological mask of the differences `f_{j+1} - f_j` between valid residuals."""
-    return torch.arange(q - 1) >= q - num_residuals
-
-
 def append(
     call: Call,
     ring: tuple,
@@ -370,7 +348,7 @@ def append(
         rows = reduction.rows
     stacked = torch.stack(rows)  # (3, Q): one finiteness check for the three rows
     if tree.static_value(grown) != q:  # a full window has no invalid slot to mask
-        valid = _slot_valid(q, slot, grown).to(stacked.device)
+        valid = slot_valid(q, slot, grown).to(stacked.device)
         stacked = torch.where(valid, stacked, 0.0)
     poisoned = flags.negate(flags.all_finite(stacked, call.compute_device))
 
@@ -414,7 +392,7 @@ def window_factor(ring: tuple, head: Tensor, num_residuals: Tensor, device: Any)
     (this rank's rows only when sharded): one streaming pass, O(Q^2 n) flops."""
     q = len(ring)
     return difference_factor(
-        ring, _chronological(q, head), _difference_valid(q, num_residuals), device
+        ring, chronological(q, head), difference_valid(q, num_residuals), device
     )
 
 
@@ -445,7 +423,7 @@ def solve(
         if call.exact and newest is not None:
             factor = window_factor(ring, head, num_residuals, call.compute_device)
         count = tree.static_value(num_residuals)
-        known = known_weights(call.options, grams, newest, count, factor)
+        known = known_weights(call.options, grams, newest, count, factor, ops=OPS)
         if known is not None:
             alpha = float64_tensor(known[1])
             return Solution(MixingWeights(known[0], alpha, None, flags.TRUE), newest)
@@ -462,96 +440,18 @@ def solve(
             factor = window_factor(ring, head, num_residuals, call.compute_device)
     weights, order, residual_sq = window_weights(
         call.options,
-        ring,
+        len(ring),
         Grams(gram, dr_gram, dr_rhs),
         head,
         num_residuals,
         call.compute_device,
         exact=call.exact,
         factor=factor,
+        ops=OPS,
     )
     if reduction is None:
         return Solution(weights, order)
     return Solution(weights, order, reduction, residual_sq.clamp(min=0.0).sqrt())
-
-
-def window_weights(
-    options: AndersonOptions,
-    ring: tuple,
-    grams: Grams,
-    head: Tensor,
-    num_residuals: Tensor,
-    device: torch.device,
-    *,
-    exact: bool,
-    factor: Tensor | None = None,
-) -> tuple[MixingWeights, Tensor | int, Tensor]:
-    r"""`solve()`'s small problem for the Grams `(gram, dr_gram, dr_rhs)` of `ring`, whose
-    newest residual is in slot `head`: the weights, the order for `to_ring_order()` and
-    $\|f_i\|^2$ (chronological). `exact` (a float64 window): solved through `factor`, the
-    window's QR factor (`window_factor()`)."""
-    q = len(ring)
-    gram, dr_gram, dr_rhs = grams
-    newest = tree.static_value(head)
-    if newest is not None:
-        # Eager: a cached index instead of index arithmetic on every call.
-        slots, later = _chronological_slots(q, newest, gram.device)
-    else:
-        slots = _chronological(q, head).to(device)
-        later = slots[1:]  # d at chronological position j + 1 is the column of gamma_j
-    # ||f_i||^2, oldest first (real: `.real` of a real tensor is that tensor).
-    residual_sq = torch.diagonal(gram).real.index_select(0, slots)
-    dr_chrono = dr_gram.index_select(0, later).index_select(1, later)
-    dr_rhs = dr_rhs.index_select(0, later)
-    order = newest if newest is not None else slots
-    num_valid = num_residuals.to(device)
-    reg = ridge(options, dr_chrono, num_valid)
-    if exact:
-        valid = _difference_valid(q, num_residuals).to(device)
-        return solve_factor(factor, valid, reg, ops=OPS), order, residual_sq
-    weights = solve_differences(
-        dr_chrono, dr_rhs, residual_sq, num_valid, reg, residual_norm=False, ops=OPS
-    )
-    return weights, order, residual_sq
-
-
-def known_weights(
-    options: AndersonOptions,
-    grams: Grams,
-    newest: int | None,
-    num_residuals: int | None,
-    factor: Tensor | None = None,
-) -> tuple[Tensor, list[float]] | None:
-    """`window_weights()` by `aadl_func._src.core.lstsq.solve_known()` (the Gram route) or, given
-    a float64 window's `factor`, `solve_factor_known()`: the same bits, `(gamma, alpha)`,
-    `alpha` chronological as Python floats, for a full window whose Grams or factor are
-    plain real CPU values (an eager call) and whose ridge is `reg` alone; otherwise, or when a
-    value is not finite, None."""
-    q = grams.gram.shape[-1]
-    if newest is None or num_residuals != q or options.reg_relative or options.reg_column:
-        return None
-    values = grams if factor is None else (factor,)
-    if any(t.dtype != torch.float64 for t in values) or not tree.readable(*values):
-        return None
-    if factor is not None:
-        return solve_factor_known(factor, options.reg)
-    gram, dr_gram, dr_rhs = (t.tolist() for t in grams)
-    slots = [(newest + 1 + j) % q for j in range(q)]  # oldest first
-    later = slots[1:]  # the newer ends of the differences (the columns of gamma)
-    return solve_known(
-        [[dr_gram[i][j] for j in later] for i in later],
-        [dr_rhs[i] for i in later],
-        [gram[s][s] for s in slots],
-        options.reg,
-    )
-
-
-def to_ring_order(chrono_values: Tensor, order: Tensor | int) -> Tensor:
-    """Values by chronological position (oldest first) moved to their ring slots;
-    `order` from `solve()`."""
-    if isinstance(order, int):  # the newest slot: position j is slot (order + 1 + j) % Q
-        return chrono_values.roll(order + 1)
-    return torch.zeros_like(chrono_values).index_copy(0, order, chrono_values)
 
 
 # -- accept or reject -------------------------------------------------------------------------
@@ -1031,20 +931,6 @@ def _arithmetic(
     if not tree.tracing():
         _ARITHMETIC[key] = result
     return result
-
-
-_SLOT_ORDERS: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
-
-
-def _chronological_slots(q: int, newest: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The ring slots oldest first when `newest` is the newest one, and those after the
-    oldest (the slots of the differences' newer ends), cached: a handful of tiny index
-    tensors per device, shared read-only by every step."""
-    key = (q, newest, device)
-    if key not in _SLOT_ORDERS:
-        slots = torch.tensor([(newest + 1 + j) % q for j in range(q)], device=device)
-        _SLOT_ORDERS[key] = (slots, slots[1:])
-    return _SLOT_ORDERS[key]
 
 
 def _same_leaves(a: Any, b: Any) -> bool:

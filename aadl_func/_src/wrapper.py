@@ -154,11 +154,13 @@ class AcceleratedOptimizer(Optimizer):
         reg_relative: float = 0.0,
         restart_on_reject: bool = False,
         reg_column: float = 0.0,
+        line_search: bool = False,
         safeguard: str = "loss_fn",
     ) -> None:
         given = locals()
         resolved = {name: given[name] for name in AndersonOptions.names()}
         _check_safeguard("AcceleratedOptimizer", safeguard, store_each_nth)
+        _check_no_line_search("AcceleratedOptimizer", line_search)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 "AcceleratedOptimizer: `optimizer` must be a torch.optim.Optimizer, got "
@@ -810,6 +812,18 @@ def _torch_state(
     ]
 
 
+def _check_no_line_search(owner: str, line_search: object) -> None:
+    """`line_search=True` searches with a forward-mode derivative of the loss along the mix;
+    the closure sets the module's parameters in place, through which none flows."""
+    if line_search is True:
+        raise ValueError(
+            f"{owner}: `line_search=True` is available in the functional API only "
+            "(aa.anderson(..., line_search=True) with update(..., loss_fn=...)): a closure "
+            "writes the candidate into the module's parameters, through which no "
+            "forward-mode derivative flows"
+        )
+
+
 def _closure_loss(
     params: list[Tensor], closure: Callable[[], Any]
 ) -> Callable[[list[Tensor]], Tensor]:
@@ -850,6 +864,7 @@ def accelerate(
     reg_relative: float = 0.0,
     restart_on_reject: bool = False,
     reg_column: float = 0.0,
+    line_search: bool = False,
     safeguard: str = "loss_fn",
 ) -> AcceleratedOptimizer:
     r"""AADL's `accelerate`: Anderson-accelerates `optimizer` in place.

@@ -6,6 +6,8 @@ and changed alone:
 * `ops`: the small interface through which the math asks its data-dependent questions
   (is this known, is this finite, which of two results), which the execution layer answers;
 * `grams`: the window's inner products as a named record;
+* `ring`: which ring slot holds which window entry (chronological orders, validity masks);
+* `weights`: a window's small problem gathered oldest first, its ridge, and its weights;
 * `lstsq`: the small least-squares problem, solved once, in float64;
 * `variants`: each mode's coefficient map and the bound of its mix;
 * `accept`: the rules that keep or drop a mix (the `loss_fn` and deferred safeguards, the

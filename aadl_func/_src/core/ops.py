@@ -34,6 +34,10 @@ class Ops(Protocol):
         """`torch.where(flag, a, b)`; may return `a` itself when `flag` is known True."""
         ...
 
+    def values_known(self, *tensors: Tensor) -> bool:
+        """Whether Python may read every value of `tensors` now, at no more than a copy."""
+        ...
+
     def small_device(self, device: torch.device) -> torch.device:
         """Where an `m x m` factorisation of a problem living on `device` runs."""
         ...
@@ -55,6 +59,9 @@ class Plain:
 
     def where(self, flag: Tensor, a: Tensor, b: Tensor | float) -> Tensor:
         return torch.where(flag, a, b)
+
+    def values_known(self, *tensors: Tensor) -> bool:
+        return False
 
     def small_device(self, device: torch.device) -> torch.device:
         return torch.device("cpu")

@@ -38,6 +38,9 @@ class Known:
             return a
         return torch.where(flag, a, b)
 
+    def values_known(self, *tensors: Tensor) -> bool:
+        return tree.readable(*tensors)
+
     def small_device(self, device: torch.device) -> torch.device:
         return device if tree.tracing() else torch.device("cpu")
 

@@ -19,7 +19,10 @@ from torch import Tensor
 
 from aadl_func._src import kernels, native, stages
 from aadl_func._src.core.grams import Grams
+from aadl_func._src.core.ring import to_ring_order
 from aadl_func._src.core.scalars import EXACT, float64_tensor
+from aadl_func._src.core.weights import known_weights, window_weights
+from aadl_func._src.exec.ops import OPS
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.window import combine as window_combine
 from aadl_func._src.window import difference_rows, known_rows
@@ -96,20 +99,20 @@ def mixing_weights(
     """The affine weights $\alpha$ of the window whose newest residual is in slot `head`
     (`aadl_func._src.stages.solve()`), chronological, and whether the solve succeeded:
     from the Grams, or for a float64 window from a QR factor streamed from the ring (a full
-    window: as Python floats, `stages.known_weights()`)."""
+    window: as Python floats, `core.weights.known_weights()`)."""
     exact = all(leaf.dtype in EXACT for leaf in ring[0])
     device = grams.gram.device
     head_t, num_t, factor = None, None, None
     if exact:
         head_t, num_t = _counters(head, num_residuals)
         factor = stages.window_factor(ring, head_t, num_t, device)
-    known = stages.known_weights(options, grams, head, num_residuals, factor)
+    known = known_weights(options, grams, head, num_residuals, factor, ops=OPS)
     if known is not None:
         return known[1], True
     if head_t is None:
         head_t, num_t = _counters(head, num_residuals)
-    weights, _, _ = stages.window_weights(
-        options, ring, grams, head_t, num_t, device, exact=exact, factor=factor
+    weights, _, _ = window_weights(
+        options, len(ring), grams, head_t, num_t, device, exact=exact, factor=factor, ops=OPS
     )
     return weights.alpha, weights.ok
 
@@ -120,15 +123,15 @@ def _counters(*values: int) -> tuple[Tensor, ...]:
 
 def ring_order(newest: int, *chrono: Tensor | list[float]) -> Tensor:
     """Vectors by chronological position moved to their ring slots and concatenated
-    (`aadl_func._src.stages.to_ring_order()`): position `j` goes to slot
+    (`aadl_func._src.core.ring.to_ring_order()`): position `j` goes to slot
     `(newest + 1 + j) % Q`. Lists (known values) become one float64 tensor."""
     if isinstance(chrono[0], list):
         shift = (newest + 1) % len(chrono[0])
         moved = [v for c in chrono for v in (c[-shift:] + c[:-shift] if shift else c)]
         return float64_tensor(moved)
     if len(chrono) == 1:
-        return stages.to_ring_order(chrono[0], newest)
-    return torch.cat([stages.to_ring_order(c, newest) for c in chrono])
+        return to_ring_order(chrono[0], newest)
+    return torch.cat([to_ring_order(c, newest) for c in chrono])
 
 
 def combine(
