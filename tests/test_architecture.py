@@ -82,7 +82,6 @@ OVER_THE_LIMIT = {
     "aadl_func._src.checks:check_state": 80,
     "aadl_func._src.inner:_optimizer": 69,
     "aadl_func._src.rna:rna": 125,
-    "aadl_func._src.wrapper": 563,
 }
 
 
