@@ -89,6 +89,9 @@ class _Verified:
 
 
 _VERIFIED = _Verified(KEEP)
+# Bound once: `update` asks on every call, and a look-up of the method per call costs more
+# than the rest of `verified()`'s common case.
+_find, _record = _VERIFIED.find, _VERIFIED.record
 
 
 def verified(state: AndersonState) -> bool:
@@ -98,7 +101,7 @@ def verified(state: AndersonState) -> bool:
     accelerator): there only the metadata checks run."""
     if tree.tracing():
         return True  # compiled: no values (and no ids to guard on)
-    if _VERIFIED.find(state) is not None:
+    if _find(state) is not None:
         return True  # the common case first: only concrete counters are ever listed
     return not _concrete(state.count)
 
@@ -110,7 +113,7 @@ def checked_layout(state: AndersonState, layout: tuple) -> bool:
     every call. Never under torch.compile, which checks at trace time."""
     if tree.tracing() or not isinstance(state, AndersonState):
         return False
-    entry = _VERIFIED.find(state)
+    entry = _find(state)
     if entry is None or entry.layout is None:
         return False
     config, spec, leaves = entry.layout
@@ -121,14 +124,14 @@ def remember_layout(state: AndersonState, layout: tuple | None) -> None:
     """Records that `state` (if verified) passed `check_state()` for `layout`."""
     if tree.tracing():
         return
-    entry = _VERIFIED.find(state)
+    entry = _find(state)
     if entry is not None:
         entry.layout = layout
 
 
 def _layout_of(state: AndersonState) -> tuple | None:
     """The layout `state` was checked for (`checked_layout()`), if any."""
-    entry = _VERIFIED.find(state) if not tree.tracing() else None
+    entry = _find(state) if not tree.tracing() else None
     return None if entry is None else entry.layout
 
 
@@ -149,4 +152,4 @@ def mark_verified(state: AndersonState, *, made_from: AndersonState | None = Non
     if not (isinstance(count, Tensor) and count.ndim == 0 and count.is_cpu):
         return
     layout = None if made_from is None else _layout_of(made_from)
-    _VERIFIED.record(state, layout, new_layout=made_from is not None)
+    _record(state, layout, made_from is not None)
