@@ -170,6 +170,41 @@ def _stopped(problem: Problem, trace: Trace) -> bool:
     return problem.stop is not None and bool(trace.grads) and problem.stop(trace)
 
 
+def _trace(
+    problem: Problem,
+    params: dict[str, Tensor],
+    budget: float,
+    step: Callable[[dict[str, Tensor], dict[str, Tensor], Tensor], dict[str, Tensor]],
+    forwards: Callable[[], int] = lambda: 0,
+    max_steps: int | None = None,
+) -> tuple[Trace, dict[str, Tensor]]:
+    """The loop of the full-batch runs: the loss and gradients at ``params``, then
+    ``params = step(params, grads, loss)`` (timed with them), until ``budget``
+    gradient-equivalents are spent, the loss is not finite, the problem stops the run, or
+    ``max_steps`` steps were taken (the last params not evaluated then). ``forwards()``: the
+    forward-only evaluations spent so far. Returns the trace and the last params."""
+    trace = Trace(problem.forward_cost)
+    clock = problem.clock
+    k = 0
+    while True:
+        start = clock()
+        grads, loss = problem.loss_and_grad(params)
+        value = loss.item()
+        trace.elapsed += clock() - start
+        trace.append(k, k + 1, forwards(), trace.elapsed, value, _track(problem, params))
+        if trace.equivalents(-1) >= budget or not math.isfinite(value):
+            break
+        if _stopped(problem, trace):
+            break
+        start = clock()
+        params = step(params, grads, loss)
+        trace.elapsed += clock() - start
+        k += 1
+        if k == max_steps:  # params: x_k, not evaluated yet
+            break
+    return trace, params
+
+
 def run_functional(
     problem: Problem,
     optimizer: Any,
@@ -182,8 +217,6 @@ def run_functional(
     """Full-batch updates from the problem's initial weights until ``budget``
     gradient-equivalents are spent (or after ``max_steps`` updates)."""
     params = problem.params()
-    trace = Trace(problem.forward_cost)
-    clock = problem.clock
     forwards = [0]
 
     def loss_fn(p):
@@ -191,24 +224,14 @@ def run_functional(
         return problem.loss(p)
 
     state = optimizer.init(params)
-    k = 0
-    while True:
-        start = clock()
-        grads, loss = problem.loss_and_grad(params)
-        value = loss.item()
-        trace.elapsed += clock() - start
-        trace.append(k, k + 1, forwards[0], trace.elapsed, value, _track(problem, params))
-        if trace.equivalents(-1) >= budget or not math.isfinite(value):
-            break
-        if _stopped(problem, trace):
-            break
-        start = clock()
+
+    def step(params, grads, loss):
+        nonlocal state
         judge = {"loss_fn": loss_fn} if safeguard else {"loss": loss} if deferred else {}
         params, state = optimizer.update(state, params, grads, inplace=True, **judge)
-        trace.elapsed += clock() - start
-        k += 1
-        if k == max_steps:  # params: x_k, not evaluated yet
-            break
+        return params
+
+    trace, params = _trace(problem, params, budget, step, lambda: forwards[0], max_steps)
     counters = {}
     if isinstance(state, aa.AndersonState):
         names = ("num_mixed", "num_rejected", "num_nonfinite")
@@ -226,25 +249,14 @@ def run_wrapper(
     params = problem.params()
     leaves = list(params.values())
     optimizer = make(leaves)
-    trace = Trace(problem.forward_cost)
-    clock = problem.clock
-    k = 0
-    while True:
-        start = clock()
-        grads, loss = problem.loss_and_grad(params)
-        value = loss.item()
-        trace.elapsed += clock() - start
-        trace.append(k, k + 1, 0, trace.elapsed, value, _track(problem, params))
-        if trace.equivalents(-1) >= budget or not math.isfinite(value):
-            break
-        if _stopped(problem, trace):
-            break
-        start = clock()
+
+    def step(params, grads, loss):
         for p, g in zip(leaves, grads.values()):
             p.grad = g
         optimizer.step(loss=loss)
-        trace.elapsed += clock() - start
-        k += 1
+        return params
+
+    trace, params = _trace(problem, params, budget, step)
     names = ("num_mixed", "num_rejected", "num_nonfinite")
     states = [s for s in optimizer.anderson_states if s is not None]
     counters = {name: sum(int(getattr(s, name)) for s in states) for name in names}

@@ -401,6 +401,8 @@ FRAMES = {
     "grad_mode.py": ("kept",),
     "atomic.py": ("__enter__", "__exit__", "release", "guarded"),
     "wrapper.py": ("step", "_step_without_grad"),
+    # The user's closure, run interruptible inside the step (`wrapper_loss.interruptible`).
+    "wrapper_loss.py": ("run",),
 }
 
 
@@ -435,7 +437,8 @@ def test_update_leaves_grad_mode_and_sigint_as_they_were_whatever_is_raised(name
 def _wrapper_or_guard(code) -> bool:
     """The wrapper's ``step`` and the guard's frames (the core's are covered above)."""
     name = Path(code.co_filename).name
-    return _sets_process_state(code) and name in ("wrapper.py", "atomic.py", "grad_mode.py")
+    wrapper = ("wrapper.py", "wrapper_loss.py")
+    return _sets_process_state(code) and name in (*wrapper, "atomic.py", "grad_mode.py")
 
 
 @pytest.mark.usefixtures("default_sigint")

@@ -202,3 +202,30 @@ def test_views_that_share_no_element_are_accepted_in_place():
     opt = aa.anderson(aa.sgd(0.1), history_depth=4)
     opt.update(opt.init(params), params, {"a": torch.ones(3), "b": torch.ones(3)}, inplace=True)
     assert torch.equal(w, torch.arange(1.0, 7.0) - 0.1)
+
+
+def test_the_verified_list_keeps_the_newest_and_forgets_freed_states():
+    """The list of verified states (`verified_states._Verified`): beyond `keep` entries
+    (counters kept alive after their states) the oldest leaves; an entry leaves when its
+    state's `count` is freed; a state with the same `count` and new fields (an in-place call)
+    takes its entry over."""
+    from aadl_func._src.verified_states import _Verified
+
+    opt = aa.anderson(aa.sgd(0.1), history_depth=3)
+    a, b, c = (opt.init({"w": torch.zeros(2)}) for _ in range(3))
+    listed = _Verified(keep=2)
+    listed.record(a, None, new_layout=False)
+    listed.record(b, None, new_layout=False)
+    assert len(listed) == 2 and listed.find(a) is not None and listed.find(b) is not None
+    listed.record(c, None, new_layout=False)
+    assert len(listed) == 2 and listed.find(a) is None  # the oldest left
+    assert listed.find(b) is not None and listed.find(c) is not None
+    del c  # its count freed: the weak reference's callback drops the entry
+    assert len(listed) == 1 and listed.find(b) is not None
+    moved = b._replace(anchor={"w": torch.ones(2)})
+    listed.record(moved, ("layout",), new_layout=True)
+    assert len(listed) == 1 and listed.find(b) is None
+    assert listed.find(moved).layout == ("layout",)
+    again = moved._replace(anchor={"w": torch.zeros(2)})
+    listed.record(again, None, new_layout=False)  # a checked state: the layout stays
+    assert len(listed) == 1 and listed.find(again).layout == ("layout",)

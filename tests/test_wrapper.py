@@ -706,10 +706,13 @@ def test_returned_loss_is_the_loss_before_the_step_when_a_later_group_averages()
     assert averaged_steps >= 1
 
 
+@pytest.mark.parametrize("safeguard", ["loss_fn", "deferred"])
 @pytest.mark.parametrize("value", [None, "0.5", torch.ones(2)], ids=["None", "str", "vector"])
-def test_a_closure_that_returns_no_loss_is_named_and_changes_nothing(value):
+def test_a_closure_that_returns_no_loss_is_named_and_changes_nothing(value, safeguard):
     model, X, Y = make_cnn(seed=4)
-    opt = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt = AcceleratedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), safeguard=safeguard
+    )
     before = [p.detach().clone() for p in model.parameters()]
 
     def closure():

@@ -162,82 +162,131 @@ def adasam(
     eps = check_float(_OWNER, "eps", eps, minimum=0.0, strict=True)
     weight_decay = check_float(_OWNER, "weight_decay", weight_decay, minimum=0.0)
 
+    hyper = _Hyper(beta, alpha, m, damp, gamma, mu, eps, weight_decay)
+
     def init(params: Params) -> AdaSAMState:
-        leaves, spec = float_leaves(_OWNER, "params", params)
-        zeros = [torch.zeros_like(p) for p in leaves]
-
-        def like() -> Any:
-            return optree.tree_unflatten(spec, [z.clone() for z in zeros])
-
-        ring = optree.tree_unflatten(spec, [p.new_zeros((m, *p.shape)) for p in leaves])
-        counter = torch.zeros((), dtype=torch.int64, device=leaves[0].device)
-        return AdaSAMState(
-            counter,
-            like(),
-            like(),
-            like(),
-            like(),
-            ring,
-            optree.tree_map(torch.clone, ring),
-            counter.clone(),
-            counter.clone(),
-        )
+        return _init(m, params)
 
     def update(state: AdaSAMState, params: Params, grads: Params) -> tuple[Params, AdaSAMState]:
-        x, spec = float_leaves(_OWNER, "params", params)
-        g, _ = float_leaves(_OWNER, "grads", grads)
-        _check(state, x, g, spec, m)
-        s = [optree.tree_leaves(t) for t in state[1:7]]
-        x_prev, r_prev, dx_avg, dr_avg, dxs, drs = s
-        k = state.count
-        first = k == 0
-        r = [-(gi + weight_decay * xi) if weight_decay else -gi for gi, xi in zip(g, x)]
-        # 1. the moving averages; on the first call there is no difference yet.
-        dx_avg = [
-            torch.where(first, a, gamma * a + (1 - gamma) * (xi - xp))
-            for a, xi, xp in zip(dx_avg, x, x_prev)
-        ]
-        dr_avg = [
-            torch.where(first, a, gamma * a + (1 - gamma) * (ri - rp))
-            for a, ri, rp in zip(dr_avg, r, r_prev)
-        ]
-        # The newest column goes to slot (k - 1) mod m: a one-hot mask, not an index, so the
-        # write is the same operation for every member of a vmap.
-        slot = torch.remainder(k - 1, m)
-        write = (torch.arange(m, device=k.device) == slot) & ~first
-        dxs = [_write(ring, a, write) for ring, a in zip(dxs, dx_avg)]
-        drs = [_write(ring, a, write) for ring, a in zip(drs, dr_avg)]
-        # 2.-3. delta and Gamma, in float64.
-        rr = _dot(r, r)
-        delta = damp * rr / (_dot(dx_avg, dx_avg) + eps)
-        rtr = _gram(drs, drs)
-        xtx = _gram(dxs, dxs)
-        rtb = _gram(drs, [ri.unsqueeze(0) for ri in r])[:, 0]
-        coeffs = torch.linalg.pinv(rtr + delta * xtx, hermitian=True) @ rtb
-        # 4. p = beta r - alpha (X + beta R) Gamma.
-        p = [
-            beta * ri - alpha * _combine(xr + beta * rr_, coeffs)
-            for ri, xr, rr_ in zip(r, dxs, drs)
-        ]
-        # 5. the descent check; the plain step otherwise (and always on the first call).
-        descent = _dot(p, r)
-        ok = ~first & torch.isfinite(descent) & (descent > mu * beta * rr)
-        new = [xi + torch.where(ok, pi, beta * ri) for xi, pi, ri in zip(x, p, r)]
-        unflat = lambda leaves: optree.tree_unflatten(spec, leaves)  # noqa: E731
-        new_state = AdaSAMState(
-            k + 1,
-            unflat(list(x)),
-            unflat(r),
-            unflat(dx_avg),
-            unflat(dr_avg),
-            unflat(dxs),
-            unflat(drs),
-            state.num_mixed + ok.long(),
-            state.num_fallback + (~ok & ~first).long(),
-        )
-        return unflat(new), new_state
+        return _update(hyper, state, params, grads)
 
     return AdaSAM(init, update)
+
+
+# -- the step --------------------------------------------------------------------------------
+class _Hyper(NamedTuple):
+    """`adasam`'s hyperparameters, checked: `beta` is `lr`, `m` is `history_depth`."""
+
+    beta: float
+    alpha: float
+    m: int
+    damp: float
+    gamma: float
+    mu: float
+    eps: float
+    weight_decay: float
+
+
+def _init(m: int, params: Params) -> AdaSAMState:
+    r"""The state at $k = 0$: zero previous point, residual and averages, zero rings."""
+    leaves, spec = float_leaves(_OWNER, "params", params)
+    zeros = [torch.zeros_like(p) for p in leaves]
+
+    def like() -> Any:
+        return optree.tree_unflatten(spec, [z.clone() for z in zeros])
+
+    ring = optree.tree_unflatten(spec, [p.new_zeros((m, *p.shape)) for p in leaves])
+    counter = torch.zeros((), dtype=torch.int64, device=leaves[0].device)
+    return AdaSAMState(
+        counter,
+        like(),
+        like(),
+        like(),
+        like(),
+        ring,
+        optree.tree_map(torch.clone, ring),
+        counter.clone(),
+        counter.clone(),
+    )
+
+
+def _update(
+    h: _Hyper, state: AdaSAMState, params: Params, grads: Params
+) -> tuple[Params, AdaSAMState]:
+    r"""One step, the module docstring's steps 1-5; the plain step $\beta r_k$ where the
+    descent check fails (and always on the first call)."""
+    x, spec = float_leaves(_OWNER, "params", params)
+    g, _ = float_leaves(_OWNER, "grads", grads)
+    _check(state, x, g, spec, h.m)
+    k = state.count
+    first = k == 0
+    r = [-(gi + h.weight_decay * xi) if h.weight_decay else -gi for gi, xi in zip(g, x)]
+    dx_avg, dr_avg, dxs, drs = _record(h, state, x, r, first)
+    rr = _dot(r, r)
+    p = _mixed_step(h, r, rr, dx_avg, dxs, drs)
+    # 5. the descent check; the plain step otherwise (and always on the first call).
+    descent = _dot(p, r)
+    ok = ~first & torch.isfinite(descent) & (descent > h.mu * h.beta * rr)
+    new = [xi + torch.where(ok, pi, h.beta * ri) for xi, pi, ri in zip(x, p, r)]
+    unflat = lambda leaves: optree.tree_unflatten(spec, leaves)  # noqa: E731
+    new_state = AdaSAMState(
+        k + 1,
+        unflat(list(x)),
+        unflat(r),
+        unflat(dx_avg),
+        unflat(dr_avg),
+        unflat(dxs),
+        unflat(drs),
+        state.num_mixed + ok.long(),
+        state.num_fallback + (~ok & ~first).long(),
+    )
+    return unflat(new), new_state
+
+
+def _record(
+    h: _Hyper, state: AdaSAMState, x: list[Tensor], r: list[Tensor], first: Tensor
+) -> tuple[list[Tensor], ...]:
+    """Step 1: the moving averages of the differences and the rings holding them, `(dx_avg,
+    dr_avg, dxs, drs)`; on the first call there is no difference yet."""
+    x_prev, r_prev, dx_avg, dr_avg, dxs, drs = [optree.tree_leaves(t) for t in state[1:7]]
+    gamma = h.gamma
+    dx_avg = [
+        torch.where(first, a, gamma * a + (1 - gamma) * (xi - xp))
+        for a, xi, xp in zip(dx_avg, x, x_prev)
+    ]
+    dr_avg = [
+        torch.where(first, a, gamma * a + (1 - gamma) * (ri - rp))
+        for a, ri, rp in zip(dr_avg, r, r_prev)
+    ]
+    # The newest column goes to slot (k - 1) mod m: a one-hot mask, not an index, so the
+    # write is the same operation for every member of a vmap.
+    k = state.count
+    slot = torch.remainder(k - 1, h.m)
+    write = (torch.arange(h.m, device=k.device) == slot) & ~first
+    dxs = [_write(ring, a, write) for ring, a in zip(dxs, dx_avg)]
+    drs = [_write(ring, a, write) for ring, a in zip(drs, dr_avg)]
+    return dx_avg, dr_avg, dxs, drs
+
+
+def _mixed_step(
+    h: _Hyper,
+    r: list[Tensor],
+    rr: Tensor,
+    dx_avg: list[Tensor],
+    dxs: list[Tensor],
+    drs: list[Tensor],
+) -> list[Tensor]:
+    r"""Steps 2-4: $\delta_k$ and $\Gamma_k$ in float64 ($rr = \|r_k\|^2$), then
+    $p_k = \beta r_k - \alpha (X_k + \beta R_k) \Gamma_k$."""
+    delta = h.damp * rr / (_dot(dx_avg, dx_avg) + h.eps)
+    rtr = _gram(drs, drs)
+    xtx = _gram(dxs, dxs)
+    rtb = _gram(drs, [ri.unsqueeze(0) for ri in r])[:, 0]
+    coeffs = torch.linalg.pinv(rtr + delta * xtx, hermitian=True) @ rtb
+    return [
+        h.beta * ri - h.alpha * _combine(xr + h.beta * rr_, coeffs)
+        for ri, xr, rr_ in zip(r, dxs, drs)
+    ]
 
 
 # -- helpers ---------------------------------------------------------------------------------

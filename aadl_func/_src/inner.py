@@ -253,27 +253,7 @@ def _optimizer(
         return optree.tree_unflatten(spec, new_updates), new_state
 
     def check_values(state: Any, *, count: int | None, name: str, owner: str) -> None:
-        done = tree.static_value(state.count)
-        if done is None:
-            return  # on an accelerator or transformed: nothing read
-        if not 0 <= done <= 2**53 or (count is not None and done != count):
-            expected = f"equal to `state.count` ({count})" if count is not None else "in [0, 2**53]"
-            raise ValueError(
-                f"{owner}: `{name}.count` is {done}, expected {expected}; was the state saved "
-                "by this optimizer and loaded unchanged?"
-            )
-        for path, buffers in zip(paths, state[1:]):
-            if path.endswith("exp_avg_sq"):
-                leaves, b_spec = tree.flatten(buffers, path)
-                for i, v in enumerate(leaves):
-                    real = torch.view_as_real(v) if v.is_complex() else v
-                    if v.numel() and bool((real < 0).any()):
-                        where = tree.leaf_path(b_spec, i, f"{name}.exp_avg_sq")
-                        raise ValueError(
-                            f"{owner}: `{where}` has negative entries; Adam's second moment "
-                            "is >= 0 (was the state saved by this optimizer and loaded "
-                            "unchanged?)"
-                        )
+        _check_values(paths, state, count, name, owner)
 
     update.check_state = check_state  # type: ignore[attr-defined]
     update.check_values = check_values  # type: ignore[attr-defined]
@@ -281,6 +261,33 @@ def _optimizer(
     # gradient buffers: anderson's in-place step then asks for it out of place (atomic.py).
     update.writes_state = bool(names)  # type: ignore[attr-defined]
     return InnerOptimizer(init=init, update=update)
+
+
+def _check_values(paths: list[str], state: Any, count: int | None, name: str, owner: str) -> None:
+    """The values of an inner state from outside (`paths`: its buffers' names): its `count`
+    in `[0, 2**53]` and equal to `count` (the Anderson state's, if given), and Adam's second
+    moments `>= 0`. Nothing is read on an accelerator or under a transform."""
+    done = tree.static_value(state.count)
+    if done is None:
+        return  # on an accelerator or transformed: nothing read
+    if not 0 <= done <= 2**53 or (count is not None and done != count):
+        expected = f"equal to `state.count` ({count})" if count is not None else "in [0, 2**53]"
+        raise ValueError(
+            f"{owner}: `{name}.count` is {done}, expected {expected}; was the state saved "
+            "by this optimizer and loaded unchanged?"
+        )
+    for path, buffers in zip(paths, state[1:]):
+        if path.endswith("exp_avg_sq"):
+            leaves, b_spec = tree.flatten(buffers, path)
+            for i, v in enumerate(leaves):
+                real = torch.view_as_real(v) if v.is_complex() else v
+                if v.numel() and bool((real < 0).any()):
+                    where = tree.leaf_path(b_spec, i, f"{name}.exp_avg_sq")
+                    raise ValueError(
+                        f"{owner}: `{where}` has negative entries; Adam's second moment "
+                        "is >= 0 (was the state saved by this optimizer and loaded "
+                        "unchanged?)"
+                    )
 
 
 def _pack(state_type: type, spec: Any, count: Tensor, stage_states: tuple) -> Any:

@@ -175,26 +175,11 @@ def rna(
     residual = check_choice(_OWNER, "residual", residual, _RESIDUALS)
     device = check_device(_OWNER, "device", device)
     dtype = check_dtype(_OWNER, "dtype", dtype)
-    use_grads = residual == "gradient"
-
-    def store(leaf: Tensor) -> Tensor:
-        return leaf.detach().to(device=device or leaf.device, dtype=dtype or leaf.dtype)
+    window = _Window(m, residual == "gradient", device, dtype)
+    use_grads = window.use_grads
 
     def init(params: Params) -> RNAState:
-        leaves, spec = float_leaves(_OWNER, "params", params)
-        last = [store(x).clone() for x in leaves]
-        rings = [[x.new_zeros((m, *x.shape)) for x in last] for _ in range(2)]
-        grad_sum = optree.tree_unflatten(spec, [torch.zeros_like(x) for x in last])
-        zero = torch.zeros((), dtype=torch.int64, device=last[0].device)
-        return RNAState(
-            count=zero,
-            num_snapshots=zero.clone(),
-            points=optree.tree_unflatten(spec, rings[0]),
-            residuals=optree.tree_unflatten(spec, rings[1]),
-            last=optree.tree_unflatten(spec, last),
-            grad_sum=grad_sum if use_grads else (),
-            grad_count=zero.clone(),
-        )
+        return _init(window, params)
 
     def update(
         state: RNAState, params: Params, grads: Params = None, *, inplace: bool = False
@@ -206,71 +191,26 @@ def rna(
         check_bool(_OWNER, "inplace", inplace)
         leaves = _check_like(state, params, "params")
         if use_grads:
-            if grads is None:
-                raise ValueError(f"{_OWNER}: `grads` is required with residual='gradient'")
-            g = _check_like(state, grads, "grads")
-            sums = _leaves(state.grad_sum)
-            add = (lambda s, x: s.add_(store(x))) if inplace else (lambda s, x: s + store(x))
-            state = state._replace(
-                grad_sum=_like(state.last, [add(s, x) for s, x in zip(sums, g)]),
-                grad_count=state.grad_count + 1,
-            )
+            state = _add_grads(window, state, grads, inplace)
         state = state._replace(count=state.count + 1)
         if every is None:
             return state
         take = torch.remainder(state.count, every) == 0
-        return _take(state, leaves, take, inplace)
+        return _take(window, state, leaves, take, inplace)
 
     def snapshot(state: RNAState, params: Params, *, inplace: bool = False) -> RNAState:
         """Takes a snapshot of `params` now."""
         _check_state(state, m, use_grads)
         check_bool(_OWNER, "inplace", inplace)
         leaves = _check_like(state, params, "params")
-        return _take(state, leaves, torch.ones((), dtype=torch.bool), inplace)
-
-    def _take(state: RNAState, leaves: list[Tensor], take: Tensor, inplace: bool) -> RNAState:
-        """The snapshot `x` (written only where `take`): the pair (`last`, its
-        residual) enters the ring slot `(num_snapshots - 1) mod m`; `x` becomes
-        `last`."""
-        x = [store(leaf) for leaf in leaves]
-        last = _leaves(state.last)
-        if use_grads:
-            n = state.grad_count.clamp(min=1).to(x[0].dtype)
-            r = [s / n.to(s.device) for s in _leaves(state.grad_sum)]
-        else:
-            r = [a - b for a, b in zip(x, last)]
-        take = take.to(last[0].device)
-        pair = take & (state.num_snapshots > 0)
-        slot = torch.remainder(state.num_snapshots - 1, m).view(1)
-        points = _write_slot(_leaves(state.points), slot, last, pair, inplace)
-        residuals = _write_slot(_leaves(state.residuals), slot, r, pair, inplace)
-        new_last = _select(take, x, last, inplace)
-        grad_sum = state.grad_sum
-        if use_grads:
-            zeros = [torch.zeros_like(s) for s in _leaves(grad_sum)]
-            grad_sum = _like(state.last, _select(take, zeros, _leaves(grad_sum), inplace))
-        return state._replace(
-            num_snapshots=state.num_snapshots + take.long(),
-            points=_like(state.points, points),
-            residuals=_like(state.residuals, residuals),
-            last=_like(state.last, new_last),
-            grad_sum=grad_sum,
-            grad_count=torch.where(take, torch.zeros_like(state.grad_count), state.grad_count),
-        )
+        return _take(window, state, leaves, torch.ones((), dtype=torch.bool), inplace)
 
     def restart_at(state: RNAState, params: Params) -> RNAState:
         """The online variant: training continues from `params` (an extrapolation), so the
         next residual is measured from it: `last` becomes `params` and the gradient sum
         restarts. The ring keeps its pairs."""
         _check_state(state, m, use_grads)
-        leaves = _check_like(state, params, "params")
-        grad_sum = state.grad_sum
-        if use_grads:
-            grad_sum = _like(state.last, [torch.zeros_like(s) for s in _leaves(grad_sum)])
-        last = _like(state.last, [store(x).clone() for x in leaves])
-        return state._replace(
-            last=last, grad_sum=grad_sum, grad_count=torch.zeros_like(state.grad_count)
-        )
+        return _restart_at(window, state, _check_like(state, params, "params"))
 
     def weights(state: RNAState, lam: float) -> Tensor:
         """The coefficients $c$ (`(p,)` float64 on the CPU, oldest first)."""
@@ -294,25 +234,122 @@ def rna(
         candidate's loss is finite."""
         _check_state(state, m, use_grads)
         check_callable(_OWNER, "loss_fn", loss_fn)
-        grid = _check_lambdas(lambdas)
-        order = _order(state, m)
-        gram = _gram(_leaves(state.residuals), order)
-        points = _leaves(state.points)
-        best, losses = None, {}
-        for lam in grid:
-            c = _coefficients(gram, lam)
-            candidate = _like(state.points, _combine(points, order, c))
-            value = float(loss_fn(candidate))
-            losses[lam] = value if math.isfinite(value) else math.nan
-            if math.isfinite(value) and (best is None or value < best[0]):
-                best = (value, lam, c, candidate)
-        if best is None:
-            raise FloatingPointError(
-                f"{_OWNER}: `loss_fn` was not finite at any extrapolation (lambdas {grid})"
-            )
-        return best[3], RNAChoice(best[1], best[2], losses)
+        return _lowest_loss(state, loss_fn, _check_lambdas(lambdas), _order(state, m))
 
     return RNA(init, update, snapshot, weights, extrapolate, select, restart_at)
+
+
+# -- the window's updates ----------------------------------------------------------------------
+class _Window(NamedTuple):
+    """What `rna`'s options fix: the ring's depth `m`, the kind of residual, and the device
+    and dtype the snapshots are stored in (None: each leaf's own)."""
+
+    m: int
+    use_grads: bool
+    device: torch.device | None
+    dtype: torch.dtype | None
+
+    def store(self, leaf: Tensor) -> Tensor:
+        return leaf.detach().to(device=self.device or leaf.device, dtype=self.dtype or leaf.dtype)
+
+
+def _init(window: _Window, params: Params) -> RNAState:
+    """The empty window for `params`: `last` a copy of them, the rings and the gradient sum
+    zero."""
+    leaves, spec = float_leaves(_OWNER, "params", params)
+    last = [window.store(x).clone() for x in leaves]
+    rings = [[x.new_zeros((window.m, *x.shape)) for x in last] for _ in range(2)]
+    grad_sum = optree.tree_unflatten(spec, [torch.zeros_like(x) for x in last])
+    zero = torch.zeros((), dtype=torch.int64, device=last[0].device)
+    return RNAState(
+        count=zero,
+        num_snapshots=zero.clone(),
+        points=optree.tree_unflatten(spec, rings[0]),
+        residuals=optree.tree_unflatten(spec, rings[1]),
+        last=optree.tree_unflatten(spec, last),
+        grad_sum=grad_sum if window.use_grads else (),
+        grad_count=zero.clone(),
+    )
+
+
+def _add_grads(window: _Window, state: RNAState, grads: Params, inplace: bool) -> RNAState:
+    """`grads` added to the gradient sum (gradient residuals)."""
+    if grads is None:
+        raise ValueError(f"{_OWNER}: `grads` is required with residual='gradient'")
+    g = _check_like(state, grads, "grads")
+    sums = _leaves(state.grad_sum)
+    store = window.store
+    add = (lambda s, x: s.add_(store(x))) if inplace else (lambda s, x: s + store(x))
+    return state._replace(
+        grad_sum=_like(state.last, [add(s, x) for s, x in zip(sums, g)]),
+        grad_count=state.grad_count + 1,
+    )
+
+
+def _take(
+    window: _Window, state: RNAState, leaves: list[Tensor], take: Tensor, inplace: bool
+) -> RNAState:
+    """The snapshot `x` (written only where `take`): the pair (`last`, its
+    residual) enters the ring slot `(num_snapshots - 1) mod m`; `x` becomes
+    `last`."""
+    x = [window.store(leaf) for leaf in leaves]
+    last = _leaves(state.last)
+    if window.use_grads:
+        n = state.grad_count.clamp(min=1).to(x[0].dtype)
+        r = [s / n.to(s.device) for s in _leaves(state.grad_sum)]
+    else:
+        r = [a - b for a, b in zip(x, last)]
+    take = take.to(last[0].device)
+    pair = take & (state.num_snapshots > 0)
+    slot = torch.remainder(state.num_snapshots - 1, window.m).view(1)
+    points = _write_slot(_leaves(state.points), slot, last, pair, inplace)
+    residuals = _write_slot(_leaves(state.residuals), slot, r, pair, inplace)
+    new_last = _select(take, x, last, inplace)
+    grad_sum = state.grad_sum
+    if window.use_grads:
+        zeros = [torch.zeros_like(s) for s in _leaves(grad_sum)]
+        grad_sum = _like(state.last, _select(take, zeros, _leaves(grad_sum), inplace))
+    return state._replace(
+        num_snapshots=state.num_snapshots + take.long(),
+        points=_like(state.points, points),
+        residuals=_like(state.residuals, residuals),
+        last=_like(state.last, new_last),
+        grad_sum=grad_sum,
+        grad_count=torch.where(take, torch.zeros_like(state.grad_count), state.grad_count),
+    )
+
+
+def _restart_at(window: _Window, state: RNAState, leaves: list[Tensor]) -> RNAState:
+    """`last` set to `leaves`, the gradient sum restarted; the ring kept."""
+    grad_sum = state.grad_sum
+    if window.use_grads:
+        grad_sum = _like(state.last, [torch.zeros_like(s) for s in _leaves(grad_sum)])
+    last = _like(state.last, [window.store(x).clone() for x in leaves])
+    return state._replace(
+        last=last, grad_sum=grad_sum, grad_count=torch.zeros_like(state.grad_count)
+    )
+
+
+def _lowest_loss(
+    state: RNAState, loss_fn: Callable[[Params], Any], grid: tuple[float, ...], order: list[int]
+) -> tuple[Params, RNAChoice]:
+    """`select`'s search: the extrapolation of each `lam` of `grid` from one Gram, and the
+    first with the lowest finite `loss_fn`."""
+    gram = _gram(_leaves(state.residuals), order)
+    points = _leaves(state.points)
+    best, losses = None, {}
+    for lam in grid:
+        c = _coefficients(gram, lam)
+        candidate = _like(state.points, _combine(points, order, c))
+        value = float(loss_fn(candidate))
+        losses[lam] = value if math.isfinite(value) else math.nan
+        if math.isfinite(value) and (best is None or value < best[0]):
+            best = (value, lam, c, candidate)
+    if best is None:
+        raise FloatingPointError(
+            f"{_OWNER}: `loss_fn` was not finite at any extrapolation (lambdas {grid})"
+        )
+    return best[3], RNAChoice(best[1], best[2], losses)
 
 
 # -- the solve -------------------------------------------------------------------------------

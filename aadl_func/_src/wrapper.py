@@ -11,13 +11,11 @@ AADL, and the result is written back into the params in place.
 from __future__ import annotations
 
 import functools
-import numbers
 from collections import OrderedDict
 from collections.abc import Callable
 from types import MethodType
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
@@ -25,61 +23,24 @@ from torch.optim import Optimizer
 from aadl_func._src import deferred, flags, grad_mode
 from aadl_func._src.anderson import Anderson, check_skip_allowed, count_skip, functions, step
 from aadl_func._src.atomic import InterruptGuard, guarded
-from aadl_func._src.checks import check_state_values
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
+from aadl_func._src.wrapper_checkpoint import plain_values, restore_windows, saved_windows
+from aadl_func._src.wrapper_groups import TakenStep, marks, torch_step_unless_rejected
+from aadl_func._src.wrapper_loss import (
+    check_loss_argument,
+    check_no_line_search,
+    check_safeguard,
+    closure_loss,
+    interruptible,
+    returning,
+    returns_a_loss,
+)
 
 __all__ = ["AcceleratedOptimizer", "accelerate"]
 
-# Bumped if the layout of `state_dict()["anderson"]` changes.
-_FORMAT = 2  # 2: AndersonState gained num_skipped and skip_streak
-# Options that fix the window's layout: a checkpoint saved with other values cannot be resumed.
-_LAYOUT_OPTIONS = ("history_depth", "mode", "history_dtype")
 # Attribute through which a torch optimizer patched by `accelerate` reaches its accelerator.
 _ACCELERATOR_ATTRIBUTE = "_aadl_func_accelerator"
-# The wrapper's safeguards: the closure evaluated at each mix (the core's `loss_fn`), or the
-# loss of the next step judging the previous mix (the core's `loss=`).
-_SAFEGUARDS = ("loss_fn", "deferred")
-
-
-# A dtype in which the difference of two values of the key dtype is exact (up to exponent gaps
-# of 2^13 for half precision, 2^29 for float32): the displacement loses nothing.
-_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
-
-
-class _TakenStep:
-    """Inner optimizer whose step has already been taken by a `torch.optim` optimizer.
-
-    `update(stepped, state, params)` returns `stepped - params`: the "gradient" argument
-    carries the params after the torch optimizer's step. The displacement is returned in a
-    wider dtype (float32 for half precision, float64 for float32), where it is exact, so the
-    core's in-place plain step `params.add_(stepped - params)` (rounded once to the params'
-    dtype) reproduces the torch optimizer's params bit for bit; float64 params get a float64
-    displacement (exact whenever `stepped / 2 <= params <= 2 stepped`, by Sterbenz's lemma).
-    """
-
-    def init(self, params: Any) -> tuple:
-        return ()
-
-    def update(
-        self, updates: Any, state: tuple, params: Any = None, inplace: bool = False
-    ) -> tuple[Any, tuple]:
-        if params is None:
-            raise ValueError("the wrapped torch optimizer's step needs the params it started from")
-
-        def displacement(stepped: Tensor, start: Tensor) -> Tensor:
-            return stepped.to(_WIDER.get(stepped.dtype, stepped.dtype)).sub_(start)
-
-        return optree.tree_map(displacement, updates, params), state
-
-
-def _plain_values(options: dict[str, Any]) -> dict[str, Any]:
-    """`options` in plain Python values (devices and dtypes as strings), so that they
-    survive `torch.load(weights_only=True)`."""
-    return {
-        name: str(value) if isinstance(value, (torch.device, torch.dtype)) else value
-        for name, value in options.items()
-    }
 
 
 class AcceleratedOptimizer(Optimizer):
@@ -159,8 +120,8 @@ class AcceleratedOptimizer(Optimizer):
     ) -> None:
         given = locals()
         resolved = {name: given[name] for name in AndersonOptions.names()}
-        _check_safeguard("AcceleratedOptimizer", safeguard, store_each_nth)
-        _check_no_line_search("AcceleratedOptimizer", line_search)
+        check_safeguard("AcceleratedOptimizer", safeguard, store_each_nth)
+        check_no_line_search("AcceleratedOptimizer", line_search)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 "AcceleratedOptimizer: `optimizer` must be a torch.optim.Optimizer, got "
@@ -170,9 +131,9 @@ class AcceleratedOptimizer(Optimizer):
             optimizer, _ACCELERATOR_ATTRIBUTE
         ):
             raise ValueError("AcceleratedOptimizer: `optimizer` is already accelerated")
-        self._config = AndersonOptions(_TakenStep(), **resolved)
+        self._config = AndersonOptions(TakenStep(), **resolved)
         self._anderson = Anderson(*functions(self._config))
-        self._options = _plain_values(resolved)
+        self._options = plain_values(resolved)
         self._safeguard = safeguard
         self.optimizer = optimizer
         self._windows: list[AndersonState | None] = [None] * len(optimizer.param_groups)
@@ -311,48 +272,26 @@ class AcceleratedOptimizer(Optimizer):
         self, closure: Callable[[], Any] | None, loss: Tensor | float | None
     ) -> Any:
         """`step`'s body, under `torch.no_grad()`."""
-        loss = self._check_loss_argument(closure, loss)
+        loss = check_loss_argument(self._safeguard, closure, loss)
+        if closure is not None:
+            closure = returns_a_loss(closure)  # the safeguards compare its losses
         if self._safeguard == "deferred" and closure is not None:
             # The closure's loss, at the params the step starts from, judges the last mix;
             # the torch step then gets it back without a second evaluation. Evaluated here,
             # before anything is written (an exception or Ctrl-C in it changes nothing), and
             # outside `_step`: compiled, its `backward` breaks this frame, not that one.
-            closure = _returns_a_loss(closure)
             with torch.enable_grad():
                 loss = closure()
-            closure = _returning(loss, closure)
+            closure = returning(loss, closure)
         if torch.compiler.is_compiling():
             # Under torch.compile: no Ctrl-C guard (dynamo cannot trace signal handlers, and
             # a graph is not interruptible between its kernels anyway; docs/compiling.md).
-            return self._step(None if closure is None else _returns_a_loss(closure), loss)
+            return self._step(closure, loss)
         guard = InterruptGuard()
         if closure is not None:
-            closure = _interruptible(_returns_a_loss(closure), guard)
+            closure = interruptible(closure, guard)
         # `guarded`: the guard's handler is taken out however the step ends (atomic.py).
         return guarded(guard, functools.partial(self._step, closure, loss))
-
-    def _check_loss_argument(
-        self, closure: Callable[[], Any] | None, loss: Tensor | float | None
-    ) -> Tensor | float | None:
-        """`loss` checked against the safeguard and `closure`, before anything runs."""
-        owner = "AcceleratedOptimizer.step"
-        if self._safeguard != "deferred":
-            if loss is not None:
-                raise ValueError(
-                    f"{owner}: `loss` is the deferred safeguard's; make the optimizer with "
-                    "safeguard='deferred' to pass it"
-                )
-            return None
-        if closure is not None and loss is not None:
-            raise ValueError(f"{owner}: pass `closure` or `loss`, not both")
-        if closure is None and loss is None:
-            raise TypeError(
-                f"{owner}: safeguard='deferred' judges the previous mix by the loss at the "
-                "params: call step(closure) or step(loss=value)"
-            )
-        if loss is not None:
-            _check_is_a_loss(loss, "`loss` must be")
-        return loss
 
     def _step(self, closure: Callable[[], Any] | None, loss: Tensor | float | None) -> Any:
         groups = self.param_groups
@@ -361,7 +300,7 @@ class AcceleratedOptimizer(Optimizer):
             returned, skipped = self._skip_if_nonfinite(closure)
             if skipped:
                 return returned
-            closure = None if closure is None else _returning(returned, closure)
+            closure = None if closure is None else returning(returned, closure)
         # `clone` keeps the memory format (channels_last) by default. Spelled out
         # (`memory_format=torch.preserve_format`), it makes dynamo (torch 2.13) give up on
         # this frame where the torch step below breaks the graph.
@@ -394,7 +333,7 @@ class AcceleratedOptimizer(Optimizer):
                 position, mark = index, None
                 params = group["params"]
                 if params:
-                    mark = _marks(self._window(windows, index, start))
+                    mark = marks(self._window(windows, index, start))
                     guarded_closure = None if loss is not None else closure
                     self._update_group(windows, index, params, start, guarded_closure, loss)
                 position, mark = index + 1, None
@@ -416,39 +355,9 @@ class AcceleratedOptimizer(Optimizer):
         self, closure: Callable[[], Any] | None, verdicts: list[Tensor]
     ) -> Any:
         """The wrapped optimizer's step for every group but those whose pending mix the
-        deferred safeguard rejects: their params go back to the previous plain step (in
-        the core), so the torch optimizer must not step them from the rejected point.
-
-        Eagerly their grads are hidden (`None`: torch.optim skips such params, state and
-        all) and put back after. Compiled, where the verdicts have no value, the torch
-        optimizer steps every group and a rejected group's tensor state is blended back."""
-        known = [flags.value(verdict) for verdict in verdicts]
-        if all(value is False for value in known):
-            return self._torch_step(closure)
-        if any(value is None for value in known):
-            # No try block here: dynamo cannot resume in one after torch.optim's own break.
-            kept = [
-                entry
-                for group, verdict in zip(self.param_groups, verdicts)
-                for entry in _torch_state(self.state, group["params"], verdict)
-            ]
-            returned = self._torch_step(closure)
-            for tensor, before, verdict in kept:
-                tensor.copy_(torch.where(verdict.to(tensor.device), before, tensor))
-            return returned
-        hidden = [
-            (p, p.grad)
-            for group, value in zip(self.param_groups, known)
-            if value
-            for p in group["params"]
-        ]
-        try:
-            for p, _ in hidden:
-                p.grad = None
-            return self._torch_step(closure)
-        finally:
-            for p, grad in hidden:
-                p.grad = grad
+        deferred safeguard rejects (`wrapper_groups.torch_step_unless_rejected()`)."""
+        torch_step = functools.partial(self._torch_step, closure)
+        return torch_step_unless_rejected(torch_step, self.param_groups, self.state, verdicts)
 
     def _window(
         self, windows: list[AndersonState | None], index: int, start: list[Tensor]
@@ -472,16 +381,25 @@ class AcceleratedOptimizer(Optimizer):
         step) and its params now (after it), the outcome written into the params and the
         returned state kept (compiled, its counters are new tensors). `closure`: the
         `loss_fn` safeguard; `loss`: the deferred one."""
-        loss_fn = None if closure is None else _closure_loss(params, closure)
+        loss_fn = None if closure is None else closure_loss(params, closure)
+        update = self._anderson.update
+        self._call_core(update, windows, index, params, start, loss_fn=loss_fn, loss=loss)
+
+    def _call_core(
+        self,
+        function: Callable[..., tuple[Any, AndersonState]],
+        windows: list[AndersonState | None],
+        index: int,
+        params: list[Tensor],
+        start: list[Tensor],
+        **keywords: Any,
+    ) -> None:
+        """Group `index`'s call `function(window, start, stepped, inplace=True, **keywords)`
+        of the core (its `update`, or `step` without mixing): its outcome written into the
+        group's `params` and the state it returns kept as the group's window."""
         stepped = [p.detach() for p in params]
-        out, windows[index] = self._anderson.update(
-            self._window(windows, index, start),
-            start,
-            stepped,
-            inplace=True,
-            loss_fn=loss_fn,
-            loss=loss,
-        )
+        window = self._window(windows, index, start)
+        out, windows[index] = function(window, start, stepped, inplace=True, **keywords)
         for p, value in zip(params, out):
             p.copy_(value)
 
@@ -510,7 +428,7 @@ class AcceleratedOptimizer(Optimizer):
         first = position
         if position < len(groups) and mark is not None:
             window = windows[position]
-            if window is not None and _marks(window) != mark:
+            if window is not None and marks(window) != mark:
                 for p, value in zip(groups[position]["params"], starts[position]):
                     p.copy_(value)
                 first = position + 1
@@ -532,19 +450,8 @@ class AcceleratedOptimizer(Optimizer):
             params = groups[index]["params"]
             if not params:
                 continue
-            start = starts[index]
-            stepped = [p.detach() for p in params]
-            out, windows[index] = step(
-                self._config,
-                self._window(windows, index, start),
-                start,
-                stepped,
-                inplace=True,
-                loss=loss,
-                mix=False,
-            )
-            for p, value in zip(params, out):
-                p.copy_(value)
+            plain_step = functools.partial(step, self._config)
+            self._call_core(plain_step, windows, index, params, starts[index], loss=loss, mix=False)
 
     def _skip_if_nonfinite(self, closure: Callable[[], Any] | None) -> tuple[Any, bool]:
         """`skip_nonfinite`: evaluates the closure (if any) and skips the step, before the
@@ -588,11 +495,7 @@ class AcceleratedOptimizer(Optimizer):
         live tensors (save it or copy it before stepping again).
         """
         saved = dict(self._plain_state_dict())
-        saved["anderson"] = {
-            "format": _FORMAT,
-            "options": dict(self._options),
-            "windows": list(self._sync_windows()),
-        }
+        saved["anderson"] = saved_windows(self._options, self._sync_windows())
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -616,84 +519,11 @@ class AcceleratedOptimizer(Optimizer):
         saved = plain.pop("anderson", None)
         windows: list[AndersonState | None] = [None] * len(self.param_groups)
         if saved is not None:
-            windows = self._restore_windows(saved)
+            windows = restore_windows(
+                self._anderson, self._config, self._options, self.param_groups, saved
+            )
         self._plain_load_state_dict(plain)
         self._windows = windows
-
-    def _restore_windows(self, saved: Any) -> list[AndersonState | None]:
-        owner = "AcceleratedOptimizer.load_state_dict"
-        if not (isinstance(saved, dict) and saved.get("format") == _FORMAT):
-            raise ValueError(f"{owner}: unrecognised 'anderson' entry (format {_FORMAT} expected)")
-        options = saved.get("options", {})
-        differ = [
-            f"{name}={options.get(name)!r} (this optimizer: {self._options[name]!r})"
-            for name in _LAYOUT_OPTIONS
-            if options.get(name) != self._options[name]
-        ]
-        if differ:
-            raise ValueError(
-                f"{owner}: the checkpoint's windows were saved with "
-                + ", ".join(differ)
-                + "; make the optimizer with the same options to resume"
-            )
-        saved_windows = saved.get("windows")
-        groups = self.param_groups
-        if not isinstance(saved_windows, list) or len(saved_windows) != len(groups):
-            held = len(saved_windows) if isinstance(saved_windows, list) else "no"
-            raise ValueError(
-                f"{owner}: the checkpoint holds {held} windows for {len(groups)} param groups"
-            )
-        return [
-            None if window is None else self._restore_window(index, window)
-            for index, window in enumerate(saved_windows)
-        ]
-
-    def _restore_window(self, index: int, saved: Any) -> AndersonState:
-        owner = "AcceleratedOptimizer.load_state_dict"
-        where = f"param group {index}"
-        if not isinstance(saved, AndersonState):
-            raise ValueError(f"{owner}: the window of {where} is not an AndersonState")
-        params = [p.detach() for p in self.param_groups[index]["params"]]
-        if not params:
-            raise ValueError(f"{owner}: {where} has no params but the checkpoint has a window")
-        template = self._anderson.init(params)
-        if saved.pending_loss is None:  # saved before the field existed: nothing pending
-            saved = saved._replace(pending_loss=template.pending_loss)
-        template_leaves, template_spec = optree.tree_flatten(template)
-        saved_leaves, saved_spec = optree.tree_flatten(saved)
-        if template_spec != saved_spec:
-            raise ValueError(
-                f"{owner}: the window of {where} has another structure than its "
-                f"{len(params)} params with history_depth={self._options['history_depth']} "
-                "(different params or options?)"
-            )
-        for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
-            if isinstance(saved_leaf, Tensor) and (
-                saved_leaf.layout is not torch.strided or saved_leaf.is_meta
-            ):
-                raise ValueError(
-                    f"{owner}: the window of {where} holds a {saved_leaf.layout} tensor on "
-                    f"{saved_leaf.device}; a window holds dense tensors with values (load "
-                    "the state_dict() the optimizer saved, unchanged)"
-                )
-            if not isinstance(saved_leaf, Tensor) or (
-                template_leaf.shape != saved_leaf.shape or template_leaf.dtype != saved_leaf.dtype
-            ):
-                got = (
-                    f"{saved_leaf.dtype} {tuple(saved_leaf.shape)}"
-                    if isinstance(saved_leaf, Tensor)
-                    else type(saved_leaf).__name__
-                )
-                raise ValueError(
-                    f"{owner}: the window of {where} holds a {got} tensor where its params need "
-                    f"{template_leaf.dtype} {tuple(template_leaf.shape)}"
-                )
-        for template_leaf, saved_leaf in zip(template_leaves, saved_leaves):
-            template_leaf.copy_(saved_leaf)
-        # The values (counters in range, the inner state's invariants), as `update` checks
-        # a state from outside; the copies above own their memory, so no aliasing is left.
-        check_state_values(self._config, template, params, optree.tree_structure(params), owner)
-        return template
 
 
 def _eagerly(function: Callable[..., None], *args: Any) -> None:
@@ -722,124 +552,6 @@ def _disable_compiling_eagerly() -> None:
 
 
 _run_eagerly = _eagerly
-
-
-def _returning(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
-    """The closure whose first call returns `loss`, evaluated already (grads in place)."""
-    calls = 0
-
-    def once_evaluated() -> Any:
-        nonlocal calls
-        calls += 1
-        return loss if calls == 1 else closure()
-
-    return once_evaluated
-
-
-def _interruptible(closure: Callable[[], Any], guard: InterruptGuard) -> Callable[[], Any]:
-    """`closure` run as the user's code: Ctrl-C acts at once inside it (see
-    `aadl_func._src.atomic.InterruptGuard.callbacks()`).
-
-    Traced (the wrapped optimizer's step compiled on its own, its closure call with it), the
-    signal handlers stay as they are, which dynamo cannot trace: Ctrl-C in the closure is
-    then deferred to the end of the step, as elsewhere in it."""
-
-    def run() -> Any:
-        if torch.compiler.is_compiling():
-            return closure()
-        with guard.callbacks():
-            return closure()
-
-    return run
-
-
-def _returns_a_loss(closure: Callable[[], Any]) -> Callable[[], Any]:
-    """`closure`, checked to return a loss: the safeguard compares two of them."""
-
-    def checked() -> Any:
-        return _check_is_a_loss(closure(), "`closure` must return the loss:")
-
-    return checked
-
-
-def _check_is_a_loss(loss: Any, what: str) -> Any:
-    """`loss` if it is a loss (a real tensor of one element or a real number), else a
-    TypeError that says `what` should have been."""
-    if isinstance(loss, Tensor) and loss.numel() == 1 and not loss.is_complex():
-        if loss.dtype != torch.bool:
-            return loss
-    elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
-        return loss
-    raise TypeError(
-        f"AcceleratedOptimizer.step: {what} a real tensor of one element or a real number, "
-        f"got {type(loss).__name__}"
-        + (f" of shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, Tensor) else "")
-    )
-
-
-def _check_safeguard(owner: str, safeguard: Any, store_each_nth: Any) -> None:
-    """`safeguard` is one of the wrapper's; the deferred one reads the previous plain step
-    from the window, so it needs every step stored."""
-    if not isinstance(safeguard, str) or safeguard not in _SAFEGUARDS:
-        raise ValueError(
-            f"{owner}: `safeguard` must be 'loss_fn' (a closure safeguards each mix) or "
-            f"'deferred' (the next step's loss judges the mix), got {safeguard!r}"
-        )
-    if safeguard == "deferred" and store_each_nth != 1:
-        raise ValueError(
-            f"{owner}: safeguard='deferred' needs store_each_nth=1 (got {store_each_nth!r}): "
-            "a rejected mix goes back to the previous plain step, read from the window"
-        )
-
-
-def _marks(window: AndersonState) -> tuple[int, int]:
-    """What a call of the core moves when it records an outcome: `count` (a step) or
-    `num_rejected` (a reverted mix, which is not counted in `count`)."""
-    return int(window.count), int(window.num_rejected)
-
-
-def _torch_state(
-    state: Any, params: list[Tensor], verdict: Tensor
-) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """`(tensor, copy, verdict)` for the wrapped optimizer's state tensors of `params`
-    (momentum, moments, step counts): what a compiled step blends back where `verdict`
-    rejects. Params without state have never been stepped, so no mix of theirs is pending."""
-    return [
-        (value, value.clone(), verdict)
-        for p in params
-        for value in state.get(p, {}).values()
-        if isinstance(value, Tensor)
-    ]
-
-
-def _check_no_line_search(owner: str, line_search: object) -> None:
-    """`line_search=True` searches with a forward-mode derivative of the loss along the mix;
-    the closure sets the module's parameters in place, through which none flows."""
-    if line_search is True:
-        raise ValueError(
-            f"{owner}: `line_search=True` is available in the functional API only "
-            "(aa.anderson(..., line_search=True) with update(..., loss_fn=...)): a closure "
-            "writes the candidate into the module's parameters, through which no "
-            "forward-mode derivative flows"
-        )
-
-
-def _closure_loss(
-    params: list[Tensor], closure: Callable[[], Any]
-) -> Callable[[list[Tensor]], Tensor]:
-    """`loss_fn` for the safeguard: the closure's loss with `params` set to a candidate."""
-
-    def loss_fn(candidate: list[Tensor]) -> Tensor:
-        with torch.no_grad():
-            for p, value in zip(params, candidate):
-                p.copy_(value)
-        with torch.enable_grad():
-            loss = closure()
-        if isinstance(loss, Tensor):
-            return loss.detach().reshape(())
-        return torch.tensor(float(loss), dtype=torch.float64)
-
-    return loss_fn
 
 
 # -- AADL's migration path -------------------------------------------------------------------
