@@ -259,6 +259,8 @@ def _norm(leaves: list[Tensor], batch_dims: int = 0) -> Tensor:
             torch.linalg.vector_norm(t, dim=tuple(range(batch_dims, t.dim())), dtype=wide(t.dtype))
             .square() for t in leaves
         ]  # fmt: skip
+        if len(squares) == 1:  # the same value without the stack and the sum
+            return squares[0].sqrt()
         return torch.stack(squares).sum(0).sqrt()
     squares = [torch.linalg.vector_norm(t, dtype=wide(t.dtype)).square() for t in leaves]
     if len(squares) == 1:  # the same value without the stack and the sum (a loop's overhead)
@@ -509,13 +511,13 @@ def _masked_loop(
         proposal = tree.flatten(proposal, "x")[0]
         new_step, new_norm, new_value = problem(proposal)
         active = ~done
-        bad = active & ~torch.isfinite(new_norm)
+        bad = active & ~(new_norm < math.inf)  # a norm is finite when below Inf (NaN is not)
         accept = active & ~bad
         x = _where(accept, proposal, x)
         step = _where(accept, new_step, step)
         norm = torch.where(accept, new_norm, norm)
-        iterations = iterations + accept.to(iterations.dtype)
-        evaluations = evaluations + active.to(evaluations.dtype)
+        iterations = iterations + accept  # int64 + bool: counts the True ones
+        evaluations = evaluations + active
         converged = accept & met(norm, new_value)
         status = torch.where(converged, CONVERGED, torch.where(bad, NONFINITE, status))
         done = done | converged | bad

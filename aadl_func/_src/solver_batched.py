@@ -182,36 +182,80 @@ def _mix(
     sum, which is finite only if every entry is (and otherwise only past the dtype's
     range)."""
     q = options.num_slots
-    gamma, ok = mixing_weights(options, state, head, size)
-    # Chronological weights to ring slots: position j is slot (head + 1 + j) % Q.
-    weights = _window_weights(gamma, q, options.relaxation).roll(head + 1, -1)
+    layout = _layout(q, head, size, state.anchor[0].device)
+    gamma, ok = mixing_weights(options, state, head, size, layout)
+    weights = torch.addmm(layout.offset, gamma, layout.weights)  # (B, 2Q), ring slots
+    if options.relaxation != 1.0:
+        weights = weights * layout.weights.new_tensor([1.0] * q + [options.relaxation] * q)
+    weights = weights.reshape(-1, 1, 2 * q)
+    cast = {torch.float64: weights}
     mixes = []
     for ring, xi in zip(state.ring, x):
+        if ring.dtype not in cast:
+            cast[ring.dtype] = weights.to(ring.dtype)
         window = ring.reshape(ring.shape[0], 2 * q, ring.shape[-1])
-        mix = torch.bmm(weights.to(ring.dtype).reshape(-1, 1, 2 * q), window).squeeze(1) + xi
+        mix = torch.bmm(cast[ring.dtype], window).squeeze(1) + xi
         total = mix.sum(-1)
         ok = ok & (total - total == 0)  # False for an Inf or NaN total: NaN - NaN is NaN
         mixes.append(mix)
     return [torch.where(ok[:, None], m, y) for m, y in zip(mixes, plain)]
 
 
-def _window_weights(gamma: Tensor, q: int, relaxation: float) -> Tensor:
-    r"""The combination's weights on the whole window in chronological order, `(B, 2, Q)`
-    float64 (steps, then residuals), from $\gamma$ `(B, s - 1)`: with
-    $g = [0, \dots, 0, \gamma, 1]$ (`Q + 1` entries), the steps' $w = -g_{:Q}$ and the
-    residuals' $\beta \alpha$, $\alpha = g_{1:} - g_{:Q}$, the differences of
-    $[0, \gamma, 1]$ each rounded once (`solve._affine_weights()`). So
-    $w_j = -\sum_{i<j} \alpha_i = -\gamma_{j-1}$, taken from $\gamma$ rather than summed
-    back from the rounded $\alpha$ (`solve.classic_coefficients()`). Slots older than the
-    window get weight 0."""
-    g = torch.nn.functional.pad(gamma, (q - gamma.shape[-1], 1))
-    g[:, -1] = 1.0
-    alpha = g[:, 1:] - g[:, :-1]
-    return torch.stack([-g[:, :-1], alpha if relaxation == 1.0 else relaxation * alpha], 1)
+class _Layout(NamedTuple):
+    r"""Where the newest `s` pairs of a ring of `Q` slots are, as constant float64 maps
+    (every entry 0 or $\pm 1$, so each product below rounds as the differences it forms).
+    Chronological position `p` (oldest first, the newest at `Q - 1`) is slot
+    `(head + 1 + p) % Q`; the window is the positions `Q - s .. Q - 1`.
+
+    Attributes:
+      differences: `(Q, s)` $T = [\Delta \mid e_{\mathrm{last}}]$: a ring of residuals
+        times $T$ is $[\Delta F \mid f_{s-1}]$, so $T^\top G T$ is $A^\top A$ of the
+        window's problem (columns differenced first, then rows, as the core's Gram rows).
+      weights: `(s - 1, 2Q)` and `offset`: `(2Q,)`: `gamma @ weights + offset` is the
+        combination's weights by slot, steps then residuals: with
+        $g = [0, \dots, 0, \gamma, 1]$ by position, the steps' $w = -g_{p}$ and the
+        residuals' $\alpha = g_{p+1} - g_p$, the differences of $[0, \gamma, 1]$ each
+        rounded once (`solve._affine_weights()`). So $w_j = -\sum_{i<j} \alpha_i =
+        -\gamma_{j-1}$, taken from $\gamma$ rather than summed back from the rounded
+        $\alpha$ (`solve.classic_coefficients()`); slots outside the window get 0.
+    """
+
+    differences: Tensor
+    weights: Tensor
+    offset: Tensor
+
+
+_LAYOUTS: dict[tuple[int, int, int, torch.device], _Layout] = {}
+
+
+def _layout(q: int, head: int, size: int, device: torch.device) -> _Layout:
+    """The `_Layout` of the newest `size` pairs when slot `head` is the newest, cached for
+    eager calls (a few `Q x Q` constants per device, read only); made in the graph when
+    compiling."""
+    key = (q, head, size, device)
+    if key in _LAYOUTS and not tree.tracing():
+        return _LAYOUTS[key]
+    slot = [(head + 1 + p) % q for p in range(q)]  # slot of chronological position p
+    first = q - size
+    differences = torch.zeros(q, size, dtype=torch.float64)
+    weights = torch.zeros(size - 1, 2 * q, dtype=torch.float64)
+    for k in range(size - 1):  # gamma_k: the difference f_{k+1} - f_k of the window
+        differences[slot[first + k + 1], k] = 1.0
+        differences[slot[first + k], k] = -1.0
+        weights[k, slot[first + k + 1]] = -1.0  # w of the step into position k + 1
+        weights[k, q + slot[first + k]] = 1.0  # alpha_k = gamma_k - gamma_{k-1}
+        weights[k, q + slot[first + k + 1]] = -1.0
+    differences[slot[q - 1], size - 1] = 1.0
+    offset = torch.zeros(2 * q, dtype=torch.float64)
+    offset[q + slot[q - 1]] = 1.0  # alpha_{s-1} = 1 - gamma_{s-2}
+    layout = _Layout(differences.to(device), weights.to(device), offset.to(device))
+    if not tree.tracing():
+        _LAYOUTS[key] = layout
+    return layout
 
 
 def mixing_weights(
-    options: AndersonOptions, state: BatchedWindow, head: int, size: int
+    options: AndersonOptions, state: BatchedWindow, head: int, size: int, layout: _Layout
 ) -> tuple[Tensor, Tensor]:
     r"""The least-squares coefficients $\gamma$ `(B, s - 1)` (float64, oldest first) of each
     sample's newest `size` residuals and whether its problem was finite (`(B,)`; where not,
@@ -219,10 +263,10 @@ def mixing_weights(
 
     A float64 window is solved through the QR factor of $A = [\Delta F \mid f_{s-1}]$,
     the differences formed element by element (`solve_factor()`'s route); others through
-    the normal equations $A^\top A$, the double differences of the kept Gram matrix
-    $F^\top F$ (`solve_differences()`'s route, whose Grams the core keeps the same way).
-    The ridge is $\lambda = \mathrm{reg} + \mathrm{reg\_relative}\,\|\Delta F\|_F^2 /
-    (s - 1)$ (`aadl_func._src.solve.ridge()`), per sample."""
+    the normal equations $A^\top A = T^\top G T$ from the kept Gram matrix $G = F^\top F$
+    (`solve_differences()`'s route, whose Grams the core keeps the same way). The ridge is
+    $\lambda = \mathrm{reg} + \mathrm{reg\_relative}\,\|\Delta F\|_F^2 / (s - 1)$
+    (`aadl_func._src.solve.ridge()`), per sample."""
     if state.gram is None:
         columns = []
         for ring in state.ring:
@@ -232,13 +276,11 @@ def mixing_weights(
         factor = torch.linalg.qr(a.mT, mode="r").R  # (B, s, s), R^T R = A^T A
         reg = _ridge(options, lambda: (a[:, :-1] * a[:, :-1]).sum(-1))
         return factor_coefficients(factor, reg)
-    q = state.gram.shape[-1]
-    gram = state.gram.roll((-(head + 1), -(head + 1)), (1, 2))[:, q - size :, q - size :]
-    # [Delta F | f]^T [Delta F | f] = [[H, c], [c^T, |f|^2]]: differences of columns, then
-    # of rows, each rounded once.
-    columns = torch.cat([gram[:, :, 1:] - gram[:, :, :-1], gram[:, :, -1:]], -1)
-    products = torch.cat([columns[:, 1:] - columns[:, :-1], columns[:, -1:]], 1)
-    norms = torch.diagonal(gram, dim1=-2, dim2=-1)  # ||f_i||^2
+    t = layout.differences
+    products = t.mT @ (state.gram @ t)  # (B, s, s): [[H, c], [c^T, |f_{s-1}|^2]]
+    # ||f_i||^2 of every slot: those outside the window are not yet written (zero) or
+    # belong to it (a full ring), so the largest and the finiteness are the window's.
+    norms = torch.diagonal(state.gram, dim1=-2, dim2=-1)
     reg = _ridge(options, lambda: torch.diagonal(products, dim1=-2, dim2=-1)[:, :-1])
     return normal_coefficients(products, norms, reg)
 
@@ -317,10 +359,11 @@ def normal_coefficients(
     unit = torch.where(unit > 0, unit, 1.0)[:, None, None]
     # Zeroed where not finite (the eigendecomposition must not see a NaN), then scaled.
     scaled = torch.where(ok[:, None, None], products, 0.0) / unit
-    eigvals, eigvecs = torch.linalg.eigh(scaled[:, :m, :m])
-    shifted = eigvals.clamp(min=0.0)
-    if not (isinstance(reg, float) and reg == 0.0):  # + 0.0 could only flip the sign of a 0
-        shifted = shifted + (reg[:, None] if isinstance(reg, Tensor) else reg) / unit[:, 0]
+    shifted, eigvecs = torch.linalg.eigh(scaled[:, :m, :m])
+    if not (isinstance(reg, float) and reg == 0.0):
+        reg = reg[:, None] if isinstance(reg, Tensor) else reg
+        shifted = shifted.clamp(min=0.0) + reg / unit[:, 0]
+    # Without a shift, clamping at 0 decides nothing: a value <= 0 is dropped either way.
     # 1 / inf = +0 for the dropped eigenvalues: no 1 / 0 anywhere.
     inverse = torch.where(shifted > RTOL, shifted, torch.inf).reciprocal()
     projected = eigvecs.mH @ scaled[:, :m, m:]
