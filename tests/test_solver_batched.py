@@ -2,7 +2,7 @@
 
 The contract: each sample of a batch is solved as if alone. The references are independent
 of the batched code: one eager solve per sample (``batch_dims=0``, the core's ``update``, its
-own window, float64 small solve and stopping test), and ``solve.py``'s small solves called on
+own window, float64 small solve and stopping test), and ``core/lstsq.py``'s small solves called on
 one sample at a time. ``test_solver_options.py`` holds the same contract with bounds derived
 from each sample's sensitivity; here float64 is held to 1e-12 at every iterate over the
 solver's options, and float32 to a bound derived the same way.
@@ -17,7 +17,8 @@ import torch
 from test_solver_options import batch_problem, recorded
 
 import aadl_func as aa
-from aadl_func._src import solve, solver_batched
+from aadl_func._src import solver_batched
+from aadl_func._src.core import lstsq
 
 D = torch.float64
 TOLS = [1e-4, 1e-12, 1e-8, 1e-12, 1e-6, 1e-10]  # per sample: they stop at different steps
@@ -171,7 +172,7 @@ def test_float32_within_the_sensitivity_bound():
     assert worst > 0  # the two runs do round differently: the bound is being used
 
 
-# -- the small solves, batched, against solve.py's, one sample at a time ------------------------
+# -- the small solves, batched, against core/lstsq.py's, one sample at a time -----------------
 def windows(B=7, n=9, s=5, seed=0):
     """Residual windows ``(B, s, n)`` float64 of every kind the solve meets: random, columns
     decaying as in a converging iteration, rank deficient (two equal residuals), all zero,
@@ -194,7 +195,7 @@ def as_problem(f):
 
 @pytest.mark.parametrize("reg", [0.0, 1e-3, "per sample"])
 def test_factor_route_equals_solve_factor_per_sample(reg):
-    """``factor_coefficients`` on a batch of QR factors equals ``solve.solve_factor`` on each
+    """``factor_coefficients`` on a batch of QR factors equals ``lstsq.solve_factor`` on each
     factor alone (every column valid): the same coefficients to 4 ulp of the largest, the
     same verdict on finiteness, including rank-deficient, zero, NaN and badly scaled
     windows."""
@@ -206,7 +207,7 @@ def test_factor_route_equals_solve_factor_per_sample(reg):
     m = factor.shape[-1] - 1
     for b in range(factor.shape[0]):
         reg_b = weights[b] if isinstance(weights, torch.Tensor) else weights
-        own = solve.solve_factor(factor[b], torch.ones(m, dtype=torch.bool), reg_b)
+        own = lstsq.solve_factor(factor[b], torch.ones(m, dtype=torch.bool), reg_b)
         assert bool(ok[b]) == bool(own.ok)
         tolerance = 4 * torch.finfo(D).eps * max(float(own.gamma.abs().max()), 1e-300)
         torch.testing.assert_close(gamma[b], own.gamma, rtol=0, atol=tolerance)
@@ -215,7 +216,7 @@ def test_factor_route_equals_solve_factor_per_sample(reg):
 
 @pytest.mark.parametrize("reg", [0.0, 1e-3, "per sample"])
 def test_gram_route_equals_solve_differences_per_sample(reg):
-    """``normal_coefficients`` on a batch equals ``solve.solve_differences`` on each window
+    """``normal_coefficients`` on a batch equals ``lstsq.solve_differences`` on each window
     alone (the normal equations of the same products, scaled, eigendecomposed and cut off
     alike) to 8 ulp of the largest coefficient, including rank-deficient, zero, NaN and
     badly scaled windows."""
@@ -228,7 +229,7 @@ def test_gram_route_equals_solve_differences_per_sample(reg):
     m = products.shape[-1] - 1
     for b in range(7):
         reg_b = weights[b] if isinstance(weights, torch.Tensor) else weights
-        own = solve.solve_differences(
+        own = lstsq.solve_differences(
             products[b, :m, :m], products[b, :m, m], norms[b], m + 1, reg_b
         )
         assert bool(ok[b]) == bool(own.ok)

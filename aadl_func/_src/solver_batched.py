@@ -21,7 +21,7 @@ One call with the iterate $x_k$ and the residual $f_k = g(x_k) - x_k$, per sampl
    $w_j = -\sum_{i<j} \alpha_i$ (so $w_0 = 0$), $\beta$ = `relaxation`;
 4. accept: $x^+$ where the solve and $x^+$ are finite, else the plain step $x_k + f_k$.
 
-The small problem is solved as `aadl_func._src.solve` solves it, batched over the samples: a
+The small problem is solved as `aadl_func._src.core.lstsq` solves it, batched over the samples: a
 float64 window through the QR factor of $[\Delta F \mid f_{s-1}]$ and the SVD of its
 `m x m` block (`solve_factor()`), other windows through the float64 normal equations and a
 symmetric eigendecomposition (`solve_differences()`), with the same scalings, cut-offs and
@@ -51,8 +51,8 @@ from torch import Tensor
 
 from aadl_func._src import tree
 from aadl_func._src.anderson import Anderson
+from aadl_func._src.core.lstsq import RCOND, RTOL
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.solve import RCOND, RTOL
 
 __all__ = ["BatchedWindow", "batched_anderson", "supports"]
 
@@ -215,9 +215,9 @@ class _Layout(NamedTuple):
         combination's weights by slot, steps then residuals: with
         $g = [0, \dots, 0, \gamma, 1]$ by position, the steps' $w = -g_{p}$ and the
         residuals' $\alpha = g_{p+1} - g_p$, the differences of $[0, \gamma, 1]$ each
-        rounded once (`solve._affine_weights()`). So $w_j = -\sum_{i<j} \alpha_i =
+        rounded once (`core.lstsq._affine_weights()`). So $w_j = -\sum_{i<j} \alpha_i =
         -\gamma_{j-1}$, taken from $\gamma$ rather than summed back from the rounded
-        $\alpha$ (`solve.classic_coefficients()`); slots outside the window get 0.
+        $\alpha$ (`core.variants.classic.classic_coefficients()`); slots outside the window get 0.
     """
 
     differences: Tensor
@@ -266,7 +266,7 @@ def mixing_weights(
     the normal equations $A^\top A = T^\top G T$ from the kept Gram matrix $G = F^\top F$
     (`solve_differences()`'s route, whose Grams the core keeps the same way). The ridge is
     $\lambda = \mathrm{reg} + \mathrm{reg\_relative}\,\|\Delta F\|_F^2 / (s - 1)$
-    (`aadl_func._src.solve.ridge()`), per sample."""
+    (`aadl_func._src.core.lstsq.ridge()`), per sample."""
     if state.gram is None:
         columns = []
         for ring in state.ring:
@@ -295,7 +295,7 @@ def _ridge(options: AndersonOptions, column_sq: Any) -> float | Tensor:
 
 
 def factor_coefficients(factor: Tensor, reg: float | Tensor = 0.0) -> tuple[Tensor, Tensor]:
-    r"""`aadl_func._src.solve.solve_factor()` for a batch of factors, every column valid:
+    r"""`aadl_func._src.core.lstsq.solve_factor()` for a batch of factors, every column valid:
     $\gamma$ `(B, m)` and whether each factor was finite `(B,)`.
 
     With $R = \begin{bmatrix} R_{11} & r_{12} \\ 0 & \rho \end{bmatrix}$ scaled by its
@@ -335,7 +335,7 @@ def factor_coefficients(factor: Tensor, reg: float | Tensor = 0.0) -> tuple[Tens
 def normal_coefficients(
     products: Tensor, norms: Tensor, reg: float | Tensor = 0.0
 ) -> tuple[Tensor, Tensor]:
-    r"""`aadl_func._src.solve.solve_differences()` for a batch, every residual valid:
+    r"""`aadl_func._src.core.lstsq.solve_differences()` for a batch, every residual valid:
     $\gamma = (H + \lambda I)^{+} c$ `(B, m)`, and whether each problem was finite `(B,)`.
 
     Scaled to $\max_i \|f_i\|^2 = 1$, $H = V \Lambda V^\top$ by a float64 symmetric
