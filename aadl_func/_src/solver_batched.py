@@ -43,7 +43,6 @@ core's `update` under `vmap`.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -72,8 +71,8 @@ class BatchedWindow(NamedTuple):
       ring: per leaf, `(B, 2, Q, n)` in the leaf's dtype: `[:, 0]` the steps
         $\Delta x$, `[:, 1]` the residuals $f$; slot `(count - 1) % Q` is the newest,
         slots not yet written hold zeros.
-      wide: per leaf, the residuals `(B, Q, n)` in float64 (the ring's own for float64
-        leaves), from which `gram` is kept.
+      wide: per leaf, a float64 copy of the residuals `(B, Q, n)`, from which `gram` is
+        kept (empty for a float64 window, which needs no Gram).
       gram: `(B, Q, Q)` float64 $\langle f_i, f_j \rangle$ summed over leaves, in ring
         order (the normal equations' route); None for a float64 window (the QR route).
       count: calls of `update` so far (every sample's: the batch moves in lockstep).
@@ -341,10 +340,9 @@ def normal_coefficients(
     Scaled to $\max_i \|f_i\|^2 = 1$, $H = V \Lambda V^\top$ by a float64 symmetric
     eigendecomposition, $\gamma = V (\Lambda + \lambda)^{+} V^\top c$ with the
     eigenvalues $\le \mathrm{RTOL}$ (after clamping at 0 and the shift) dropped. A
-    problem that is not finite gives $\gamma = 0$. It is tested through
-    $\sum_i \|f_i\|^2$, finite exactly when the residuals are: the entries of $H$ and
-    $c$ are at most $2 \sum_i \|f_i\|^2$ (Cauchy-Schwarz), and squares of float32,
-    bf16 or fp16 values cannot leave the float64 range.
+    problem that is not finite gives $\gamma = 0$; it is tested through the sum of its
+    entries and norms, which is finite only if every one is (and otherwise only past the
+    float64 range, which the products of float32 values cannot reach).
 
     Args:
       products: `(B, m + 1, m + 1)` float64 $A^\top A$, $A = [\Delta F \mid f_{\mathrm{last}}]$:
@@ -353,17 +351,18 @@ def normal_coefficients(
       reg: the Tikhonov weight $\lambda \ge 0$: a number or one per sample `(B,)`.
     """
     m = products.shape[-1] - 1
-    ok = norms.sum(-1) < math.inf  # False for Inf and NaN (the norms are >= 0)
+    total = norms.sum(-1) + products.sum((-2, -1))
+    ok = total - total == 0  # False for an Inf or NaN total: NaN - NaN is NaN
     unit = norms.amax(-1)
     # 1 where not positive (a zero window; NaN): the problem is then zero, gamma = 0.
     unit = torch.where(unit > 0, unit, 1.0)[:, None, None]
     # Zeroed where not finite (the eigendecomposition must not see a NaN), then scaled.
     scaled = torch.where(ok[:, None, None], products, 0.0) / unit
     shifted, eigvecs = torch.linalg.eigh(scaled[:, :m, :m])
+    # Without a shift, clamping at 0 decides nothing: a value <= 0 is dropped either way.
     if not (isinstance(reg, float) and reg == 0.0):
         reg = reg[:, None] if isinstance(reg, Tensor) else reg
         shifted = shifted.clamp(min=0.0) + reg / unit[:, 0]
-    # Without a shift, clamping at 0 decides nothing: a value <= 0 is dropped either way.
     # 1 / inf = +0 for the dropped eigenvalues: no 1 / 0 anywhere.
     inverse = torch.where(shifted > RTOL, shifted, torch.inf).reciprocal()
     projected = eigvecs.mH @ scaled[:, :m, m:]
