@@ -352,3 +352,25 @@ def test_a_mix_that_is_not_finite_falls_back_to_the_plain_step(monkeypatch):
     assert torch.equal(outputs[True][0], y[0] + 0.5 * f[0])
     assert not torch.equal(outputs[False][0], y[0] + 0.5 * f[0])
     assert torch.equal(outputs[True][1:], outputs[False][1:])
+
+
+@pytest.mark.skipif(torch.__version__ < (2, 12), reason="compile of update needs torch 2.12+")
+@pytest.mark.parametrize("dtype", [torch.float32, D])
+def test_under_compile_with_options(dtype):
+    """torch.compile (dynamo, backend "eager", fullgraph) of a per-sample solve through the
+    batched route with AA(1), relaxation and reg_relative, on the normal equations' route
+    (float32) and the QR route (float64): the same steps and result as eagerly (the same
+    operations: the layouts are made in the graph instead of read from the cache)."""
+    torch._dynamo.reset()
+    W, C = batch_problem(B=3, H=4)
+    g, _ = layer(W.to(dtype), C.to(dtype))
+    options = dict(tol=1e-12, max_iter=4, history_depth=2, relaxation=0.5, reg_relative=1e-3)
+
+    def solve(x0):
+        return aa.fixed_point(g, x0, batch_dims=1, **options)
+
+    x, info = torch.compile(solve, fullgraph=True, backend="eager")(torch.zeros(3, 4, dtype=dtype))
+    eager_x, eager_info = solve(torch.zeros(3, 4, dtype=dtype))
+    assert torch.equal(info.iterations, eager_info.iterations)
+    torch.testing.assert_close(x, eager_x, rtol=0, atol=0)
+    torch._dynamo.reset()
