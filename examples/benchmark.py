@@ -50,8 +50,10 @@ map at equal evaluation counts, side by side in interleaved rounds: on a 40-dime
 against ``scipy.optimize.anderson`` (``M=5``, ``w0=0``, no line search, the same recurrence)
 and on a 64 x 128 DEQ layer (float32) against torchdeq 0.1.0's ``anderson_solver`` (``m=6``;
 skipped when torchdeq is not installed: ``pip install --no-deps torchdeq``), plain
-iteration, and ``batch_dims=1``. The "loop" column is the solver loop's own time per
-evaluation (the core's ``update`` replaced by ``x + r``).
+iteration, and ``batch_dims=1`` (also through the core's ``update`` under ``vmap``, the route
+before ``solver_batched.py``). The "loop" column is the solver loop's own time per
+evaluation (the core's ``update`` replaced by ``x + r``); ``--solver-only`` runs these rows
+alone.
 Last, the **import time**: ``import torch`` and, on top of it, ``import aadl_func`` (and, for
 scale, ``import torch._dynamo``, which aadl_func leaves to the first compile), each in a fresh
 interpreter, best of ``--import-rounds`` interleaved rounds.
@@ -702,6 +704,22 @@ def _loop_alone(run):
     return alone
 
 
+def _vmap_route(run):
+    """``run`` with ``batch_dims=1`` through the core's update under ``vmap`` (the route
+    before ``solver_batched``, kept for the options the batched step does not implement)."""
+    from aadl_func._src import solver_batched
+
+    def through_vmap(count):
+        supports = solver_batched.supports
+        solver_batched.supports = lambda *args: False
+        try:
+            run(count)
+        finally:
+            solver_batched.supports = supports
+
+    return through_vmap
+
+
 def solver_rows(rounds: int) -> list[dict]:
     """Milliseconds per evaluation at equal evaluation counts (medians over interleaved
     rounds, one thread): the 40-dimensional map against SciPy, the DEQ layer against torchdeq
@@ -762,6 +780,7 @@ def solver_rows(rounds: int) -> list[dict]:
             "plain": plain_deq,
             "loop": _loop_alone(ours_deq),
             "batch_dims=1": lambda count: ours_deq(count, batch_dims=1),
+            "batch_dims=1 (vmap)": _vmap_route(lambda count: ours_deq(count, batch_dims=1)),
         },  # fmt: skip
     }
     if scipy_anderson is not None:
@@ -938,7 +957,8 @@ def solver_table(rows: list[dict]) -> str:
     lines.append(
         "map40: root on tanh(A x + c) - x, float64, vs scipy.optimize.anderson(M=5, w0=0); "
         "deq64x128: fixed_point on tanh(z W^T + x), float32, vs torchdeq anderson_solver(m=6), "
-        "plain iteration and batch_dims=1; loop = the solver loop alone (update replaced by "
+        "plain iteration, batch_dims=1 and batch_dims=1 through the core's update under vmap "
+        "(the route before solver_batched.py); loop = the solver loop alone (update replaced by "
         "x + r); one thread, medians of interleaved rounds"
     )
     return "\n".join(lines)
@@ -988,6 +1008,9 @@ def main(argv: list[str] | None = None) -> int:
         "--step-rounds", type=int, default=15, help="rounds of the small-step rows (0: skip)"
     )
     parser.add_argument(
+        "--solver-only", action="store_true", help="measure and print only the solver rows"
+    )
+    parser.add_argument(
         "--no-native",
         action="store_true",
         help="use the torch Gram-row pass instead of the native kernel (for comparison)",
@@ -1006,6 +1029,9 @@ def main(argv: list[str] | None = None) -> int:
         args.solver_rounds = min(args.solver_rounds, 1)
         args.step_rounds = min(args.step_rounds, 3)
         args.ensemble = "4,10,5" if args.ensemble == "8,17,10" else args.ensemble
+    if args.solver_only:  # one section alone (a shared machine): printed, no files
+        print(solver_table(solver_rows(args.solver_rounds)))
+        return 0
     device = torch.device(args.device)
     sizes = [] if args.small_only else [1 << int(s) for s in args.sizes.split(",")]
     depths = [max(3, int(m)) for m in args.depths.split(",")]

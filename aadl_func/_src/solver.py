@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import grad_mode, tree
+from aadl_func._src import grad_mode, solver_batched, tree
 from aadl_func._src.anderson import Anderson, functions
 from aadl_func._src.checks import differentiating
 from aadl_func._src.core.linesearch import armijo
@@ -172,7 +172,7 @@ def _tolerance(owner: str, name: str, value: object, batch_dims: int) -> float |
     return value
 
 
-def _accelerator(
+def _anderson_options(
     owner: str,
     history_depth: int,
     relaxation: float,
@@ -180,10 +180,10 @@ def _accelerator(
     reg_relative: float,
     mode: str,
     anderson_options: dict[str, Any],
-) -> Anderson:
-    """The [`aadl_func.anderson()`][aadl_func.anderson] update around the identity map, its options
-    validated in the solver's name. Mode "classic" takes `history_depth=2` here (AA(1), SciPy's
-    `M=1`: one difference), which `anderson` itself does not."""
+) -> AndersonOptions:
+    """The options of the [`aadl_func.anderson()`][aadl_func.anderson] update around the
+    identity map, validated in the solver's name. Mode "classic" takes `history_depth=2` here
+    (AA(1), SciPy's `M=1`: one difference), which `anderson` itself does not."""
     if "inner" in anderson_options:
         raise TypeError(f"{owner}: `inner` is set by the solver (the identity map), not by you")
     unknown = sorted(set(anderson_options) - _ANDERSON_OPTIONS)
@@ -192,7 +192,7 @@ def _accelerator(
             f"{owner}: unexpected keyword argument `{unknown[0]}` (neither a solver option nor "
             "one of aadl_func.anderson's)"
         )
-    options = AndersonOptions.for_owner(
+    return AndersonOptions.for_owner(
         owner,
         2 if mode == "classic" else 3,
         inner=_IDENTITY,
@@ -203,7 +203,11 @@ def _accelerator(
         mode=mode,
         **anderson_options,
     )
-    return Anderson(*functions(options))
+
+
+def _accelerator(settings: AndersonOptions) -> Anderson:
+    """The [`aadl_func.anderson()`][aadl_func.anderson] update for `settings`."""
+    return Anderson(*functions(settings))
 
 
 def _check_x0(
@@ -255,6 +259,8 @@ def _norm(leaves: list[Tensor], batch_dims: int = 0) -> Tensor:
             torch.linalg.vector_norm(t, dim=tuple(range(batch_dims, t.dim())), dtype=wide(t.dtype))
             .square() for t in leaves
         ]  # fmt: skip
+        if len(squares) == 1:  # the same value without the stack and the sum
+            return squares[0].sqrt()
         return torch.stack(squares).sum(0).sqrt()
     squares = [torch.linalg.vector_norm(t, dtype=wide(t.dtype)).square() for t in leaves]
     if len(squares) == 1:  # the same value without the stack and the sum (a loop's overhead)
@@ -505,13 +511,13 @@ def _masked_loop(
         proposal = tree.flatten(proposal, "x")[0]
         new_step, new_norm, new_value = problem(proposal)
         active = ~done
-        bad = active & ~torch.isfinite(new_norm)
+        bad = active & ~(new_norm < math.inf)  # a norm is finite when below Inf (NaN is not)
         accept = active & ~bad
         x = _where(accept, proposal, x)
         step = _where(accept, new_step, step)
         norm = torch.where(accept, new_norm, norm)
-        iterations = iterations + accept.to(iterations.dtype)
-        evaluations = evaluations + active.to(evaluations.dtype)
+        iterations = iterations + accept  # int64 + bool: counts the True ones
+        evaluations = evaluations + active
         converged = accept & met(norm, new_value)
         status = torch.where(converged, CONVERGED, torch.where(bad, NONFINITE, status))
         done = done | converged | bad
@@ -547,14 +553,15 @@ def _solve(
     x0: PyTree,
     alpha: Any,
     options: _Options,
-    opt: Anderson,
+    settings: AndersonOptions,
     mode: str,
     batch_dims: int = 0,
 ) -> tuple[PyTree, SolverInfo]:
     leaves, spec = _check_x0(owner, x0, mode)
+    opt = _accelerator(settings)
     if batch_dims:
         _check_batch(owner, leaves, spec, options, batch_dims)
-        opt = _per_sample(opt, batch_dims)
+        opt = _per_sample(opt, settings, leaves, batch_dims)
     if torch.is_grad_enabled() and differentiating():
         # Unrolled through the core's update the gradient is not usable (NaN where the
         # window degenerates), and torch.no_grad here would make it silently zero.
@@ -622,10 +629,15 @@ def _check_batch(
             )
 
 
-def _per_sample(opt: Anderson, batch_dims: int) -> Anderson:
-    """The same update, one window per problem of the batch: `init` and `update` under
-    `batch_dims` nested ``vmap``s (each problem gets its own weights, from its own
-    $m \times m$ solve; no second Anderson implementation)."""
+def _per_sample(
+    opt: Anderson, settings: AndersonOptions, leaves: list[Tensor], batch_dims: int
+) -> Anderson:
+    """The same update, one window per problem of the batch: the batched recurrence of
+    `aadl_func._src.solver_batched` where it implements the options (mode "classic", float32
+    or float64 leaves; each problem its own weights from its own $m \times m$ solve,
+    batched), else `opt`'s `init` and `update` under `batch_dims` nested ``vmap``s."""
+    if batch_dims == 1 and solver_batched.supports(settings, leaves):
+        return solver_batched.batched_anderson(settings)
     init, update = opt.init, opt.update
     for _ in range(batch_dims):
         init, update = torch.func.vmap(init), torch.func.vmap(update)
@@ -798,8 +810,10 @@ def fixed_point(
     options = _options(
         owner, tol, rtol, max_iter, line_search, callback, masked, return_best, gtol, batch_dims
     )
-    opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
-    return _solve(owner, "fixed_point", g, x0, None, options, opt, mode, batch_dims)
+    settings = _anderson_options(
+        owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options
+    )
+    return _solve(owner, "fixed_point", g, x0, None, options, settings, mode, batch_dims)
 
 
 def root(
@@ -868,8 +882,10 @@ def root(
     options = _options(
         owner, tol, rtol, max_iter, line_search, callback, masked, return_best, 0.0, batch_dims
     )
-    opt = _accelerator(owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options)
-    return _solve(owner, "root", F, x0, alpha, options, opt, mode, batch_dims)
+    settings = _anderson_options(
+        owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options
+    )
+    return _solve(owner, "root", F, x0, alpha, options, settings, mode, batch_dims)
 
 
 # -- implicit differentiation ----------------------------------------------------------------
