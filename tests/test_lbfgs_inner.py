@@ -235,3 +235,22 @@ def test_anderson_refuses_a_state_for_other_params():
     small = aa.lbfgs().init({"w": torch.ones(2)})
     with pytest.raises(ValueError, match="s_memory"):
         opt.update(state._replace(inner_state=small), {"w": torch.ones(3)}, {"w": torch.ones(3)})
+
+
+def test_state_saves_and_loads_with_weights_only(tmp_path):
+    """The state is a NamedTuple of tensors: `torch.load(weights_only=True)` rebuilds it, and
+    the run resumes with the same updates."""
+    opt = aa.lbfgs(lr=0.5, memory_size=2)
+    params = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.ones(2, 2)}
+    state = opt.init(params)
+    for _ in range(3):
+        updates, state = opt.update(grad(_loss)(params), state, params=params, inplace=False)
+        params = {k: params[k] + updates[k] for k in params}
+    torch.save(state, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert isinstance(loaded, aa.LbfgsState)
+    g = grad(_loss)(params)
+    expected, _ = opt.update(g, state, params=params, inplace=False)
+    got, _ = opt.update(g, loaded, params=params, inplace=False)
+    for k in expected:
+        assert torch.equal(got[k], expected[k])
