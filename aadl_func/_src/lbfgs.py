@@ -90,7 +90,7 @@ def _compute_dtype(fn: str, leaves: list[Tensor]) -> torch.dtype:
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:
-    """$a^\top b$ as a float64 0-d tensor."""
+    r"""$a^\top b$ as a float64 0-d tensor."""
     return torch.dot(a, b).to(torch.float64)
 
 
@@ -183,6 +183,45 @@ def _store(state: LbfgsState, pair: _Pair, x: Tensor, g: Tensor, inplace: bool) 
     )
 
 
+def _init(params: PyTree, memory_size: int) -> LbfgsState:
+    r"""The state before any update: no pair, $\gamma = 1$, zero buffers like the params."""
+    leaves, _ = tree.flatten(params, "params", owner="lbfgs")
+    x = _flat(leaves, _compute_dtype("lbfgs", leaves))
+    if leaves:
+        x = x.to(leaves[0].device)
+    count = x.new_zeros((), dtype=torch.int64)
+    ring = x.new_zeros((memory_size, x.shape[0]))
+    return LbfgsState(
+        count,
+        count.clone(),
+        x.new_ones((), dtype=torch.float64),
+        x.new_zeros((memory_size,), dtype=torch.float64),
+        ring,
+        ring.clone(),
+        torch.zeros_like(x),
+        torch.zeros_like(x),
+    )
+
+
+def _check_state(
+    memory_size: int, state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str
+) -> None:
+    """`state` is an `LbfgsState` whose buffers fit `memory_size` and the params `leaves`."""
+    check_state_type("lbfgs", state, LbfgsState, name, owner)
+    n = sum(leaf.numel() for leaf in leaves)
+    dtype = _compute_dtype(owner, leaves)
+    expected = {"s_memory": (memory_size, n), "y_memory": (memory_size, n)}
+    expected.update(params=(n,), grads=(n,))
+    for field, shape in expected.items():
+        t = getattr(state, field)
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"{owner}: `{name}.{field}` is {got}, expected a {dtype} tensor of shape "
+                f"{shape}; was it made by another configuration or for other params?"
+            )
+
+
 def lbfgs(
     lr: float = 1.0,
     memory_size: int = 10,
@@ -241,22 +280,7 @@ def lbfgs(
     eps = check_float(fn, "curvature_eps", curvature_eps, minimum=0.0)
 
     def init(params: PyTree) -> LbfgsState:
-        leaves, _ = tree.flatten(params, "params", owner=fn)
-        x = _flat(leaves, _compute_dtype(fn, leaves))
-        if leaves:
-            x = x.to(leaves[0].device)
-        count = x.new_zeros((), dtype=torch.int64)
-        ring = x.new_zeros((memory_size, x.shape[0]))
-        return LbfgsState(
-            count,
-            count.clone(),
-            x.new_ones((), dtype=torch.float64),
-            x.new_zeros((memory_size,), dtype=torch.float64),
-            ring,
-            ring.clone(),
-            torch.zeros_like(x),
-            torch.zeros_like(x),
-        )
+        return _init(params, memory_size)
 
     def update(
         updates: PyTree, state: LbfgsState, params: PyTree | None = None, inplace: bool = True
@@ -279,22 +303,7 @@ def lbfgs(
             steps = [u.copy_(s) for u, s in zip(g_leaves, steps)]
         return optree.tree_unflatten(spec, steps), new_state
 
-    def check_state(state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str) -> None:
-        check_state_type(fn, state, LbfgsState, name, owner)
-        n = sum(leaf.numel() for leaf in leaves)
-        dtype = _compute_dtype(owner, leaves)
-        expected = {"s_memory": (memory_size, n), "y_memory": (memory_size, n)}
-        expected.update(params=(n,), grads=(n,))
-        for field, shape in expected.items():
-            t = getattr(state, field)
-            if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(
-                    f"{owner}: `{name}.{field}` is {got}, expected a {dtype} tensor of shape "
-                    f"{shape}; was it made by another configuration or for other params?"
-                )
-
-    update.check_state = check_state  # type: ignore[attr-defined]
+    update.check_state = functools.partial(_check_state, memory_size)  # type: ignore[attr-defined]
     # It writes state buffers in place: anderson then asks for it out of place where an
     # exception must leave the state as it was, and adopts the new buffers.
     update.writes_state = True  # type: ignore[attr-defined]
