@@ -5,6 +5,7 @@ from aadl_func._src.anderson import Anderson, anderson
 from aadl_func._src.compose import ChainState, add_decayed_weights, chain, clip_by_global_norm
 from aadl_func._src.core.lstsq import MixingWeights, solve_weights
 from aadl_func._src.inner import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
+from aadl_func._src.lbfgs import LbfgsState, lbfgs
 from aadl_func._src.mix import mix, mixing_weights
 from aadl_func._src.native import kernel_info
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
@@ -26,6 +27,7 @@ __all__ = [
     "AndersonUpdate",
     "ChainState",
     "InnerOptimizer",
+    "LbfgsState",
     "MixingWeights",
     "RNA",
     "RNAAverager",
@@ -44,6 +46,7 @@ __all__ = [
     "fixed_point",
     "implicit_fixed_point",
     "kernel_info",
+    "lbfgs",
     "mix",
     "mixing_weights",
     "recompute_bn",

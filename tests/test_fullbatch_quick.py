@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fullbatch import methods, run  # noqa: E402
 
-PEERS = {"gd", "inner", "adam", "lbfgs"}
+PEERS = {"gd", "inner", "adam", "lbfgs", "lbfgs_inner"}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def quick(tmp_path_factory):
 def test_every_problem_has_every_row(quick):
     assert set(quick["problems"]) == set(run.SPECS)
     for key, result in quick["problems"].items():
-        expected = PEERS | {"aa_default", "aa_tuned"}
+        expected = PEERS | {"aa_default", "aa_tuned", "aa_lbfgs_default", "aa_lbfgs_tuned"}
         if run.SPECS[key].pinn:
             expected |= {"adam_lbfgs"}
         assert set(result["methods"]) == expected, key

@@ -197,9 +197,12 @@ def tune(spec: Spec, f_star, seeds, budget: float, quick: bool) -> dict[str, Any
 
 
 def rows_for(spec: Spec, chosen: dict[str, Any]) -> dict[str, Method]:
-    rows = {family: entry["method"] for family, entry in chosen.items() if family != "aa_tuned"}
+    tuned = ("aa_tuned", "aa_lbfgs_tuned")
+    rows = {family: entry["method"] for family, entry in chosen.items() if family not in tuned}
     rows["aa_default"] = methods.aa_default()
     rows["aa_tuned"] = chosen["aa_tuned"]["method"]
+    rows["aa_lbfgs_default"] = methods.aa_lbfgs_default()
+    rows["aa_lbfgs_tuned"] = chosen["aa_lbfgs_tuned"]["method"]
     return rows
 
 
@@ -327,7 +330,7 @@ def comparisons(result: dict[str, Any]) -> list[dict[str, Any]]:
 def verdicts(results: dict[str, Any]) -> dict[str, list[str]]:
     """One line per problem and target, sorted into where AA default loses (to the best peer,
     in evaluations or in seconds, or by not reaching the target on every seed where a peer
-    does), where AA default or AA tuned wins, and where no row reached it on every seed."""
+    does), where an AA row wins, and where no row reached it on every seed."""
     out: dict[str, list[str]] = {"loses": [], "wins": [], "nobody": []}
     for result in results.values():
         labels = {k: m["label"] for k, m in result["methods"].items()}
@@ -357,10 +360,9 @@ def verdicts(results: dict[str, Any]) -> dict[str, list[str]]:
                         f"{s[key] / s['best_peer_cost']:.2f}x the seconds"
                     )
             line = f"- {where}: {peer}; " + "; ".join(rows)
-            default_wins = g["aa_default_wins"] and s["aa_default_wins"]
-            tuned_wins = g["aa_tuned_wins"] and s["aa_tuned_wins"]
-            out["wins" if default_wins or tuned_wins else "loses"].append(line)
-            if default_wins != tuned_wins and not default_wins:
+            wins = [k for k in methods.ACCELERATED if g[f"{k}_wins"] and s[f"{k}_wins"]]
+            out["wins" if wins else "loses"].append(line)
+            if wins and "aa_default" not in wins:
                 out["loses"].append(line)
     return out
 
@@ -387,7 +389,12 @@ def markdown_page(payload: dict[str, Any]) -> str:
         "the same on every problem: "
         '`aa.anderson(aa.adam(0.05, betas=(0.0, 0.999)), mode="classic", history_depth=20, '
         "reg_relative=1e-4)` called as `update(state, params, grads, loss=value)`. "
-        "**AA tuned** is the same with its learning rate tuned like the peers'.",
+        "**AA tuned** is the same with its learning rate tuned like the peers'. "
+        "**AA-L-BFGS default** is AA around the L-BFGS inner transformation (`aa.lbfgs`, no "
+        "line search), the same on every problem: `"
+        + methods.aa_lbfgs_default().description
+        + "`; **AA-L-BFGS tuned** the same with its lr tuned, and **L-BFGS inner alone** "
+        "the transformation without AA, its lr tuned.",
         "",
     ]
     lines = verdicts(results)
@@ -412,8 +419,8 @@ def markdown_page(payload: dict[str, Any]) -> str:
         with open(summary_path) as f:
             out += [f.read().strip(), ""]
     out += [
-        "Where AA default or AA tuned needs no more evaluations and no more seconds than the "
-        "best peer (a line can be in both lists: AA tuned wins where AA default loses):",
+        "Where an AA row needs no more evaluations and no more seconds than the best peer "
+        "(a line can be in both lists: another AA row wins where AA default loses):",
         "",
         *(lines["wins"] or ["- nowhere"]),
         "",

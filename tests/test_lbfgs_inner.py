@@ -1,0 +1,256 @@
+"""Tests of `aa.lbfgs`, the L-BFGS inner transformation, against a float64 NumPy reference of
+the two-loop recursion, the BFGS theory on quadratics, vmap and `aa.anderson`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.func import grad, vmap
+
+import aadl_func as aa
+from aadl_func._src.lbfgs import two_loop
+
+# --------------------------------------------------------------------------------------------
+# The reference: L-BFGS's direction from Nocedal & Wright, Algorithm 7.4, on a list of pairs.
+# --------------------------------------------------------------------------------------------
+
+
+class NumpyLbfgs:
+    """The pairs as a Python list (oldest first), the two-loop recursion as written in the
+    textbook, and the curvature test `s.y > eps * y.y` that drops a pair."""
+
+    def __init__(self, lr, memory_size, scale=True, eps=1e-10):
+        self.lr, self.m, self.scale, self.eps = lr, memory_size, scale, eps
+        self.pairs, self.gamma, self.prev = [], 1.0, None
+
+    def step(self, x, g):
+        if self.prev is not None:
+            s, y = x - self.prev[0], g - self.prev[1]
+            if s @ y > self.eps * (y @ y):
+                self.pairs = [*self.pairs, (s, y)][-self.m :]
+                if self.scale:
+                    self.gamma = (s @ y) / (y @ y)
+        self.prev = (x.copy(), g.copy())
+        q, alphas = g.copy(), []
+        for s, y in reversed(self.pairs):  # newest first
+            alpha = (s @ q) / (s @ y)
+            q = q - alpha * y
+            alphas.append(alpha)
+        r = self.gamma * q
+        for (s, y), alpha in zip(self.pairs, reversed(alphas)):  # oldest first
+            beta = (y @ r) / (s @ y)
+            r = r + (alpha - beta) * s
+        return -self.lr * r
+
+
+def _split(v):
+    return {"a": torch.tensor(v[:3]), "b": torch.tensor(v[3:]).reshape(2, 2)}
+
+
+def _join(tree):
+    return np.concatenate([tree["a"].numpy().ravel(), tree["b"].numpy().ravel()])
+
+
+def _sequence(n_steps, skip_at, seed=0):
+    """Params and gradients (7 entries); at call `skip_at` the gradient change is `-s`,
+    whose curvature `s.y < 0` must drop the pair."""
+    rng = np.random.default_rng(seed)
+    hess = rng.standard_normal((7, 7))
+    hess = hess @ hess.T + np.eye(7)
+    xs = [rng.standard_normal(7)]
+    gs = [hess @ xs[0] + 0.1 * np.sin(xs[0])]
+    for k in range(1, n_steps):
+        xs.append(xs[-1] + rng.standard_normal(7))
+        if k == skip_at:
+            gs.append(gs[-1] - (xs[-1] - xs[-2]))
+        else:
+            gs.append(hess @ xs[-1] + 0.1 * np.sin(xs[-1]))
+    return xs, gs
+
+
+@pytest.mark.parametrize("scale", [True, False])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_matches_numpy_two_loop_with_a_skipped_pair(scale, inplace):
+    xs, gs = _sequence(9, skip_at=4)
+    ref = NumpyLbfgs(lr=0.7, memory_size=3, scale=scale)
+    opt = aa.lbfgs(lr=0.7, memory_size=3, scale_init_precond=scale)
+    state = opt.init(_split(xs[0]))
+    for k, (x, g) in enumerate(zip(xs, gs)):
+        params = _split(x)
+        updates, state = opt.update(_split(g), state, params=params, inplace=inplace)
+        np.testing.assert_allclose(_join(updates), ref.step(x, g), rtol=1e-11, atol=1e-12)
+        assert int(state.num_pairs) == k - (k >= 4)  # stored so far: the 4th is dropped
+    assert int(state.count) == 9
+    assert int(state.num_pairs) == 7  # 8 pairs made, the one at call 4 dropped
+    assert torch.equal(params["a"], torch.tensor(xs[-1][:3]))  # params are never written
+
+
+def test_first_call_is_a_gradient_step():
+    params = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor(3.0)}
+    grads = {"w": torch.tensor([0.5, 4.0]), "b": torch.tensor(-1.0)}
+    opt = aa.lbfgs(lr=0.25)
+    updates, _ = opt.update(dict(grads), opt.init(params), params=params, inplace=False)
+    for key in grads:
+        torch.testing.assert_close(updates[key], -0.25 * grads[key], rtol=0, atol=0)
+
+
+def _conjugate_steps(hess, rng):
+    """Columns that are `hess`-conjugate (Gram-Schmidt in the `hess` inner product)."""
+    steps = []
+    for v in rng.standard_normal((hess.shape[0], hess.shape[0])):
+        for s in steps:
+            v = v - (s @ hess @ v) / (s @ hess @ s) * s
+        steps.append(v)
+    return steps
+
+
+def test_conjugate_pairs_on_a_quadratic_give_newton():
+    """BFGS's hereditary property: with pairs `y = A s` along `A`-conjugate steps, every
+    update keeps `H y_i = s_i` for the earlier pairs, so after d pairs `H = A^{-1}`, whatever
+    `H^0 = gamma I` is, and the returned step is Newton's, to the minimiser."""
+    d = 7
+    rng = np.random.default_rng(3)
+    hess = rng.standard_normal((d, d))
+    hess = hess @ hess.T + 0.5 * np.eye(d)
+    b = rng.standard_normal(d)
+    x = rng.standard_normal(d)
+    opt = aa.lbfgs(lr=1.0, memory_size=d)
+    state = opt.init(_split(x))
+    for s in [*_conjugate_steps(hess, rng), None]:
+        updates, state = opt.update(_split(hess @ x - b), state, params=_split(x), inplace=False)
+        x = x + s if s is not None else x
+    assert int(state.num_pairs) == d
+    np.testing.assert_allclose(x + _join(updates), np.linalg.solve(hess, b), rtol=1e-9)
+    # And H y_i = s_i for every stored pair, by the recursion on y_i as the gradient.
+    order = torch.arange(d)
+    for i in range(d):
+        hy = two_loop(
+            state.y_memory[i], state.s_memory, state.y_memory, state.rho, state.gamma, order
+        )
+        torch.testing.assert_close(hy, state.s_memory[i], rtol=1e-9, atol=1e-10)
+
+
+def test_unit_steps_on_a_quadratic_satisfy_the_secant_equation_and_converge():
+    """Its own unit steps on a strictly convex quadratic: the newest pair is exact and the
+    method (BFGS with memory >= the steps taken) reaches the minimiser in float64."""
+    d = 6
+    rng = np.random.default_rng(5)
+    hess = rng.standard_normal((d, d))
+    hess = hess @ hess.T + np.eye(d)
+    b = rng.standard_normal(d + 1)[:d]
+    hess_t, b_t = torch.tensor(hess), torch.tensor(b)
+    opt = aa.lbfgs(lr=1.0, memory_size=30)
+    params = {"x": torch.zeros(d, dtype=torch.float64)}
+    state = opt.init(params)
+    for _ in range(25):
+        grads = {"x": hess_t @ params["x"] - b_t}
+        updates, state = opt.update(grads, state, params=params, inplace=False)
+        params = {"x": params["x"] + updates["x"]}
+        newest = (int(state.num_pairs) - 1) % 30
+        s, y = state.s_memory[newest], state.y_memory[newest]
+        torch.testing.assert_close(y, hess_t @ s, rtol=1e-10, atol=1e-12)
+        order = (state.num_pairs - 1 - torch.arange(30)) % 30
+        hy = two_loop(y, state.s_memory, state.y_memory, state.rho, state.gamma, order)
+        torch.testing.assert_close(hy, s, rtol=1e-7, atol=1e-12)
+    np.testing.assert_allclose(params["x"].numpy(), np.linalg.solve(hess, b), atol=1e-10)
+
+
+def _loss(params):
+    a, b = params["a"], params["b"]
+    return (a**2).sum() + 0.5 * ((b - 1.0) ** 4).sum() + (a.sum() * b.sum()) ** 2 / 8
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_vmap_equals_the_loop(inplace):
+    opt = aa.lbfgs(lr=0.5, memory_size=3)
+    members = torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def run(flat):
+        params = {"a": flat[:3], "b": flat[3:].reshape(2, 2)}
+        state = opt.init(params)
+        for _ in range(6):
+            updates, state = opt.update(grad(_loss)(params), state, params=params, inplace=inplace)
+            params = {k: params[k] + updates[k] for k in params}
+        return params["a"], params["b"], state.num_pairs
+
+    batched = vmap(run)(members)
+    for i, flat in enumerate(members):
+        for got, expected in zip(batched, run(flat)):
+            torch.testing.assert_close(got[i], expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+def test_inside_anderson(mode):
+    """AA around L-BFGS's step reaches the minimiser of a smooth convex problem, in place and
+    pure alike, with the deferred safeguard."""
+    opt = aa.anderson(aa.lbfgs(lr=0.5, memory_size=5), history_depth=3, mode=mode)
+    results = []
+    for inplace in (True, False):
+        params = {"a": torch.ones(3, dtype=torch.float64), "b": torch.zeros(2, 2).double()}
+        state = opt.init(params)
+        for _ in range(60):
+            grads, value = torch.func.grad_and_value(_loss)(params)
+            params, state = opt.update(state, params, grads, inplace=inplace, loss=value)
+        assert isinstance(state.inner_state, aa.LbfgsState)
+        assert int(state.num_mixed) > 0
+        results.append(params)
+    expected = {"a": torch.zeros(3, dtype=torch.float64), "b": torch.ones(2, 2).double()}
+    for params in results:
+        for k in expected:  # b - 1 converges slowly (quartic), a fast (quadratic)
+            torch.testing.assert_close(params[k], expected[k], rtol=0, atol=2e-3)
+    for k in expected:
+        torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"lr": 0.0}, "lr"),
+        ({"lr": -1.0}, "lr"),
+        ({"lr": float("nan")}, "lr"),
+        ({"memory_size": 0}, "memory_size"),
+        ({"curvature_eps": -1e-3}, "curvature_eps"),
+    ],
+)
+def test_bad_arguments_raise_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        aa.lbfgs(**kwargs)
+
+
+def test_update_requires_params_and_leaves_the_state_alone():
+    opt = aa.lbfgs()
+    params = {"w": torch.ones(3)}
+    state = opt.init(params)
+    before = [t.clone() for t in state]
+    with pytest.raises(ValueError, match="`params`"):
+        opt.update({"w": torch.ones(3)}, state)
+    for t, b in zip(state, before):
+        assert torch.equal(t, b)
+
+
+def test_anderson_refuses_a_state_for_other_params():
+    opt = aa.anderson(aa.lbfgs(), history_depth=3)
+    state = opt.init({"w": torch.ones(3)})
+    small = aa.lbfgs().init({"w": torch.ones(2)})
+    with pytest.raises(ValueError, match="s_memory"):
+        opt.update(state._replace(inner_state=small), {"w": torch.ones(3)}, {"w": torch.ones(3)})
+
+
+def test_state_saves_and_loads_with_weights_only(tmp_path):
+    """The state is a NamedTuple of tensors: `torch.load(weights_only=True)` rebuilds it, and
+    the run resumes with the same updates."""
+    opt = aa.lbfgs(lr=0.5, memory_size=2)
+    params = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.ones(2, 2)}
+    state = opt.init(params)
+    for _ in range(3):
+        updates, state = opt.update(grad(_loss)(params), state, params=params, inplace=False)
+        params = {k: params[k] + updates[k] for k in params}
+    torch.save(state, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert isinstance(loaded, aa.LbfgsState)
+    g = grad(_loss)(params)
+    expected, _ = opt.update(g, state, params=params, inplace=False)
+    got, _ = opt.update(g, loaded, params=params, inplace=False)
+    for k in expected:
+        assert torch.equal(got[k], expected[k])
