@@ -14,9 +14,8 @@ and changed alone:
   range of the params' dtype, finiteness);
 * `linesearch`: the backtracking (Armijo) search along a direction.
 
-The rule, held by `tests/test_core_rules.py`: no module here imports a package module outside
-`core/`, and none asks how it is being run (no `torch.compiler`, functorch, `tracing`,
-`static_value`, `is_transformed`, in-place or shard queries). Everything that depends on the
-execution (eager values, vmap and compile masks, in-place commits, sharded reductions) lives
-in `aadl_func._src.exec` and the stages that use it, and reaches the math through `ops`.
+The rule, held by `tests/test_core_rules.py` (which lists the names it refuses): no module
+here imports a package module outside `core/`, and none asks how it is being run. What the
+answer to a data-dependent question depends on is the execution layer's business
+(`aadl_func._src.exec` and the stages that use it); the math reaches it through `ops`.
 """

@@ -142,9 +142,9 @@ def solve_factor(
     directions make a rank-deficient window's answer the minimum-norm one among the kept
     directions, and bound $\|\gamma\|_2 \le \sqrt{m}\, \|f\| / (\mathrm{RCOND}\, s)$.
 
-    The SVD runs on the CPU whatever `factor`'s device (`m x m` values, one LAPACK
-    routine everywhere; under `torch.compile` on `factor`'s device instead, so that the
-    compiled step never waits for the host); `gamma` comes back on `factor`'s device.
+    The SVD runs where `ops.small_device` says: `PLAIN` puts it on the CPU whatever
+    `factor`'s device (`m x m` values, one LAPACK routine everywhere); `gamma` comes back
+    on `factor`'s device.
     Columns where `valid` is False are zeroed first and get $\gamma_j = 0$. A
     non-finite factor gives `ok = False` and $\gamma = 0$. No data-dependent Python
     control flow: it runs under `torch.func.vmap`.
@@ -177,8 +177,7 @@ def solve_factor(
         reg = reg.to(device=scale.device, dtype=scale.dtype)
     shift = reg / scale / scale  # reg / s^2, without forming s^2 (which may underflow)
 
-    # On the CPU (one LAPACK routine for every device), except where the executor says
-    # otherwise (a compiled graph keeps it on the factor's device: no device-to-host copy).
+    # Where the answer to ops.small_device puts the m x m factorisation (see its docstring).
     small = ops.small_device(device)
     r11, rhs = r[:m, :m].to(small), r[:m, m].to(small)
     shift = shift.to(small)
@@ -382,7 +381,7 @@ def solve_differences(
     if not (isinstance(num_valid, Tensor) and num_valid.device == dev):
         num_valid = torch.as_tensor(num_valid, device=dev)
     if ops.value(num_valid) == q:
-        # Eager, full window (the steady state): every mask below would be all True, and
+        # A known full window (the steady state): every mask below would be all True, and
         # torch.where with an all-True mask returns its input, so skipping them changes no
         # bit; it saves a dozen small operations per step.
         gamma_valid = None
@@ -400,7 +399,7 @@ def solve_differences(
     unit = norms.max()
     known = ops.value(unit)
     if known is not None:
-        # Eager: the scale as a Python float, which divides exactly as the 0-d tensor would
+        # A known scale, as a Python float, which divides exactly as the 0-d tensor would
         # (one IEEE division), with fewer small operations.
         unit = known if known > 0 else 1.0
         one = 1.0

@@ -44,7 +44,7 @@ def window_weights(
     gram, dr_gram, dr_rhs = grams
     newest = ops.value(head)
     if newest is not None:
-        # Eager: a cached index instead of index arithmetic on every call.
+        # A known newest slot: a cached index instead of index arithmetic on every call.
         slots, later = chronological_slots(q, newest, gram.device)
     else:
         slots = chronological(q, head).to(device)
