@@ -76,7 +76,7 @@ MAX_MODULE_LINES = 400
 # stages.py are taken apart by the core/exec split (issue 33).
 OVER_THE_LIMIT = {
     "aadl_func._src.solver": 720,
-    "aadl_func._src.stages": 591,
+    "aadl_func._src.stages": 589,
 }
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from aadl_func._src import flags, tree
 from aadl_func._src.core import linesearch
 from aadl_func._src.stages import Call, callbacks
+from aadl_func._src.validation import scalar_loss
 
 __all__ = ["check_call", "search"]
 
@@ -57,9 +58,7 @@ def search(
 
     def loss_at(*leaves: Tensor) -> Tensor:
         value = call.loss_fn(tree.unflatten(call.spec, list(leaves)))
-        if not isinstance(value, Tensor) or value.numel() != 1:
-            raise TypeError(f"{OWNER}: `loss_fn` must return a scalar tensor")
-        return value.reshape(())
+        return scalar_loss(OWNER, value).reshape(())
 
     def phi(s: float) -> float:
         value = float(loss_at(*linesearch.along(y, x, s)))

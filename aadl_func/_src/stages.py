@@ -42,6 +42,7 @@ from aadl_func._src.core.scalars import EXACT, float64_tensor, real_view
 from aadl_func._src.core.weights import known_weights, window_weights
 from aadl_func._src.exec.ops import OPS
 from aadl_func._src.state import AndersonState
+from aadl_func._src.validation import scalar_loss
 from aadl_func._src.window import difference_factor, difference_rows, set_gram_row, write_slot
 
 if TYPE_CHECKING:
@@ -493,11 +494,8 @@ def safeguard(call: Call, gate: Tensor, x: list[Tensor], y: list[Tensor]) -> Ten
 
     def decide() -> Tensor:
         with callbacks(call):
-            loss_x = loss_fn(tree.unflatten(call.spec, x))
-            loss_y = loss_fn(tree.unflatten(call.spec, y))
-        for loss in (loss_x, loss_y):
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError("anderson.update: `loss_fn` must return a scalar tensor")
+            loss_x = scalar_loss("anderson.update", loss_fn(tree.unflatten(call.spec, x)))
+            loss_y = scalar_loss("anderson.update", loss_fn(tree.unflatten(call.spec, y)))
         if call.shards is not None:
             loss_x, loss_y = call.shards.mean_losses(loss_x, loss_y)
         better = accept.beats(loss_x, loss_y).reshape(())

@@ -96,6 +96,13 @@ def check_callable(owner: str, name: str, value: object) -> None:
         raise TypeError(f"{owner}: `{name}` must be callable, got {type(value).__name__}")
 
 
+def scalar_loss(owner: str, value: object) -> Tensor:
+    """`value`, what `loss_fn` returned, if it is a tensor of one element; else a TypeError."""
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        raise TypeError(f"{owner}: `loss_fn` must return a scalar tensor")
+    return value
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Whether two devices agree; an index-less device (`"cuda"`) matches any index."""
     if a == b:  # the common case, and a cheap one: this runs per leaf on every step
