@@ -4,6 +4,7 @@ and ``torch.nn.utils.clip_grad_norm_``, alone and as the inner map of ``anderson
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -146,6 +147,18 @@ def test_a_bad_mask_is_named():
     t = aa.add_decayed_weights(0.1, mask={"w": 1})
     with pytest.raises(TypeError, match="`mask` must be"):
         t.update({"w": torch.zeros(2)}, t.init(None), params={"w": torch.ones(2)})
+
+
+def test_params_unlike_the_updates_are_named_against_the_updates():
+    t = aa.add_decayed_weights(0.1)
+    updates = {"w": torch.zeros(2), "b": torch.zeros(1)}
+    with pytest.raises(
+        ValueError, match="`params` has a different pytree structure from `updates`"
+    ):
+        t.update(updates, t.init(None), params={"w": torch.ones(2)})
+    shape = "`params['w']` has shape (3,), expected (2,) like `updates['w']`"
+    with pytest.raises(ValueError, match=re.escape(shape)):
+        t.update(updates, t.init(None), params={"w": torch.ones(3), "b": torch.ones(1)})
 
 
 # -- anderson inside someone else's chain ---------------------------------------------------

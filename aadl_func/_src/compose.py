@@ -157,7 +157,7 @@ def add_decayed_weights(
             raise ValueError(f"{owner}: `params` is required (the decay is proportional to them)")
         u_leaves, spec = tree.flatten(updates, "updates", owner=owner)
         p_leaves, p_spec = tree.flatten(params, "params", owner=owner)
-        tree.check_like("params", p_leaves, p_spec, u_leaves, spec, owner=owner)
+        tree.check_like("params", p_leaves, p_spec, u_leaves, spec, "updates", owner=owner)
         selected = mask(params) if callable(mask) else mask
         if selected is None:
             chosen = [True] * len(u_leaves)
