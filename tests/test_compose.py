@@ -4,6 +4,7 @@ and ``torch.nn.utils.clip_grad_norm_``, alone and as the inner map of ``anderson
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -148,6 +149,18 @@ def test_a_bad_mask_is_named():
         t.update({"w": torch.zeros(2)}, t.init(None), params={"w": torch.ones(2)})
 
 
+def test_params_unlike_the_updates_are_named_against_the_updates():
+    t = aa.add_decayed_weights(0.1)
+    updates = {"w": torch.zeros(2), "b": torch.zeros(1)}
+    with pytest.raises(
+        ValueError, match="`params` has a different pytree structure from `updates`"
+    ):
+        t.update(updates, t.init(None), params={"w": torch.ones(2)})
+    shape = "`params['w']` has shape (3,), expected (2,) like `updates['w']`"
+    with pytest.raises(ValueError, match=re.escape(shape)):
+        t.update(updates, t.init(None), params={"w": torch.ones(3), "b": torch.ones(1)})
+
+
 # -- anderson inside someone else's chain ---------------------------------------------------
 RULE = (
     "anderson must be the outermost transformation: call update(state, params, grads); to "
@@ -248,3 +261,55 @@ def test_grads_by_keyword_still_works_and_other_calls_are_named():
         opt.update(state, params)
     with pytest.raises(TypeError, match="unexpected keyword argument `lr`"):
         opt.update(state, params, grads, lr=0.1)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize(
+    "make", [lambda **kw: aa.adam(0.01, **kw), lambda **kw: aa.sgd(0.1, momentum=0.9, **kw)]
+)
+def test_chained_decay_is_the_optimizers_weight_decay_bit_for_bit(make, inplace):
+    """One decay rule: `add_decayed_weights` chained in front of an optimizer gives the bits of
+    that optimizer's own `weight_decay` (float32, where the order of the operations shows)."""
+    g = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(7, 5, generator=g), "b": torch.randn(5, generator=g)}
+    chained = aa.chain(aa.add_decayed_weights(0.03), make())
+    own = make(weight_decay=0.03)
+    s_chained, s_own = chained.init(params), own.init(params)
+    for _ in range(6):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        copy = {k: v.clone() for k, v in grads.items()}
+        u_chained, s_chained = chained.update(grads, s_chained, params=params, inplace=inplace)
+        u_own, s_own = own.update(copy, s_own, params=params, inplace=inplace)
+        for k in params:
+            assert torch.equal(u_chained[k], u_own[k]), k
+        params = {k: params[k] + u_own[k] for k in params}
+
+
+def test_a_zero_decay_leaves_the_updates_bit_for_bit():
+    """`weight_decay=0` is no operation: -0.0 stays -0.0 and an infinite param adds no NaN."""
+    params = {"w": torch.tensor([1.0, float("inf")])}
+    updates = {"w": torch.tensor([-0.0, 2.0])}
+    t = aa.add_decayed_weights(0.0)
+    out, _ = t.update(updates, t.init(params), params=params, inplace=False)
+    assert torch.equal(out["w"], updates["w"]) and torch.signbit(out["w"][0])
+
+
+def test_chain_hands_params_and_inplace_to_each_transformation_by_keyword():
+    """torchopt's `update` takes `params` and `inplace` as keyword-only arguments."""
+    seen = []
+
+    class KeywordOnly:
+        def init(self, params):
+            return ()
+
+        def update(self, updates, state, *, params=None, inplace=True):
+            seen.append((params, inplace))
+            return {k: v * 2 for k, v in updates.items()}, state
+
+    params = {"w": torch.ones(2)}
+    inner = aa.chain(KeywordOnly(), KeywordOnly())
+    out, state = inner.update(
+        {"w": torch.ones(2)}, inner.init(params), params=params, inplace=False
+    )
+    assert torch.equal(out["w"], torch.full((2,), 4.0))
+    assert seen == [(params, False), (params, False)] and state == aa.ChainState(((), ()))

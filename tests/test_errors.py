@@ -453,6 +453,35 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "sgd-update-state-type": lambda: sgd(0.1).update(
         _grads_of(_params()), adam(0.1).init(_params())
     ),
+    # lbfgs: its arguments, then its init and update called alone
+    "lbfgs-lr-type": lambda: aa.lbfgs(lr="1"),
+    "lbfgs-lr-range": lambda: aa.lbfgs(lr=0.0),
+    "lbfgs-memory_size-type": lambda: aa.lbfgs(memory_size=5.0),
+    "lbfgs-memory_size-range": lambda: aa.lbfgs(memory_size=0),
+    "lbfgs-scale_init_precond-type": lambda: aa.lbfgs(scale_init_precond=1),
+    "lbfgs-curvature_eps-type": lambda: aa.lbfgs(curvature_eps=None),
+    "lbfgs-curvature_eps-range": lambda: aa.lbfgs(curvature_eps=-1e-10),
+    "lbfgs-init-params-dtype": lambda: aa.lbfgs().init(
+        {"a": torch.zeros(2), "n": torch.ones(2, dtype=torch.int64)}
+    ),
+    "lbfgs-init-params-device": lambda: aa.lbfgs().init(
+        {"a": torch.zeros(2), "b": torch.zeros(2, device="meta")}
+    ),
+    "lbfgs-update-state-type": lambda: aa.lbfgs().update(
+        _grads_of(_params()), sgd(0.1).init(_params()), params=_params()
+    ),
+    "lbfgs-update-state-count": lambda: aa.lbfgs().update(
+        _grads_of(_params()), aa.lbfgs().init(_params())._replace(count=0), params=_params()
+    ),
+    "lbfgs-update-params-none": lambda: aa.lbfgs().update(
+        _grads_of(_params()), aa.lbfgs().init(_params())
+    ),
+    "lbfgs-update-params-structure": lambda: aa.lbfgs().update(
+        _grads_of(_params()), aa.lbfgs().init(_params()), params={"w": _params()["w"]}
+    ),
+    "update-inner_state-lbfgs-shape": _update_case(
+        inner_made=lambda: aa.lbfgs(memory_size=5), inner_called=lambda: aa.lbfgs(memory_size=3)
+    ),
     # mix and mixing_weights
     "mix-history-none": lambda: aa.mix(None),
     "mix-history-leaf": lambda: aa.mix([1.0, 2.0, 3.0]),
@@ -515,6 +544,7 @@ def test_rows_are_well_formed():
             "mixing_weights",
             "sgd",
             "adam",
+            "lbfgs",
         }, row
         # The message names the argument it rejects: the excerpt shows where.
         assert f"`{row.argument}" in row.excerpt, row

@@ -27,7 +27,8 @@ import aadl_func as aa
 from aadl_func._src import native
 
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
-needs_kernel = pytest.mark.skipif(not native.available(), reason=native.status())
+KERNEL = aa.kernel_info()
+needs_kernel = pytest.mark.skipif(KERNEL["kernel"] != "native", reason=KERNEL["reason"])
 
 # Lengths around the block size and the 8-element inner step; row counts around the group of 4.
 LENGTHS = [
@@ -189,8 +190,13 @@ def test_dots_decline_what_they_do_not_handle():
 def test_kernel_is_built_where_a_compiler_exists():
     # Guards against a silent fallback (a failed optional build at install time, a stale
     # in-place build of an editable install) making every run slow.
-    assert native.available(), native.status()
-    assert native.status() == f"native kernel: {native.LIBRARY}"
+    info = aa.kernel_info()
+    assert info["kernel"] == "native", info["reason"]
+    assert info == {
+        "kernel": "native",
+        "library": str(native.LIBRARY),  # the package's own library
+        "reason": f"native kernel: {native.LIBRARY}",
+    }
 
 
 def params_and_grads(seed: int):
@@ -257,7 +263,6 @@ def run_fresh_python(code: str, env: dict, cwd=None) -> str:
 # Runs a few steps and reports which shared objects the process mapped.
 FALLBACK_RUN = """
     import json, torch, aadl_func as aa
-    from aadl_func._src import native
     params = torch.randn(5000)
     opt = aa.anderson(aa.sgd(0.1), history_depth=4)
     state = opt.init(params)
@@ -265,8 +270,9 @@ FALLBACK_RUN = """
         params, state = opt.update(state, params, params.clone(), inplace=True)
     with open("/proc/self/maps") as maps:
         mapped = sorted({line.split()[-1] for line in maps if "_dots" in line})
-    print(native.available(), int(state.num_mixed), bool(torch.isfinite(params).all()))
-    print(native.status())
+    info = aa.kernel_info()
+    print(info["kernel"] == "native", int(state.num_mixed), bool(torch.isfinite(params).all()))
+    print(info["reason"])
     print(json.dumps(mapped))
 """
 
@@ -407,8 +413,8 @@ WARNING_RUN = """
 def test_kernel_info_and_the_warning_when_it_is_missing(tmp_path, env, library, warns):
     """``aa.kernel_info()`` names the path that runs; a kernel that should be there and is not
     warns once per process, at the first ``init``; one turned off on purpose does not."""
-    if library is None and not env and not native.available():
-        pytest.skip(native.status())
+    if library is None and not env and KERNEL["kernel"] != "native":
+        pytest.skip(KERNEL["reason"])
     code = textwrap.dedent(WARNING_RUN)
     if library is not None:
         (tmp_path / "garbage.so").write_bytes(b"not a shared library")

@@ -33,7 +33,8 @@ import torch
 from aadl_func._src import tree
 from aadl_func._src.inner import InnerOptimizer
 from aadl_func._src.state import allow_weights_only
-from aadl_func._src.transforms import EmptyState
+from aadl_func._src.transforms import EmptyState, Transform, decay_leaf
+from aadl_func._src.transforms import chain as chain_stages
 from aadl_func._src.validation import check_float
 
 __all__ = ["ChainState", "add_decayed_weights", "chain", "clip_by_global_norm"]
@@ -69,8 +70,10 @@ def chain(*transforms: Any) -> InnerOptimizer:
                 f"{type(t).__name__}"
             )
 
+    composed = chain_stages(*(_as_stage(t) for t in transforms))
+
     def init(params: PyTree) -> ChainState:
-        return ChainState(tuple(t.init(params) for t in transforms))
+        return ChainState(composed.init(params))
 
     def update(
         updates: PyTree, state: ChainState, params: PyTree = None, inplace: bool = True
@@ -80,13 +83,21 @@ def chain(*transforms: Any) -> InnerOptimizer:
                 f"chain.update: `state` must be the ChainState of {len(transforms)} "
                 f"transformations this chain's init made, got {type(state).__name__}"
             )
-        new_states = []
-        for t, s in zip(transforms, state.states):
-            updates, s = t.update(updates, s, params=params, inplace=inplace)
-            new_states.append(s)
-        return updates, ChainState(tuple(new_states))
+        updates, states = composed.update(updates, state.states, (params, inplace))
+        return updates, ChainState(states)
 
     return InnerOptimizer(init, update)
+
+
+def _as_stage(transform: Any) -> Transform:
+    """A torchopt-style transformation as a stage of the package's one composition
+    (`transforms.chain`), which hands every stage the same `(params, inplace)` pair."""
+
+    def update(updates: PyTree, state: Any, call: tuple[PyTree, bool]) -> tuple[PyTree, Any]:
+        params, inplace = call
+        return transform.update(updates, state, params=params, inplace=inplace)
+
+    return Transform(transform.init, update)
 
 
 def clip_by_global_norm(max_norm: float) -> InnerOptimizer:
@@ -146,7 +157,7 @@ def add_decayed_weights(
             raise ValueError(f"{owner}: `params` is required (the decay is proportional to them)")
         u_leaves, spec = tree.flatten(updates, "updates", owner=owner)
         p_leaves, p_spec = tree.flatten(params, "params", owner=owner)
-        tree.check_like("params", p_leaves, p_spec, u_leaves, spec, owner=owner)
+        tree.check_like("params", p_leaves, p_spec, u_leaves, spec, "updates", owner=owner)
         selected = mask(params) if callable(mask) else mask
         if selected is None:
             chosen = [True] * len(u_leaves)
@@ -158,12 +169,11 @@ def add_decayed_weights(
                 )
         out = []
         for u, p, use in zip(u_leaves, p_leaves, chosen):
+            # A decay of 0 is a no-op: adding 0 * params would make -0.0 into 0.0, inf into NaN.
             if not use or weight_decay == 0.0:
                 out.append(u)
-            elif inplace:
-                out.append(u.add_(p, alpha=weight_decay))
             else:
-                out.append(u.add(p, alpha=weight_decay))
+                out.append(decay_leaf(u, p, weight_decay, inplace))
         return tree.unflatten(spec, out), state
 
     return InnerOptimizer(init, update)

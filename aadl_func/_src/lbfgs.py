@@ -80,10 +80,10 @@ def _compute_dtype(fn: str, leaves: list[Tensor]) -> torch.dtype:
     """The promoted dtype of the leaves, which must be real floating point on one device."""
     for leaf in leaves:
         if not leaf.is_floating_point():
-            raise TypeError(f"{fn}: params must be real floating-point tensors, got {leaf.dtype}")
+            raise TypeError(f"{fn}: `params` must be real floating-point tensors, got {leaf.dtype}")
         if leaf.device != leaves[0].device:
             raise ValueError(
-                f"{fn}: params must be on one device, got {leaf.device} and {leaves[0].device}"
+                f"{fn}: `params` must be on one device, got {leaf.device} and {leaves[0].device}"
             )
     dtypes = [leaf.dtype for leaf in leaves] or [torch.get_default_dtype()]
     return functools.reduce(torch.promote_types, dtypes)

@@ -42,6 +42,7 @@ __all__ = [
     "Transform",
     "add_decayed_weights",
     "chain",
+    "decay_leaf",
     "scale_by_adam",
     "scale_by_learning_rate",
     "trace",
@@ -81,7 +82,13 @@ class EmptyState(NamedTuple):
 
 
 def chain(*stages: Transform) -> Transform:
-    """The stages applied one after the other; the state is the tuple of theirs."""
+    """The stages applied one after the other; the state is the tuple of theirs.
+
+    The package's one composition: the inner optimizers chain their stages with it, and the
+    public [`chain()`][aadl_func.chain] chains torchopt-style transformations with it (each as
+    a stage that reads `params` and `inplace` from its third argument). `step` reaches every
+    stage as it came; each stage's output updates are the next one's input.
+    """
 
     def init(leaves: list[Tensor]) -> tuple:
         return tuple(stage.init(leaves) for stage in stages)
@@ -98,15 +105,6 @@ def chain(*stages: Transform) -> Transform:
 
 def _no_state(leaves: list[Tensor]) -> EmptyState:
     return EmptyState()
-
-
-def _add_scaled(x: Tensor, y: Tensor, scale: float | Tensor, inplace: bool) -> Tensor:
-    """`x + scale * y`; with a tensor `scale` in one fused kernel, like `alpha=`."""
-    if isinstance(scale, float):
-        return x.add_(y, alpha=scale) if inplace else x.add(y, alpha=scale)
-    # addcmul_ has no vmap batching rule: out of place, then written back.
-    out = torch.addcmul(x, y, scale)
-    return x.copy_(out) if inplace else out
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,9 +132,25 @@ def add_decayed_weights(*, decoupled: bool = False) -> Transform:
             scale, into_updates = -(step.lr * decay), True
         else:
             scale, into_updates = decay, step.inplace
-        return [_add_scaled(u, p, scale, into_updates) for u, p in zip(updates, step.params)], state
+        return [decay_leaf(u, p, scale, into_updates) for u, p in zip(updates, step.params)], state
 
     return Transform(_no_state, update)
+
+
+def decay_leaf(update: Tensor, param: Tensor, scale: float | Tensor, inplace: bool) -> Tensor:
+    r"""The package's one decay rule, $u \leftarrow u + s\,\theta$ for one leaf.
+
+    `add_decayed_weights()` passes $s = \lambda$ (coupled) or $-\gamma\lambda$
+    (decoupled), the public [`add_decayed_weights()`][aadl_func.add_decayed_weights] its
+    `weight_decay` on the leaves its mask selects. A number $s$ is the `alpha=` of one
+    `add`, `torch.optim`'s operation; a 0-d tensor goes into one fused `addcmul`. With
+    `inplace` the update is written into.
+    """
+    if isinstance(scale, float):
+        return update.add_(param, alpha=scale) if inplace else update.add(param, alpha=scale)
+    # addcmul_ has no vmap batching rule: out of place, then written back.
+    out = torch.addcmul(update, param, scale)
+    return update.copy_(out) if inplace else out
 
 
 def scale_by_learning_rate() -> Transform:
