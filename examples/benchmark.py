@@ -690,16 +690,19 @@ def _trivial_update(opt):
 
 
 def _loop_alone(run):
-    """``run`` with the solvers' core update replaced by ``x + r`` (:func:`_trivial_update`)."""
+    """``run`` with the solvers' Anderson step replaced by ``x + r`` (:func:`_trivial_update`;
+    the eager loop's own window, ``solver_eager``, switched off so that it takes that)."""
     from aadl_func._src import solver as solver_module
+    from aadl_func._src import solver_eager
 
     def alone(count):
-        accelerator = solver_module._accelerator
+        accelerator, supports = solver_module._accelerator, solver_eager.supports
         solver_module._accelerator = lambda *a, **k: _trivial_update(accelerator(*a, **k))
+        solver_eager.supports = lambda *args: False
         try:
             run(count)
         finally:
-            solver_module._accelerator = accelerator
+            solver_module._accelerator, solver_eager.supports = accelerator, supports
 
     return alone
 

@@ -1,9 +1,10 @@
 """``batch_dims=1`` through the batched route (``aadl_func/_src/solver_batched.py``).
 
 The contract: each sample of a batch is solved as if alone. The references are independent
-of the batched code: one eager solve per sample (``batch_dims=0``, the core's ``update``, its
-own window, float64 small solve and stopping test), and ``core/lstsq.py``'s small solves called on
-one sample at a time. ``test_solver_options.py`` holds the same contract with bounds derived
+of the batched code: one eager solve per sample (``batch_dims=0``: the eager loop's own window,
+``solver_eager``, itself held to the core's ``update`` in test_solver_eager.py and to SciPy's
+steps in test_solver.py; its own float64 small solve and stopping test), and
+``core/lstsq.py``'s small solves called on one sample at a time. ``test_solver_options.py`` holds the same contract with bounds derived
 from each sample's sensitivity; here float64 is held to 1e-12 at every iterate over the
 solver's options, and float32 to a bound derived the same way.
 """

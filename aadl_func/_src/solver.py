@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import grad_mode, solver_batched, tree
+from aadl_func._src import grad_mode, solver_batched, solver_eager, tree
 from aadl_func._src.anderson import Anderson, functions
 from aadl_func._src.checks import differentiating
 from aadl_func._src.core.linesearch import armijo
@@ -393,17 +393,16 @@ def _line_search(
 
 # -- the loops -------------------------------------------------------------------------------
 def _eager_loop(
-    problem: _Problem, x: list[Tensor], opt: Anderson, options: _Options, spec: Any
+    problem: _Problem, x: list[Tensor], accelerate: Callable, options: _Options, spec: Any
 ) -> tuple[list[Tensor], SolverInfo]:
-    """Python control flow: stops at the first iterate that meets the tolerance."""
+    """Python control flow: stops at the first iterate that meets the tolerance.
+    `accelerate(x, step)` is the Anderson step (`_accelerator_step()`)."""
     tol, rtol, gtol = (float(t) for t in (options.tol, options.rtol, options.gtol))
     step, norm_t, value = problem(x)
     norm = float(norm_t)
     norms, evaluations, iterations = [norm], 1, 0
     threshold = max(tol, rtol * norm)
     best = (norm, x, 0)  # the lowest residual so far: (norm, iterate, step)
-    state = opt.init(tree.unflatten(spec, x))
-    inplace = _updates_in_place(x)
     status = NONFINITE if not math.isfinite(norm) else MAX_ITER
     while status != NONFINITE:
         if _met(norm, threshold, gtol, value):
@@ -411,13 +410,7 @@ def _eager_loop(
             break
         if iterations == options.max_iter:
             break
-        # In place on a copy of x (x itself stays the iterate that `best` may hold): the
-        # same bits as the pure call, with the window kept as `init` laid it out.
-        start = [t.clone() for t in x] if inplace else x
-        proposal, state = opt.update(
-            state, tree.unflatten(spec, start), tree.unflatten(spec, step), inplace=inplace
-        )
-        proposal = tree.flatten(proposal, "x")[0]
+        proposal = accelerate(x, step)
         if options.line_search:
             new_x, new_step, new_norm_t, new_value, spent = _line_search(problem, x, proposal, norm)
         else:
@@ -449,6 +442,29 @@ def _eager_loop(
         returned_iteration=torch.tensor(returned),
     )
     return x, info
+
+
+def _accelerator_step(
+    opt: Anderson, settings: AndersonOptions, x: list[Tensor], spec: Any
+) -> Callable:
+    """`accelerate(x, step)`: the next iterate (leaves) after the iterate `x` and its step,
+    for the eager loop: the solver's own window (`aadl_func._src.solver_eager`) where it
+    implements `settings`, else the core's `update` (`opt`), whose state it keeps."""
+    if solver_eager.supports(settings, x):
+        return solver_eager.EagerWindow(settings, x).step
+    inplace = _updates_in_place(x)
+    state = [opt.init(tree.unflatten(spec, x))]
+
+    def accelerate(x: list[Tensor], step: list[Tensor]) -> list[Tensor]:
+        # In place on a copy of x (x itself stays the iterate that `best` may hold): the
+        # same bits as the pure call, with the window kept as `init` laid it out.
+        start = [t.clone() for t in x] if inplace else x
+        proposal, state[0] = opt.update(
+            state[0], tree.unflatten(spec, start), tree.unflatten(spec, step), inplace=inplace
+        )
+        return tree.flatten(proposal, "x")[0]
+
+    return accelerate
 
 
 def _updates_in_place(x: list[Tensor]) -> bool:
@@ -585,8 +601,10 @@ def _solve(
         recorded = grad_on and _depends_on_grad(problem, x)
         if kind == "root":
             problem.scale = _root_alpha(problem, x, alpha, masked)
-        loop = _masked_loop if masked else _eager_loop
-        return (*loop(problem, x, opt, options, spec), recorded)
+        if masked:
+            return (*_masked_loop(problem, x, opt, options, spec), recorded)
+        accelerate = _accelerator_step(opt, settings, x, spec)
+        return (*_eager_loop(problem, x, accelerate, options, spec), recorded)
 
     # No graph through the iterations (nor through the window).
     x, info, recorded = grad_mode.kept(iterate)
