@@ -4,9 +4,12 @@ Both solvers drive the package's own [`aadl_func.anderson()`][aadl_func.anderson
 `"classic"` by default) around an *identity* inner optimizer: the "gradient" handed to `update` is
 the step $r(x) = g(x) - x$ (fixed point) or $\alpha F(x)$ (root), the identity turns it into
 the update, so the inner step is $y = x + r(x) = g(x)$ and type-II Anderson acceleration
-of the map $g$ follows. There is no second Anderson implementation here: this module
-only adds the loop, the stopping test, the bookkeeping, SciPy's backtracking line search, the
-masked fixed-budget variant for `vmap`/`torch.compile`, and implicit differentiation.
+of the map $g$ follows. Two routes write that recurrence for speed, each held to the core's
+update by its tests: the eager loop's own window for one problem
+(`aadl_func._src.solver_eager`) and the batched per-sample step
+(`aadl_func._src.solver_batched`). This module adds the loops, the stopping test, the
+bookkeeping, SciPy's backtracking line search, the masked fixed-budget variant for
+`vmap`/`torch.compile`, and implicit differentiation.
 
 Residual norm: the 2-norm over all leaves of the pytree,
 $\|r\| = (\sum_\ell \sum_i |r_{\ell,i}|^2)^{1/2}$, accumulated in float64, of
@@ -396,7 +399,7 @@ def _eager_loop(
     problem: _Problem, x: list[Tensor], accelerate: Callable, options: _Options, spec: Any
 ) -> tuple[list[Tensor], SolverInfo]:
     """Python control flow: stops at the first iterate that meets the tolerance.
-    `accelerate(x, step)` is the Anderson step (`_accelerator_step()`)."""
+    `accelerate(x, step)` is the Anderson step (`solver_eager.accelerator_step()`)."""
     tol, rtol, gtol = (float(t) for t in (options.tol, options.rtol, options.gtol))
     step, norm_t, value = problem(x)
     norm = float(norm_t)
@@ -442,35 +445,6 @@ def _eager_loop(
         returned_iteration=torch.tensor(returned),
     )
     return x, info
-
-
-def _accelerator_step(
-    opt: Anderson, settings: AndersonOptions, x: list[Tensor], spec: Any
-) -> Callable:
-    """`accelerate(x, step)`: the next iterate (leaves) after the iterate `x` and its step,
-    for the eager loop: the solver's own window (`aadl_func._src.solver_eager`) where it
-    implements `settings`, else the core's `update` (`opt`), whose state it keeps."""
-    if solver_eager.supports(settings, x):
-        return solver_eager.EagerWindow(settings, x).step
-    inplace = _updates_in_place(x)
-    state = [opt.init(tree.unflatten(spec, x))]
-
-    def accelerate(x: list[Tensor], step: list[Tensor]) -> list[Tensor]:
-        # In place on a copy of x (x itself stays the iterate that `best` may hold): the
-        # same bits as the pure call, with the window kept as `init` laid it out.
-        start = [t.clone() for t in x] if inplace else x
-        proposal, state[0] = opt.update(
-            state[0], tree.unflatten(spec, start), tree.unflatten(spec, step), inplace=inplace
-        )
-        return tree.flatten(proposal, "x")[0]
-
-    return accelerate
-
-
-def _updates_in_place(x: list[Tensor]) -> bool:
-    """Whether the eager loop may step copies of its iterates in place: outside the
-    differentiating transforms (which refuse in-place steps) and autograd's graph."""
-    return not differentiating() and not any(t.requires_grad for t in x)
 
 
 def _met(norm: float, threshold: float, gtol: float, value: Tensor | None) -> bool:
@@ -603,7 +577,7 @@ def _solve(
             problem.scale = _root_alpha(problem, x, alpha, masked)
         if masked:
             return (*_masked_loop(problem, x, opt, options, spec), recorded)
-        accelerate = _accelerator_step(opt, settings, x, spec)
+        accelerate = solver_eager.accelerator_step(opt, settings, x, spec)
         return (*_eager_loop(problem, x, accelerate, options, spec), recorded)
 
     # No graph through the iterations (nor through the window).

@@ -42,18 +42,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from aadl_func._src import native
+from aadl_func._src import native, tree
+from aadl_func._src.anderson import Anderson
+from aadl_func._src.checks import differentiating
 from aadl_func._src.core.lstsq import solve_factor_known, solve_known
 from aadl_func._src.core.scalars import float64_tensor
 from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.window import known_rows
 
-__all__ = ["EagerWindow", "supports"]
+__all__ = ["EagerWindow", "accelerator_step", "supports"]
 
 # The options this window implements as given; every other one must be at its default.
 _IMPLEMENTED = frozenset(
@@ -74,6 +78,35 @@ def supports(options: AndersonOptions, leaves: list[Tensor]) -> bool:
     return dtype in _REAL and all(
         t.dtype == dtype and t.is_cpu and t.is_contiguous() and t.numel() > 0 for t in leaves
     )
+
+
+def accelerator_step(
+    opt: Anderson, settings: AndersonOptions, x: list[Tensor], spec: Any
+) -> Callable:
+    """`accelerate(x, step)`: the next iterate (leaves) after the iterate `x` and its step,
+    for the eager loop: the solver's own window (`EagerWindow`) where it
+    implements `settings`, else the core's `update` (`opt`), whose state it keeps."""
+    if supports(settings, x):
+        return EagerWindow(settings, x).step
+    inplace = _updates_in_place(x)
+    state = [opt.init(tree.unflatten(spec, x))]
+
+    def accelerate(x: list[Tensor], step: list[Tensor]) -> list[Tensor]:
+        # In place on a copy of x (x itself stays the iterate that `best` may hold): the
+        # same bits as the pure call, with the window kept as `init` laid it out.
+        start = [t.clone() for t in x] if inplace else x
+        proposal, state[0] = opt.update(
+            state[0], tree.unflatten(spec, start), tree.unflatten(spec, step), inplace=inplace
+        )
+        return tree.flatten(proposal, "x")[0]
+
+    return accelerate
+
+
+def _updates_in_place(x: list[Tensor]) -> bool:
+    """Whether the eager loop may step copies of its iterates in place: outside the
+    differentiating transforms (which refuse in-place steps) and autograd's graph."""
+    return not differentiating() and not any(t.requires_grad for t in x)
 
 
 class EagerWindow:
