@@ -460,7 +460,9 @@ class Recurrence:
        fails, the call returns the previous call's plain step ``y`` and is not counted
        (``k`` stays, as for a skipped call), with nothing else changed (no inner step;
        ``restart_on_reject`` cuts the window to its newest entry). A mix returned by a call
-       records that call's ``loss(x)``.
+       records that call's ``loss(x)``, or with ``sufficient_decrease`` ``c`` the bar
+       ``loss(x) + c grad(x).(y - x)`` where that slope is negative (Armijo's condition
+       with the plain step as the yardstick).
 
     After :meth:`run`, ``window`` holds the final window (mode "classic": the pairs).
     """
@@ -480,6 +482,7 @@ class Recurrence:
     restart_on_reject: bool = False
     skip_nonfinite: bool = False
     deferred: bool = False
+    sufficient_decrease: float = 0.0
     solve: Solver = svd_lstsq
     reg_column: float = 0.0  # mode "classic" (type2_anderson's)
     # Applied to the window's columns (oldest first) before each mix: mode "aadl" ``perturb(X)``,
@@ -580,7 +583,11 @@ class Recurrence:
                     if kind == "rejected" and self.restart_on_reject:
                         self.window = self.window[-1:]
             if self.deferred:
-                pending = value if kind == "mix" and np.isfinite(value) else None
+                slope = float(np.real(np.vdot(g, y - x)))
+                bar = value
+                if self.sufficient_decrease and np.isfinite(slope) and slope < 0:
+                    bar = value + self.sufficient_decrease * slope
+                pending = bar if kind == "mix" and np.isfinite(value) else None
             x = out
             outputs.append(x.copy())
             kinds.append(kind)

@@ -65,13 +65,18 @@ def run_library(opt, steps, *, inplace=False, dtype=torch.float64, x0=X0):
     return outputs, state
 
 
+@pytest.mark.parametrize("sufficient", [0.0, 0.5])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("restart", [False, True])
 @pytest.mark.parametrize("inner", list(INNERS))
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
-def test_follows_the_reference_recurrence(mode, inner, restart, inplace):
+def test_follows_the_reference_recurrence(mode, inner, restart, inplace, sufficient):
+    """Every call within 1e-8 of the reference's from the library's own inputs, with the same
+    decisions; ``sufficient``: the bar ``loss + c grads.u`` (``sufficient_decrease``)."""
     make, make_reference = INNERS[inner]
-    options = dict(mode=mode, history_depth=5, restart_on_reject=restart)
+    options = dict(
+        mode=mode, history_depth=5, restart_on_reject=restart, sufficient_decrease=sufficient
+    )
     outputs, state = run_library(aa.anderson(make(), **options), STEPS, inplace=inplace)
     # Each call is checked on the library's own inputs (the reference is fed its outputs), so
     # that the trajectory's sensitivity (Rosenbrock's valley with AA is chaotic) does not
@@ -155,13 +160,15 @@ def test_float32_params_follow_the_float64_reference(mode, history_dtype):
     assert int(state.num_rejected) == kinds.count("reverted") >= 2
 
 
+@pytest.mark.parametrize("sufficient", [0.0, 0.5])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
-def test_vmapped_members_judge_their_own_mixes(mode, inplace):
+def test_vmapped_members_judge_their_own_mixes(mode, inplace, sufficient):
     """An ensemble under vmap, members starting apart so that they reject on different
-    calls: each member equals its own eager run."""
+    calls: each member equals its own eager run (with ``sufficient_decrease``, each judged
+    against its own bar)."""
     starts = [X0, X0 * 0.9, X0 + 0.05]
-    opt = aa.anderson(aa.adam(0.05), mode=mode, history_depth=5)
+    opt = aa.anderson(aa.adam(0.05), mode=mode, history_depth=5, sufficient_decrease=sufficient)
     eager = [run_library(opt, 25, x0=s) for s in starts]
     rejections = [int(state.num_rejected) for _, state in eager]
     assert len(set(rejections)) > 1 or min(rejections) >= 1
@@ -303,3 +310,15 @@ def test_wrapper_loads_a_checkpoint_saved_before_pending_loss():
     fresh = aa.AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), history_depth=3)
     fresh.load_state_dict(old)
     assert math.isinf(float(fresh.state_dict()["anderson"]["windows"][0].pending_loss))
+
+
+def test_sufficient_decrease_is_refused_by_the_torch_optim_faces():
+    """The wrapped optimizer's step reaches the core as the params it stepped to, not as the
+    gradients the condition reads: both faces refuse the option at construction, by name."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    for make in (aa.AcceleratedOptimizer, aa.accelerate):
+        with pytest.raises(
+            ValueError, match="`sufficient_decrease` is available in the functional"
+        ):
+            make(torch.optim.SGD(params, lr=0.1), sufficient_decrease=0.5)
+        make(torch.optim.SGD(params, lr=0.1), sufficient_decrease=0.0)  # the default is taken

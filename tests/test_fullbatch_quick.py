@@ -28,7 +28,7 @@ def quick(tmp_path_factory):
 def test_every_problem_has_every_row(quick):
     assert set(quick["problems"]) == set(run.SPECS)
     for key, result in quick["problems"].items():
-        expected = PEERS | {"aa_default", "aa_tuned", "aa_lbfgs_default", "aa_lbfgs_tuned"}
+        expected = PEERS | set(run.methods.ACCELERATED)
         if run.SPECS[key].pinn:
             expected |= {"adam_lbfgs"}
         assert set(result["methods"]) == expected, key

@@ -4,9 +4,10 @@ The contract: each sample of a batch is solved as if alone. The references are i
 of the batched code: one eager solve per sample (``batch_dims=0``: the eager loop's own window,
 ``solver_eager``, itself held to the core's ``update`` in test_solver_eager.py and to SciPy's
 steps in test_solver.py; its own float64 small solve and stopping test), and
-``core/lstsq.py``'s small solves called on one sample at a time. ``test_solver_options.py`` holds the same contract with bounds derived
-from each sample's sensitivity; here float64 is held to 1e-12 at every iterate over the
-solver's options, and float32 to a bound derived the same way.
+``core/lstsq.py``'s small solves called on one sample at a time. ``test_solver_options.py``
+holds the same contract with bounds derived from each sample's sensitivity; here float64 is
+held to 1e-12 at every iterate over the solver's options, and float32 to a bound derived the
+same way.
 """
 
 from __future__ import annotations

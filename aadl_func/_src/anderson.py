@@ -87,6 +87,7 @@ def anderson(
     restart_on_reject: bool = False,
     reg_column: float = 0.0,
     line_search: bool = False,
+    sufficient_decrease: float = 0.0,
 ) -> Anderson:
     r"""Anderson-accelerates an inner optimizer, treating its step as a fixed-point map `g`.
 
@@ -173,6 +174,10 @@ def anderson(
         smallest differences are not over-damped as by `reg_relative`'s window mean.
       line_search: with `loss_fn`, search along the mix instead of keeping or dropping it
         (below). Eager calls only (not under vmap or torch.compile, not sharded).
+      sufficient_decrease: $c \in [0, 1)$, the deferred safeguard's (`loss=`) bar for
+        keeping a mix: below the loss at the point it was made from by at least $c$ times
+        the decrease the plain step promises to first order (below). 0 (default): below that
+        loss at all. Not with sharded params.
 
     Options for minibatch (stochastic) training, where consecutive residuals differ by gradient
     noise as much as by curvature (see examples/minibatch.py and the README):
@@ -212,6 +217,17 @@ def anderson(
       that is kept counts as a mix and, in mode "aadl", replaces the newest window entry.
       It costs `loss_fn`'s forward-mode derivative and one evaluation per trial (one when
       $s = 1$ qualifies), where the plain `loss_fn` safeguard costs two evaluations.
+
+    * `sufficient_decrease` (Armijo's condition, with the plain step as the yardstick): with
+      `update(..., loss=value)` the mix $x_{k+1}$ returned at call $k$ is judged at call
+      $k + 1$ by the loss there; it is kept only if
+      $\ell(x_{k+1}) < \ell(x_k) + c\, \langle \nabla \ell(x_k), u_k \rangle$, $u_k$ the
+      inner optimizer's update at $x_k$ (the plain step's direction) and `grads` taken as
+      $\nabla \ell(x_k)$. With $c = 0$ any decrease keeps a mix, and a mix that decreases
+      the loss by little is kept again and again: on the full-batch suite's Poisson PINN and
+      extended Rosenbrock, around Adam, the accepted mixes stall where the inner optimizer
+      alone goes on (docs/guide.md). The inner update is then computed out of place (its
+      input is the gradient the condition reads).
 
     `inplace=True` is exception safe: whatever is raised wherever in a call (`loss_fn`,
     Ctrl-C, an out-of-memory error, another signal's handler), the params and the state
@@ -391,6 +407,11 @@ def step(
     transformed = tree.any_transformed(p_leaves)  # vmap, or torch.compile
     if options.line_search:
         mix_search.check_call(loss_fn, shards, transformed)
+    if options.sufficient_decrease and shards is not None:
+        raise ValueError(
+            "anderson.update: `sufficient_decrease` is not available with sharded params (its "
+            "slope would need a reduction over the mesh); use sufficient_decrease=0.0"
+        )
     if eager.applies(
         options,
         state,
@@ -489,10 +510,13 @@ def _general_call(options, state, params, p_leaves, spec, grads, how: _Flags, gu
         inplace=how.inplace
         and not options.skip_nonfinite
         and (guard is None or not keeps_buffers)
-        and reject_known is not None,
+        and reject_known is not None
+        and not deferred.reads_grads(options, how.loss),
     )
     u_leaves, u_spec = tree.flatten(updates, "inner updates")
     tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
+    g_leaves = tree.flatten(grads, "grads")[0]
+    how = how._replace(loss=deferred.bar(options, how.loss, g_leaves, u_leaves))
     call = Call(
         options,
         state,
@@ -509,7 +533,6 @@ def _general_call(options, state, params, p_leaves, spec, grads, how: _Flags, gu
     )
     run = options.rules.step
     if options.skip_nonfinite:
-        g_leaves = tree.flatten(grads, "grads")[0]
         run = functools.partial(_run_if_finite, run=options.rules.step, g_leaves=g_leaves)
     if reject_known is None:
         out, new_state = _blend_verdict(call, rejected, run)

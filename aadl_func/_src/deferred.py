@@ -39,7 +39,16 @@ from aadl_func._src.state import AndersonState
 if TYPE_CHECKING:  # an annotation only: options -> modes -> the steps -> stages -> here
     from aadl_func._src.options import AndersonOptions
 
-__all__ = ["INF", "check_loss", "cleared", "empty", "pending_after", "rejects"]
+__all__ = [
+    "INF",
+    "bar",
+    "check_loss",
+    "cleared",
+    "empty",
+    "pending_after",
+    "reads_grads",
+    "rejects",
+]
 
 INF = accept.INF
 
@@ -99,6 +108,24 @@ def cleared(state: AndersonState) -> Tensor:
     if tree.static_value(state.pending_loss) == INF:
         return state.pending_loss
     return torch.full_like(state.pending_loss, INF)
+
+
+def reads_grads(options: Any, loss: Tensor | None) -> bool:
+    """Whether `bar()` reads the call's grads after its inner update (which must then be
+    computed out of place: in place it may overwrite them)."""
+    return loss is not None and options.sufficient_decrease != 0.0
+
+
+def bar(options: Any, loss: Tensor | None, grads: list[Tensor], updates: list[Tensor]) -> Any:
+    r"""The value the mix returned by this call will be judged against: the call's `loss`,
+    or with `sufficient_decrease` $c$ the bar $\ell(x_k) + c \langle g, u \rangle$
+    (`aadl_func._src.core.accept.sufficient_bar()`; $g$ the grads, $u$ the inner
+    update, their inner product summed in float64 over the leaves)."""
+    if not reads_grads(options, loss):
+        return loss
+    slope = sum((g.to(torch.float64) * u.to(torch.float64)).sum() for g, u in zip(grads, updates))
+    value = torch.as_tensor(loss, dtype=torch.float64, device=slope.device)
+    return accept.sufficient_bar(value, slope, options.sufficient_decrease)
 
 
 def pending_after(call: Any, use_mix: Tensor, nothing: Tensor) -> Tensor:

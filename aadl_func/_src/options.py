@@ -66,6 +66,7 @@ class AndersonOptions:
     restart_on_reject: bool = False
     reg_column: float = 0.0
     line_search: bool = False
+    sufficient_decrease: float = 0.0
 
     def __post_init__(self) -> None:
         self._validate(OWNER, 3)
@@ -119,7 +120,15 @@ class AndersonOptions:
             restart_on_reject=check_bool(owner, "restart_on_reject", self.restart_on_reject),
             reg_column=check_float(owner, "reg_column", self.reg_column, minimum=0.0),
             line_search=check_bool(owner, "line_search", self.line_search),
+            sufficient_decrease=check_float(
+                owner, "sufficient_decrease", self.sufficient_decrease, minimum=0.0
+            ),
         )
+        if checked["sufficient_decrease"] >= 1.0:
+            raise ValueError(
+                f"{owner}: `sufficient_decrease` must be in [0, 1), got "
+                f"{checked['sufficient_decrease']!r}"
+            )
         if checked["max_consecutive_skips"] is not None and not checked["skip_nonfinite"]:
             raise ValueError(f"{owner}: `max_consecutive_skips` needs `skip_nonfinite=True`")
         for name, value in checked.items():  # the normalised values (ints, floats, devices)

@@ -30,6 +30,7 @@ from aadl_func._src.wrapper_groups import TakenStep, marks, torch_step_unless_re
 from aadl_func._src.wrapper_loss import (
     check_loss_argument,
     check_no_line_search,
+    check_no_sufficient_decrease,
     check_safeguard,
     closure_loss,
     interruptible,
@@ -116,12 +117,14 @@ class AcceleratedOptimizer(Optimizer):
         restart_on_reject: bool = False,
         reg_column: float = 0.0,
         line_search: bool = False,
+        sufficient_decrease: float = 0.0,
         safeguard: str = "loss_fn",
     ) -> None:
         given = locals()
         resolved = {name: given[name] for name in AndersonOptions.names()}
         check_safeguard("AcceleratedOptimizer", safeguard, store_each_nth)
         check_no_line_search("AcceleratedOptimizer", line_search)
+        check_no_sufficient_decrease("AcceleratedOptimizer", sufficient_decrease)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 "AcceleratedOptimizer: `optimizer` must be a torch.optim.Optimizer, got "
@@ -577,6 +580,7 @@ def accelerate(
     restart_on_reject: bool = False,
     reg_column: float = 0.0,
     line_search: bool = False,
+    sufficient_decrease: float = 0.0,
     safeguard: str = "loss_fn",
 ) -> AcceleratedOptimizer:
     r"""AADL's `accelerate`: Anderson-accelerates `optimizer` in place.

@@ -17,6 +17,7 @@ __all__ = [
     "SAFEGUARDS",
     "check_is_a_loss",
     "check_loss_argument",
+    "check_no_sufficient_decrease",
     "check_safeguard",
     "closure_loss",
     "interruptible",
@@ -53,6 +54,18 @@ def check_no_line_search(owner: str, line_search: object) -> None:
             "(aa.anderson(..., line_search=True) with update(..., loss_fn=...)): a closure "
             "writes the candidate into the module's parameters, through which no "
             "forward-mode derivative flows"
+        )
+
+
+def check_no_sufficient_decrease(owner: str, sufficient_decrease: object) -> None:
+    """`sufficient_decrease` reads the gradient with the inner update; the torch.optim faces
+    hand the core the params the torch optimizer stepped to, not the gradients."""
+    if sufficient_decrease not in (0, 0.0):
+        raise ValueError(
+            f"{owner}: `sufficient_decrease` is available in the functional API only "
+            "(aa.anderson(..., sufficient_decrease=c) with update(..., loss=value)): the "
+            "wrapped optimizer's step reaches the core as the params it stepped to, not as "
+            f"the gradients the condition reads; got {sufficient_decrease!r}"
         )
 
 

@@ -201,6 +201,7 @@ def rows_for(spec: Spec, chosen: dict[str, Any]) -> dict[str, Method]:
     rows = {family: entry["method"] for family, entry in chosen.items() if family not in tuned}
     rows["aa_default"] = methods.aa_default()
     rows["aa_tuned"] = chosen["aa_tuned"]["method"]
+    rows["aa_sufficient"] = methods.aa_sufficient()
     rows["aa_lbfgs_default"] = methods.aa_lbfgs_default()
     rows["aa_lbfgs_tuned"] = chosen["aa_lbfgs_tuned"]["method"]
     return rows
@@ -390,6 +391,8 @@ def markdown_page(payload: dict[str, Any]) -> str:
         '`aa.anderson(aa.adam(0.05, betas=(0.0, 0.999)), mode="classic", history_depth=20, '
         "reg_relative=1e-4)` called as `update(state, params, grads, loss=value)`. "
         "**AA tuned** is the same with its learning rate tuned like the peers'. "
+        "**AA default, sufficient decrease** is AA default judged by Armijo's condition "
+        "with the plain step as the yardstick: `" + methods.aa_sufficient().description + "`. "
         "**AA-L-BFGS default** is AA around the L-BFGS inner transformation (`aa.lbfgs`, no "
         "line search), the same on every problem: `"
         + methods.aa_lbfgs_default().description
@@ -540,6 +543,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--combine", default=None, help="a.json,b.json: merge runs of parts of the suite instead"
     )
+    parser.add_argument(
+        "--add-rows",
+        default=None,
+        help="a,b: run only these untuned rows (e.g. aa_sufficient) on the reported seeds and "
+        "put them into the results file (--out), the other rows kept as they are",
+    )
     args = parser.parse_args(argv)
     args.problems = [p for p in args.problems.split(",") if p]
     unknown = [p for p in args.problems if p not in SPECS]
@@ -571,6 +580,41 @@ def combine(paths: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def add_rows(payload: dict[str, Any], keys: Sequence[str], args: argparse.Namespace) -> None:
+    """Runs the untuned rows ``keys`` (``rows_for``'s defaults, no tuning) on the payload's
+    reported seeds for ``args.problems`` and puts their runs, statistics and comparisons
+    into ``payload`` in place; the other rows are kept as measured."""
+    for key in args.problems:
+        spec, result = SPECS[key], payload["problems"][key]
+        f_star = None if spec.pinn else payload["f_star"][key]["f_star"]
+        defaults = {"aa_default": methods.aa_default, "aa_sufficient": methods.aa_sufficient,
+                    "aa_lbfgs_default": methods.aa_lbfgs_default}  # fmt: skip
+        seeds = payload["config"]["seeds"]
+        targets = targets_of(spec, f_star, seeds[0])
+        for row in keys:
+            method = defaults[row]()
+            run_once(method, spec.make(seeds[0], spec.dtype), 3, targets, 0.0)  # warm-up
+            runs = []
+            for seed in seeds:
+                seed_targets = targets_of(spec, f_star, seed)
+                problem = spec.make(seed, spec.dtype)
+                runs.append({"seed": seed, **run_once(
+                    method, problem, result["budget"], seed_targets, targets.tolerances[-1]
+                )})  # fmt: skip
+            result["methods"][row] = {"label": method.label, "description": method.description}
+            result["runs"][row] = runs
+            result["stats"][row] = statistics_of(runs, targets.labels)
+        # The table's order: the peers as they were, then the AA rows in the suite's order.
+        order = [k for k in result["methods"] if k not in methods.ACCELERATED]
+        order += [k for k in methods.ACCELERATED if k in result["methods"]]
+        for field in ("methods", "runs", "stats"):
+            result[field] = {k: result[field][k] for k in order}
+        result["comparisons"] = comparisons(result)
+        header, rows = table_rows(result)
+        print(f"\n{result['title']}")
+        print(format_table(header, rows))
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.combine:
@@ -578,6 +622,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         write_outputs(payload, args)
         return payload
     torch.set_num_threads(1)
+    if args.add_rows:
+        with open(args.out) as f:
+            payload = json.load(f)
+        add_rows(payload, args.add_rows.split(","), args)
+        write_outputs(payload, args)
+        return payload
     f_stars = load_f_star(args)
     results = {}
     for key in args.problems:

@@ -20,6 +20,7 @@ __all__ = [
     "rejects_pending",
     "spread_exceeds",
     "skips_exhausted",
+    "sufficient_bar",
 ]
 
 # A `pending_loss` with nothing to judge.
@@ -36,6 +37,16 @@ def judged_loss(loss: Tensor) -> Tensor:
     r"""The deferred safeguard's bar for the mix returned now: the loss $\ell(x_k)$ at the
     point it was made from, or $+\infty$ (nothing to judge) when that loss is not finite."""
     return torch.where(torch.isfinite(loss), loss, INF)
+
+
+def sufficient_bar(loss: Tensor, slope: Tensor, c: float) -> Tensor:
+    r"""The deferred safeguard's bar with a sufficient-decrease factor $c$ (Armijo's
+    condition with the plain step as the yardstick): $\ell(x_k) + c\,\langle \nabla
+    \ell(x_k), u_k \rangle$, `slope` the inner product of the gradient and the inner
+    update at $x_k$. A slope that is not negative (not a descent step) or not finite asks
+    for no more than a decrease: the bar is the loss."""
+    descent = torch.isfinite(slope) & (slope < 0)
+    return torch.where(descent, loss + c * torch.where(descent, slope, 0.0), loss)
 
 
 def rejects_pending(pending: Tensor, loss: Tensor) -> Tensor:

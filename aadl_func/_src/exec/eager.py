@@ -104,11 +104,14 @@ def _call(options, state, params, p_leaves, spec, grads, loss, guard) -> tuple[A
     # In place, the inner update out of place when the inner optimizer keeps buffers: their
     # new values are committed with the plain step (as on the general path, anderson.step).
     keeps_buffers = protocols.keeps_buffers(options.inner)
+    in_place = guard is not None and not keeps_buffers and not deferred.reads_grads(options, loss)
     updates, inner_state = options.inner.update(
-        grads, state.inner_state, params=params, inplace=guard is not None and not keeps_buffers
+        grads, state.inner_state, params=params, inplace=in_place
     )
     u_leaves, u_spec = tree.flatten(updates, "inner updates")
     tree.check_like("inner updates", u_leaves, u_spec, p_leaves, spec, owner="anderson.update")
+    if deferred.reads_grads(options, loss):
+        loss = deferred.bar(options, loss, tree.flatten(grads, "grads")[0], u_leaves)
     step = _Step(options, state, p_leaves, spec, u_leaves, inner_state, loss, guard)
     try:
         out = step.classic() if options.rules.keeps_iterates else step.aadl()
