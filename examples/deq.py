@@ -29,12 +29,14 @@ the whole training, the final training loss and the test accuracy.
 Measured (one CPU thread, shared 2-core machine, defaults: hidden 64, 20 epochs of batch 128,
 float32, rtol 1e-4): Anderson needs 9.5 forward iterations per step (at most 14) against 15.3
 (at most 23) for plain iteration, and both train the same model (loss 0.0085, test accuracy
-97.3%). In time Anderson loses here: 3.1 s of forward solves against 0.34 s, 8.0 s of training
-against 5.4 s. This layer is cheap (an evaluation of f on the 128 x 64 batch costs ~0.1 ms)
-and easy (tanh's saturation makes it contract much faster than ``gamma``), while one eager
-Anderson update of those 8,192 numbers costs ~1.4 ms: acceleration pays when an evaluation of
-f costs more than the update and the plain iteration needs many steps (``--gamma 0.99``,
-``--hidden 256`` change the iteration counts little: 10.6 against 16.3).
+97.3%). In time Anderson still loses here, by less: 0.56 s of forward solves against 0.25 s
+(torchdeq: 2.5 s), 1.7 s of training against 1.2 s (measured with the solver's own eager
+window, docs/solver.md "Speed"; through the core's update it was 3.1 s against 0.34 s). This
+layer is cheap (an evaluation of f on the 128 x 64 batch costs ~0.05 ms) and easy (tanh's
+saturation makes it contract much faster than ``gamma``), while one Anderson step of those
+8,192 numbers costs ~0.1 ms: acceleration pays when an evaluation of f costs more than the
+step and the plain iteration needs many steps (``--gamma 0.99``, ``--hidden 256`` change the
+iteration counts little: 10.6 against 16.3).
 
 With torchdeq 0.1.0 installed (``pip install --no-deps torchdeq``) a third run, ``torchdeq``,
 takes its ``anderson_solver`` (``m = depth - 1``, its ``lam = 1e-4``) as the forward solver,
