@@ -165,12 +165,13 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize(("mode", "most"), [("aadl", 40), ("classic", 52)])
+@pytest.mark.parametrize(("mode", "most"), [("aadl", 45), ("classic", 57)])
 def test_small_in_place_step_runs_few_torch_operations(mode, most):
     # One leaf of 2^10, history 5, a full window: the steady state of a small model. The
     # count is deterministic (dispatched operations, not time); it was 107 (aadl) and 125
     # (classic) before the small arithmetic moved to Python floats, 49 and 63 before the
-    # counters were read at once and written only when they change.
+    # counters were written only when they change (a changed one filled with its value) and
+    # the Gram row summed in Python floats.
     opt = aa.anderson(aa.adam(1e-3), history_depth=5, mode=mode)
     x = torch.randn(1 << 10)
     grad = torch.randn(1 << 10) * 1e-2
@@ -213,8 +214,8 @@ def test_solver_loop_in_place_gives_the_pure_loop_bits(monkeypatch, mode, dtype)
     assert int(info_in_place.iterations) == 25
 
 
-# The finiteness test of a mix, one reduction per leaf read at once (`passes.finite`): every
-# element within the params dtype's finite range, judged here by NumPy over every element.
+# The finiteness test of a mix (`passes.finite`): every element of every leaf within the
+# params dtype's finite range, judged here by NumPy over every element.
 _BAD = [float("nan"), float("inf"), -float("inf"), 1e39, -1e39]
 
 

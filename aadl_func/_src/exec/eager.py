@@ -74,12 +74,13 @@ def applies(
 
 
 def _read_counters(state: AndersonState) -> list[int]:
-    """`count`, `head`, `window_size`, `skip_streak` and `num_mixed` as Python ints, read
-    with one copy of their values (0-d int64 tensors, checked) rather than one read each."""
-    counters = (state.count, state.head, state.window_size, state.skip_streak, state.num_mixed)
-    if all(c.is_cpu for c in counters):
-        return torch.stack(counters).tolist()
-    return [c.item() for c in counters]
+    """`count`, `head`, `window_size`, `skip_streak` and `num_mixed` as Python ints, each
+    read once a call (0-d int64 tensors, checked). One `.item()` each: a read costs less
+    than one `torch.stack` of them."""
+    return [
+        c.item()
+        for c in (state.count, state.head, state.window_size, state.skip_streak, state.num_mixed)
+    ]
 
 
 def _counter(value: int) -> Tensor:

@@ -191,14 +191,14 @@ def finite(x_hist: Sequence[Tensor], params: Sequence[Tensor], solved: Any) -> b
     (`aadl_func._src.stages.finite()`)."""
     if not (solved if isinstance(solved, bool) else bool(solved.item())):
         return False
-    pairs = [(t, p) for t, p in zip(x_hist, params) if t.numel() > 0]
-    if not pairs:
-        return True
-    # Every element within +-limit (the params dtype's largest finite value) is
-    # max |x| <= limit: each leaf's largest magnitude (a NaN propagates, and compares
-    # False), the leaves' read at once.
-    peaks = torch.stack([torch.linalg.vector_norm(t, math.inf) for t, _ in pairs]).tolist()
-    return all(peak <= torch.finfo(p.dtype).max for peak, (_, p) in zip(peaks, pairs))
+    for t, p in zip(x_hist, params):
+        if t.numel() == 0:
+            continue
+        limit = torch.finfo(p.dtype).max
+        low, high = torch.aminmax(t)
+        if not (low.item() >= -limit and high.item() <= limit):
+            return False
+    return True
 
 
 def _rows_of_one_buffer(slots: Sequence[Tensor]) -> Tensor | None:
