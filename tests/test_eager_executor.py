@@ -214,3 +214,21 @@ def test_inside_vmap_the_general_path_runs_even_for_unbatched_params(monkeypatch
     for i in range(2):
         torch.testing.assert_close(xs[i], solve(c[i]), rtol=0, atol=1e-12)
     assert taken  # and the eager solves did run through it
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [torch.zeros(3), torch.nn.Parameter(torch.ones(2, 2)), torch.zeros((), dtype=torch.int64)],
+)
+def test_a_bare_tensor_flattens_as_optree_flattens_it(leaf):
+    # tree.flatten answers a bare tensor (one-leaf params, their window slots) without optree:
+    # the same leaves and a spec equal to optree's, which unflattens and compares as it does.
+    from aadl_func._src import tree
+
+    leaves, spec = tree.flatten(leaf)
+    expected_leaves, expected_spec = optree.tree_flatten(leaf, none_is_leaf=False)
+    assert leaves == expected_leaves and leaves[0] is leaf
+    assert spec == expected_spec and hash(spec) == hash(expected_spec)
+    assert spec.num_leaves == 1 and spec.is_leaf()
+    assert tree.unflatten(spec, [leaf]) is leaf
+    assert spec != optree.tree_flatten([leaf])[1] != optree.tree_flatten({"w": leaf})[1]

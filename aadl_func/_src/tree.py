@@ -37,6 +37,10 @@ _KEYED = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKi
 _FIELDS = (optree.PyTreeKind.NAMEDTUPLE, optree.PyTreeKind.STRUCTSEQUENCE)
 
 
+# The spec of a tree that is one tensor: every such tree has this one (specs compare equal).
+_LEAF = optree.tree_structure(torch.empty(0), none_is_leaf=False)
+
+
 def _prefix(owner: str | None) -> str:
     return f"{owner}: " if owner else ""
 
@@ -49,6 +53,10 @@ def flatten(tree: Any, name: str = "params", owner: str | None = None) -> tuple[
     `"anderson.update"`) prefixes the error messages, which name the offending leaf by its
     key path (`params['bn.num_batches_tracked']`).
     """
+    if isinstance(tree, Tensor) and not _is_compiling():
+        # A bare tensor (one-leaf params, a window slot of them). Not when traced: dynamo
+        # traces optree's flatten into a spec of its own, which this one would not match.
+        return [tree], _LEAF
     if tree is None:
         raise TypeError(f"{_prefix(owner)}`{name}` is None; a pytree of tensors is required")
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=False)

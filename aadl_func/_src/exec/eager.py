@@ -73,6 +73,16 @@ def applies(
     return True
 
 
+def _read_counters(state: AndersonState) -> list[int]:
+    """`count`, `head`, `window_size`, `skip_streak` and `num_mixed` as Python ints, each
+    read once a call (0-d int64 tensors, checked). One `.item()` each: a read costs less
+    than one `torch.stack` of them."""
+    return [
+        c.item()
+        for c in (state.count, state.head, state.window_size, state.skip_streak, state.num_mixed)
+    ]
+
+
 def _counter(value: int) -> Tensor:
     return torch.scalar_tensor(value, dtype=_INT64)
 
@@ -145,6 +155,8 @@ class _Step:
         "ring",
         "iterates",
         "compute_dtypes",
+        "streak",
+        "mixed",
     )
 
     def __init__(self, options, state, params, spec, updates, inner_state, loss, guard):
@@ -154,9 +166,8 @@ class _Step:
         self.progress = Progress() if self.inplace else None
         self.current = state  # the state as of the last commit (pure: as built so far)
         self.q = options.num_slots
-        self.count = state.count.item() + 1  # this call's number
-        self.head = state.head.item()
-        self.size = state.window_size.item()
+        count, self.head, self.size, self.streak, self.mixed = _read_counters(state)
+        self.count = count + 1  # this call's number
         self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
         self.ring = tuple(tree.flatten(r, "state.residuals")[0] for r in state.residuals)
         self.iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
@@ -175,12 +186,10 @@ class _Step:
         if stored:
             # The pair (x_k, g(x_k) - x_k), stored before the step overwrites x_k.
             head = (self.head + 1) % self.q
-            point = stages.to_history(self.params, self.anchor)
+            point = _to_history(self.params, self.anchor)
             steps = [(x - a).to(d.dtype) for x, a, d in zip(point, self.anchor, self.iterates[0])]
-            self.iterates = self.put(
-                self.iterates, head, stages.to_history(steps, self.iterates[0])
-            )
-            residual = self.own(stages.to_history(self.updates, self.ring[0]), self.updates)
+            self.iterates = self.put(self.iterates, head, _to_history(steps, self.iterates[0]))
+            residual = self.own(_to_history(self.updates, self.ring[0]), self.updates)
             self.ring = self.put(self.ring, head, residual)
             grams, size, poisoned = self.append(grams, head, size)
             self.set_anchor(point, self.params)
@@ -208,7 +217,7 @@ class _Step:
         num_residuals = max(self.size - 1, 0)
         stored = self.count % options.store_each_nth == 0
         if stored:
-            y_hist = stages.to_history(y, self.anchor)
+            y_hist = _to_history(y, self.anchor)
             anchor_stored = False
             if self.count - 1 >= options.store_each_nth:  # the window holds an entry
                 head = (self.head + 1) % self.q
@@ -282,7 +291,7 @@ class _Step:
         if not self.inplace:
             history_dtype = self.options.history_dtype_of
             residual = [(yh - a).to(history_dtype(a)) for yh, a in zip(y_hist, self.anchor)]
-            self.ring = self.put(self.ring, slot, stages.to_history(residual, self.ring[0]))
+            self.ring = self.put(self.ring, slot, _to_history(residual, self.ring[0]))
             return None
         g = append_difference(self.ring, slot, y_hist, self.anchor, self.state.gram.device)
         if g is None:
@@ -324,15 +333,15 @@ class _Step:
         in-place call makes the caller's (a Ctrl-C deferred so far is raised here)."""
         state = self.state
         plain = state._replace(
-            count=_counter(self.count),
+            count=self.counter(state.count, self.count - 1, self.count),
             inner_state=self.inner_state,
             skip_streak=self.zero_streak(),
             pending_loss=deferred.cleared(state),
             gram=grams.gram,
             dr_gram=grams.dr_gram,
             dr_rhs=grams.dr_rhs,
-            head=_counter(head) if stored else state.head,
-            window_size=_counter(size) if stored else state.window_size,
+            head=self.counter(state.head, self.head, head),
+            window_size=self.counter(state.window_size, self.size, size),
             num_nonfinite=state.num_nonfinite + 1 if poisoned else state.num_nonfinite,
         )
         if not self.inplace:
@@ -344,6 +353,14 @@ class _Step:
             return
         stages.commit_to(state, self.progress, plain, self.inner_state, self._adopts(), plain=True)
         self.guard.checkpoint()
+
+    def counter(self, tensor: Tensor, old: int, new: int) -> Tensor | int:
+        """A counter of the plain step's state: `tensor`, the state's own, when its value
+        `old` stays; else in place the value itself, which the commit writes into `tensor`
+        (`atomic.write_back()`), or a new tensor."""
+        if new == old:
+            return tensor
+        return new if self.inplace else _counter(new)
 
     def window_tree(self, field: Any, leaves: Any) -> Any:
         """The state's field as trees like `params` (`stages.window_tree()`): the field
@@ -358,7 +375,7 @@ class _Step:
 
     def zero_streak(self) -> Tensor:
         streak = self.state.skip_streak
-        return streak if streak.item() == 0 else torch.zeros_like(streak)
+        return streak if self.streak == 0 else torch.zeros_like(streak)
 
     def mixes(self, size: int, minimum: int) -> bool:
         """The call-count gates and the mode's minimum window (`stages.gate()`)."""
@@ -376,7 +393,9 @@ class _Step:
         pending = deferred.pending_after(self, flags.known(ok), current.pending_loss)
         failed = mixes and not ok and not poisoned  # a poisoned call was counted at the commit
         final = current._replace(
-            num_mixed=current.num_mixed + 1 if ok else current.num_mixed,
+            num_mixed=self.counter(
+                current.num_mixed, self.mixed, self.mixed + 1 if ok else self.mixed
+            ),
             num_nonfinite=current.num_nonfinite + 1 if failed else current.num_nonfinite,
             pending_loss=pending,
         )
@@ -419,6 +438,15 @@ class _Step:
             if not (p.dtype == a.dtype == c) or (p.device, p.stride()) != (a.device, a.stride()):
                 return False
         return True
+
+
+def _to_history(leaves: list[Tensor], like: list[Tensor]) -> list[Tensor]:
+    """`aadl_func._src.stages.to_history()`: the leaves themselves when each already has
+    its window leaf's dtype and strides on the CPU (there every move is a no-op)."""
+    for v, w in zip(leaves, like):
+        if not (v.dtype == w.dtype and v.is_cpu and w.is_cpu and v.stride() == w.stride()):
+            return stages.to_history(leaves, like)
+    return list(leaves)
 
 
 def _write(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:

@@ -43,9 +43,11 @@ def appended_grams(
     `aadl_func._src.window.difference_rows()`."""
     q = len(ring)
     if not any(leaf.dtype in EXACT for leaf in ring[0]):
+        if grams.gram.dtype == torch.float64 and grams.gram.is_cpu:
+            known = g.tolist() if g is not None else _known_dots_row(ring, slot)
+            if known is not None:
+                return _appended_known(grams, slot, grown, known)
         g = _dots_row(ring, slot, grams.gram.device) if g is None else g
-        if g is not None and grams.gram.dtype == torch.float64 and grams.gram.is_cpu:
-            return _appended_known(grams, slot, grown, g)
     slot_t = torch.scalar_tensor(slot, dtype=_INT64)
     rows = difference_rows(ring, slot_t, grams.gram.device, grams.gram, g=g)
     stacked = torch.stack(rows)
@@ -61,8 +63,17 @@ def appended_grams(
 
 def _dots_row(ring: tuple, slot: int, device: torch.device) -> Tensor | None:
     r"""The row $g_t = \langle f_t, f_s \rangle$ of the residual in `ring[slot]` by the
-    native kernel (summed over leaves), or None where a leaf does not lie as it takes it."""
-    g = torch.zeros(len(ring), dtype=torch.float64, device=device)
+    native kernel (summed over leaves) on `device`, or None where a leaf does not lie as
+    it takes it."""
+    row = _known_dots_row(ring, slot)
+    return None if row is None else float64_tensor(row).to(device)
+
+
+def _known_dots_row(ring: tuple, slot: int) -> list[float] | None:
+    """`_dots_row()` as Python floats: the leaves' rows summed in the same order, each sum
+    one IEEE addition, as the float64 tensor additions there round it (from `0.0`, so a
+    `-0.0` sum comes out `0.0` as there), without a tensor per leaf."""
+    g = [0.0] * len(ring)
     for i, newest in enumerate(ring[slot]):
         if newest.numel() == 0:
             continue
@@ -71,16 +82,16 @@ def _dots_row(ring: tuple, slot: int, device: torch.device) -> Tensor | None:
             part = native.float64_dots([entry[i] for entry in ring], newest.view(-1))
         if part is None:  # not a plain contiguous CPU window: the general pass
             return None
-        g = g + part.to(device)
+        g = [a + b for a, b in zip(g, part.tolist())]
     return g
 
 
-def _appended_known(grams: Grams, slot: int, grown: int, g: Tensor) -> Grams | None:
+def _appended_known(grams: Grams, slot: int, grown: int, g: list[float]) -> Grams | None:
     """`appended_grams()` from the row `g` of a real window, the rows and the finiteness
     test over the valid slots (age below `grown`) in Python floats."""
     q = len(g)
     gram, dr_gram = grams.gram.tolist(), grams.dr_gram.tolist()
-    g, h, c = known_rows(g.tolist(), gram[(slot - 1) % q], slot)
+    g, h, c = known_rows(g, gram[(slot - 1) % q], slot)
     checked = (g, h, c)
     if grown != q:  # only the slots in the window (their age below `grown`)
         checked = [[v for t, v in enumerate(row) if (slot - t) % q < grown] for row in checked]
