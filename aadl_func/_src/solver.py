@@ -281,8 +281,12 @@ def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
     return [(a * xi).to(yi.dtype) + yi for xi, yi in zip(x, y)]
 
 
-def _where(flag: Tensor, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
-    """`a` where `flag` (one per problem) holds, else `b`, leaf by leaf."""
+def _where(flag: Tensor, a: list[Tensor], b: list[Tensor], every: bool = False) -> list[Tensor]:
+    """`a` where `flag` (one per problem) holds, else `b`, leaf by leaf; `a` itself where
+    `flag` is known to hold for every problem (`every`, read by `_known_all()`): the same
+    values without a pass over the leaves."""
+    if every:
+        return a
     return [torch.where(_per_problem(flag, ai), ai, bi) for ai, bi in zip(a, b)]
 
 
@@ -482,16 +486,38 @@ def _met(norm: float, threshold: float, gtol: float, value: Tensor | None) -> bo
     return value is not None and norm <= gtol * float(value)
 
 
-def _all_stopped(done: Tensor) -> bool:
-    """Whether every problem of the batch has stopped, when that can be read without a graph
-    break or a device synchronisation (eager vmap over CPU flags, or no transform)."""
+def _known_all(flag: Tensor) -> bool:
+    """Whether `flag` holds for every problem of the batch, when that can be read without a
+    graph break or a device synchronisation (eager vmap over CPU flags, or no transform);
+    False where it cannot be read."""
     if tree.tracing():
         return False
-    if _functorch.is_batchedtensor(done):
-        return tree.uniform_value(done) is True
-    if _functorch.is_functorch_wrapped_tensor(done) or not done.is_cpu:
+    if _functorch.is_batchedtensor(flag):
+        return tree.uniform_value(flag) is True
+    if _functorch.is_functorch_wrapped_tensor(flag) or not flag.is_cpu:
         return False
-    return bool(done.all())
+    return bool(flag.all())
+
+
+def _lowest(
+    best: tuple[list[Tensor], Tensor, Tensor],
+    accept: Tensor,
+    every: bool,
+    x: list[Tensor],
+    norm: Tensor,
+    iterations: Tensor,
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """The masked loop's lowest iterates `(x, norm, iteration)` per problem after a step
+    that accepted `x` (with its `norm`) where `accept` holds (everywhere when `every`)."""
+    best_x, best_norm, returned = best
+    lower = norm < best_norm if every else accept & (norm < best_norm)
+    if _known_all(lower):
+        return x, norm, iterations
+    return (
+        _where(lower, x, best_x),
+        torch.where(lower, norm, best_norm),
+        torch.where(lower, iterations, returned),
+    )
 
 
 def _masked_loop(
@@ -521,28 +547,35 @@ def _masked_loop(
     best_x, best_norm, returned = x, norm, iterations
     state = opt.init(tree.unflatten(spec, x))
     for _ in range(options.max_iter):
-        if _all_stopped(done):
+        if _known_all(done):
             break
         proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
         proposal = tree.flatten(proposal, "x")[0]
         new_step, new_norm, new_value = problem(proposal)
         active = ~done
-        bad = active & ~(new_norm < math.inf)  # a norm is finite when below Inf (NaN is not)
-        accept = active & ~bad
-        x = _where(accept, proposal, x)
-        step = _where(accept, new_step, step)
-        norm = torch.where(accept, new_norm, norm)
+        accept = active & (new_norm < math.inf)  # a norm is finite when below Inf (NaN is not)
+        # Read once per step where that is free (eagerly, on the CPU): while every problem
+        # runs and accepts, no mask below needs a pass over the problems.
+        every = _known_all(accept)
+        x = _where(accept, proposal, x, every)
+        step = _where(accept, new_step, step, every)
+        norm = new_norm if every else torch.where(accept, new_norm, norm)
         iterations = iterations + accept  # int64 + bool: counts the True ones
         evaluations = evaluations + active
-        converged = accept & met(norm, new_value)
-        status = torch.where(converged, CONVERGED, torch.where(bad, NONFINITE, status))
-        done = done | converged | bad
+        converged = met(norm, new_value)
+        if every:  # none had stopped, none is bad
+            status = torch.where(converged, CONVERGED, status)
+            done = converged
+        else:
+            converged = accept & converged
+            bad = active ^ accept  # running, with a norm that is not finite
+            status = torch.where(converged, CONVERGED, torch.where(bad, NONFINITE, status))
+            done = done | converged | bad
         norms.append(norm)
         if options.return_best:
-            lower = accept & (norm < best_norm)
-            best_x = _where(lower, x, best_x)
-            best_norm = torch.where(lower, norm, best_norm)
-            returned = torch.where(lower, iterations, returned)
+            best_x, best_norm, returned = _lowest(
+                (best_x, best_norm, returned), accept, every, x, norm, iterations
+            )
         if options.callback is not None:
             options.callback(len(norms) - 1, tree.unflatten(spec, x), norm)
     if options.return_best:
