@@ -80,6 +80,7 @@ class BatchedWindow(NamedTuple):
       gram: `(B, Q, Q)` float64 $\langle f_i, f_j \rangle$ summed over leaves, in ring
         order (the normal equations' route); None for a float64 window (the QR route).
       count: calls of `update` so far (every sample's: the batch moves in lockstep).
+      slots: per slot, the views `update` writes through (`_slot_views()`), made once.
     """
 
     anchor: list[Tensor]
@@ -87,6 +88,39 @@ class BatchedWindow(NamedTuple):
     wide: list[Tensor]
     gram: Tensor | None
     count: int
+    slots: list[_Slot]
+
+
+class _Slot(NamedTuple):
+    """One ring slot's views, per leaf (`wide` and `wide_row` empty without a Gram):
+    `step` `ring[:, 0, k]`, `residual` `ring[:, 1, k]`, `wide` `wide[:, k]`, `wide_row`
+    the same as `(B, 1, n)`, `wide_t` `wide` transposed `(B, n, Q)`; and `row`, `column`,
+    `gram[:, k]` and `gram[:, :, k]` (None without a Gram)."""
+
+    step: list[Tensor]
+    residual: list[Tensor]
+    wide: list[Tensor]
+    wide_row: list[Tensor]
+    wide_t: list[Tensor]
+    row: Tensor | None
+    column: Tensor | None
+
+
+def _slot_views(ring: list[Tensor], wide: list[Tensor], gram: Tensor | None) -> list[_Slot]:
+    """The `_Slot` of every slot of a window (views: a few small objects per slot, saving
+    the selections each `update` would otherwise make)."""
+    return [
+        _Slot(
+            [r[:, 0, k] for r in ring],
+            [r[:, 1, k] for r in ring],
+            [w[:, k] for w in wide],
+            [w[:, k].unsqueeze(1) for w in wide],
+            [w.mT for w in wide],
+            None if gram is None else gram[:, k],
+            None if gram is None else gram[:, :, k],
+        )
+        for k in range(ring[0].shape[2])
+    ]
 
 
 def supports(options: AndersonOptions, leaves: list[Tensor]) -> bool:
@@ -119,11 +153,12 @@ def batched_anderson(options: AndersonOptions) -> Anderson:
     def init(params: PyTree) -> BatchedWindow:
         flat = [_rows(t) for t in tree.flatten(params, "x")[0]]
         ring = [t.new_zeros(t.shape[0], 2, q, t.shape[1]) for t in flat]
-        if all(t.dtype == torch.float64 for t in flat):
-            return BatchedWindow([t.clone() for t in flat], ring, [], None, 0)
-        wide = [r.new_zeros(r[:, 1].shape, dtype=torch.float64) for r in ring]
-        gram = wide[0].new_zeros(wide[0].shape[0], q, q)
-        return BatchedWindow([t.clone() for t in flat], ring, wide, gram, 0)
+        wide, gram = [], None
+        if not all(t.dtype == torch.float64 for t in flat):  # the normal equations' route
+            wide = [r.new_zeros(r[:, 1].shape, dtype=torch.float64) for r in ring]
+            gram = wide[0].new_zeros(wide[0].shape[0], q, q)
+        anchor = [t.clone() for t in flat]
+        return BatchedWindow(anchor, ring, wide, gram, 0, _slot_views(ring, wide, gram))
 
     def update(
         state: BatchedWindow, params: PyTree, updates: PyTree, *, inplace: bool = False
@@ -135,12 +170,13 @@ def batched_anderson(options: AndersonOptions) -> Anderson:
         f = [_rows(t) for t in tree.flatten(updates, "r")[0]]
         count = state.count + 1
         head = (count - 1) % q
-        for ring, anchor, xi, fi in zip(state.ring, state.anchor, x, f):
-            ring[:, 0, head].copy_(xi - anchor)
-            ring[:, 1, head].copy_(fi)
+        slot = state.slots[head]
+        for step, residual, anchor, xi, fi in zip(slot.step, slot.residual, state.anchor, x, f):
+            step.copy_(xi - anchor)
+            residual.copy_(fi)
             anchor.copy_(xi)
         if state.gram is not None:
-            _append_gram_row(state, head, f)
+            _append_gram_row(slot, f)
         size = min(count, q)
         if size >= 2 and count > options.wait_iterations and count % options.frequency == 0:
             out = _mix(options, state, head, size, x, f)
@@ -157,19 +193,19 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
 
 
-def _append_gram_row(state: BatchedWindow, head: int, residual: list[Tensor]) -> None:
-    r"""The float64 copy of the newest residual $f_s$ (slot `head`) and its row
+def _append_gram_row(slot: _Slot, residual: list[Tensor]) -> None:
+    r"""The float64 copy of the newest residual $f_s$ (`slot`) and its row
     $g_t = \langle f_t, f_s \rangle$ of the Gram matrix (every slot $t$, summed over
     leaves: the products of the widened values are exact, their sums float64's, as the
     core's Gram rows), written in place."""
     row = None
-    for wide, fi in zip(state.wide, residual):
-        wide[:, head].copy_(fi)
+    for wide, wide_row, wide_t, fi in zip(slot.wide, slot.wide_row, slot.wide_t, residual):
+        wide.copy_(fi)
         # As (B, 1, n) x (B, n, Q): a few times faster than (B, Q, n) x (B, n, 1) on the CPU.
-        part = torch.bmm(wide[:, head].unsqueeze(1), wide.mT).squeeze(1)  # (B, Q)
+        part = torch.bmm(wide_row, wide_t).squeeze(1)  # (B, Q)
         row = part if row is None else row + part
-    state.gram[:, head] = row
-    state.gram[:, :, head] = row
+    slot.row.copy_(row)
+    slot.column.copy_(row)
 
 
 def _mix(
