@@ -311,12 +311,16 @@ def test_the_certificate_passes_no_eigenvalue_near_the_cut_off():
 
 def test_the_eager_and_the_traced_small_solves_agree(monkeypatch):
     """Eagerly on the CPU the samples that fail the certificate are solved on their own
-    (the mask read once); traced, both solves run on every sample and the certified ones'
-    Cholesky answers are kept: the same coefficients, bit for bit."""
+    (the mask read once), and a batch that passes it whole takes no finiteness test;
+    traced, both solves run on every sample and the certified ones' Cholesky answers are
+    kept: the same coefficients and verdicts, bit for bit."""
     f = torch.cat([windows(), conditioned_windows()])
     a = as_problem(f)
     products, norms = a @ a.mT, (f * f).sum(-1)
     eager = solver_batched.normal_coefficients(products, norms, 1e-3)
+    # A batch that is all certified (the early return) answers as in the mixed batch.
+    alone = solver_batched.normal_coefficients(products[7:], norms[7:], 1e-3)
+    assert bool(alone[1].all()) and torch.equal(alone[0], eager[0][7:])
     monkeypatch.setattr(solver_batched.tree, "tracing", lambda: True)
     traced = solver_batched.normal_coefficients(products, norms, 1e-3)
     assert torch.equal(eager[0], traced[0]) and torch.equal(eager[1], traced[1])

@@ -420,8 +420,6 @@ def normal_coefficients(
     """
     m = products.shape[-1] - 1
     peak = norms.amax(-1)  # NaN where a norm is (amax propagates NaN)
-    total = products.sum((-2, -1)) + peak
-    ok = total - total == 0  # False for an Inf or NaN total: NaN - NaN is NaN
     # Scaled by the peak unguarded: where it is 0 or not finite, or the problem is not
     # finite, the system holds a NaN or an Inf and its Cholesky is not certified.
     scaled = products / peak.view(-1, 1, 1)
@@ -430,16 +428,22 @@ def normal_coefficients(
     if shift is not None:
         h = torch.addcmul(h, shift[:, :, None], _identity(m, h.dtype, h.device))  # H + mu I
     factor, fast = _certified(h)
-    fast = fast & ok
     gamma = torch.cholesky_solve(scaled[:, :m, m:], factor).squeeze(-1)
-    if tree.tracing() or not fast.is_cpu:
-        # No host read: both solves, the certified samples' Cholesky answer kept.
+    eager = not tree.tracing() and fast.is_cpu
+    if eager and bool(fast.all()):
+        # Every problem is then finite: a residual that is not puts an Inf or a NaN in the
+        # peak or on the diagonal of H (through its differences), which no certified
+        # system holds.
+        return gamma, fast
+    total = products.sum((-2, -1)) + peak
+    ok = total - total == 0  # False for an Inf or NaN total: NaN - NaN is NaN
+    fast = fast & ok
+    if not eager:  # no host read: both solves, the certified samples' Cholesky answer kept
         slow = _eigen_coefficients(products, peak, ok, reg)
         return torch.where(fast[:, None], gamma, slow), ok
-    if not bool(fast.all()):
-        rest = (~fast).nonzero().squeeze(-1)
-        part = reg[rest] if isinstance(reg, Tensor) else reg
-        gamma[rest] = _eigen_coefficients(products[rest], peak[rest], ok[rest], part)
+    rest = (~fast).nonzero().squeeze(-1)
+    part = reg[rest] if isinstance(reg, Tensor) else reg
+    gamma[rest] = _eigen_coefficients(products[rest], peak[rest], ok[rest], part)
     return gamma, ok
 
 
