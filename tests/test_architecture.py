@@ -171,7 +171,7 @@ MAX_MODULE_LINES = 400
 # gone (test_the_size_allow_list_is_current), and nothing new joins the list. solver.py and
 # stages.py are taken apart by the core/exec split (issue 33).
 OVER_THE_LIMIT = {
-    "aadl_func._src.solver": 714,
+    "aadl_func._src.solver": 628,
     "aadl_func._src.stages": 589,
 }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from test_solver_options import batch_problem, recorded
@@ -216,28 +217,113 @@ def test_factor_route_equals_solve_factor_per_sample(reg):
     assert not bool(ok[4]) and torch.equal(gamma[4], torch.zeros(m, dtype=D))
 
 
+def conditioned_windows(B=6, n=9, s=5, seed=1):
+    """Residual windows ``(B, s, n)`` float64 whose normal equations are certified but
+    ill-conditioned: columns decaying as a converging iteration's, by 10^-0.5 .. 10^-1.4 a
+    step, so that ``cond(H)`` runs from ~1e4 to ~1e11 (every eigenvalue kept by RTOL)."""
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(B, s, n, generator=g, dtype=D)
+    decay = torch.linspace(-0.5, -1.4, B, dtype=D)  # log10 of each window's step ratio
+    return f * (10.0 ** (decay[:, None] * torch.arange(s, dtype=D)))[:, :, None]
+
+
+def shifted_condition(products, norms, reg):
+    """``cond(H / u + reg / u I)`` of each window (float64 NumPy eigenvalues, ``u`` the
+    largest squared residual norm): the system both small solves answer."""
+    m = products.shape[-1] - 1
+    unit = np.nan_to_num(norms.amax(-1).numpy(), nan=1.0)
+    unit[unit <= 0] = 1.0  # zero and NaN windows: not compared through this
+    h = np.nan_to_num(products[:, :m, :m].numpy()) / unit[:, None, None]
+    eigenvalues = np.linalg.eigvalsh(h + np.eye(m) * (reg / unit)[:, None, None])
+    with np.errstate(divide="ignore", invalid="ignore"):  # the zero window's is inf
+        return eigenvalues[:, -1] / eigenvalues[:, 0], eigenvalues[:, 0]
+
+
 @pytest.mark.parametrize("reg", [0.0, 1e-3, "per sample"])
 def test_gram_route_equals_solve_differences_per_sample(reg):
     """``normal_coefficients`` on a batch equals ``lstsq.solve_differences`` on each window
-    alone (the normal equations of the same products, scaled, eigendecomposed and cut off
-    alike) to 8 ulp of the largest coefficient, including rank-deficient, zero, NaN and
-    badly scaled windows."""
-    f = windows()
+    alone (the normal equations of the same products, scaled, cut off alike), including
+    rank-deficient, zero, NaN and badly scaled windows. A window whose system the
+    Cholesky certificate passes (no eigenvalue near the cut-off) is solved by Cholesky and
+    held to the bound of two backward-stable solves of one system: with backward errors
+    ``eta ||a||`` each, ``eta = m (3m + 1) u`` (Higham, Accuracy and Stability, Thm 10.4, for
+    the Cholesky solve; the same allowance for the eigendecomposition's), the answers differ
+    by at most ``2 eta cond(a) / (1 - eta cond(a))`` of ``||gamma||``. The others take the
+    eigendecomposition, as the core, to 8 ulp of the largest coefficient."""
+    f = torch.cat([windows(), conditioned_windows()])
     a = as_problem(f)
     products = a @ a.mT
     norms = (f * f).sum(-1)
-    weights = torch.logspace(-4, 2, 7, dtype=D) if reg == "per sample" else reg
+    B, m = f.shape[0], products.shape[-1] - 1
+    weights = torch.logspace(-4, 2, B, dtype=D) if reg == "per sample" else reg
     gamma, ok = solver_batched.normal_coefficients(products, norms, weights)
-    m = products.shape[-1] - 1
-    for b in range(7):
+    ridge = weights.numpy() if isinstance(weights, torch.Tensor) else np.full(B, weights)
+    condition, _ = shifted_condition(products, norms, ridge)
+    peak = norms.amax(-1)[:, None, None]
+    system = (
+        products[:, :m, :m] / peak
+        + torch.eye(m, dtype=D) * torch.as_tensor(ridge)[:, None, None] / peak
+    )
+    certified = solver_batched._certified(system)[1]
+    eta = m * (3 * m + 1) * 2.0**-53
+    worst = 0.0
+    for b in range(B):
         reg_b = weights[b] if isinstance(weights, torch.Tensor) else weights
         own = lstsq.solve_differences(
             products[b, :m, :m], products[b, :m, m], norms[b], m + 1, reg_b
         )
         assert bool(ok[b]) == bool(own.ok)
-        tolerance = 8 * torch.finfo(D).eps * max(float(own.gamma.abs().max()), 1e-300)
-        torch.testing.assert_close(gamma[b], own.gamma, rtol=0, atol=tolerance)
+        size = max(float(own.gamma.norm()), 1e-300)
+        if bool(certified[b]) and bool(ok[b]):
+            bound = 2 * eta * condition[b] / (1 - eta * condition[b]) * size
+            assert float((gamma[b] - own.gamma).norm()) <= bound, (b, condition[b])
+            worst = max(worst, float((gamma[b] - own.gamma).abs().max()) / size)
+        else:
+            tolerance = 8 * torch.finfo(D).eps * max(float(own.gamma.abs().max()), 1e-300)
+            torch.testing.assert_close(gamma[b], own.gamma, rtol=0, atol=tolerance)
     assert not bool(ok[4]) and torch.equal(gamma[4], torch.zeros(m, dtype=D))
+    assert not bool(certified[3]) and not bool(certified[4])  # zero and NaN: the eigen route
+    assert bool(certified[7:].all())  # the ill-conditioned ones are certified ...
+    assert worst > 8 * torch.finfo(D).eps  # ... and round apart by more than 8 ulp
+
+
+def test_the_certificate_passes_no_eigenvalue_near_the_cut_off():
+    """``_certified`` against systems of known spectrum ``Q diag(lambda) Q^T`` (Q a random
+    orthogonal 5 x 5, the other eigenvalues in [0.1, 4]): a certified system has every
+    eigenvalue (float64 NumPy, of the stored matrix) above RTOL, the smallest ones placed
+    from 1e-15 to 1e-6 around RTOL = 1e-13; where the smallest is 1e-10 or more it is
+    certified (the certificate costs nothing in the common case). A plain Cholesky
+    succeeds on most of the systems below the cut-off: success alone certifies nothing."""
+    g = torch.Generator().manual_seed(2)
+    smallest = torch.logspace(-15, -6, 28, dtype=D).repeat_interleave(4)
+    q, _ = torch.linalg.qr(torch.randn(len(smallest), 5, 5, generator=g, dtype=D))
+    spectrum = torch.rand(len(smallest), 5, generator=g, dtype=D) * 3.9 + 0.1
+    spectrum[:, 0] = smallest
+    a = q @ (spectrum[:, :, None] * q.mT)
+    a = (a + a.mT) / 2  # exactly symmetric
+    _, certified = solver_batched._certified(a)
+    eigenvalues = np.linalg.eigvalsh(a.numpy())
+    assert (eigenvalues[certified.numpy(), 0] > lstsq.RTOL).all()
+    assert bool(certified[smallest >= 1e-10].all())
+    below = (eigenvalues[:, 0] <= lstsq.RTOL) & (torch.linalg.cholesky_ex(a)[1] == 0).numpy()
+    assert below.sum() >= 8
+
+
+def test_the_eager_and_the_traced_small_solves_agree(monkeypatch):
+    """Eagerly on the CPU the samples that fail the certificate are solved on their own
+    (the mask read once), and a batch that passes it whole takes no finiteness test;
+    traced, both solves run on every sample and the certified ones' Cholesky answers are
+    kept: the same coefficients and verdicts, bit for bit."""
+    f = torch.cat([windows(), conditioned_windows()])
+    a = as_problem(f)
+    products, norms = a @ a.mT, (f * f).sum(-1)
+    eager = solver_batched.normal_coefficients(products, norms, 1e-3)
+    # A batch that is all certified (the early return) answers as in the mixed batch.
+    alone = solver_batched.normal_coefficients(products[7:], norms[7:], 1e-3)
+    assert bool(alone[1].all()) and torch.equal(alone[0], eager[0][7:])
+    monkeypatch.setattr(solver_batched.tree, "tracing", lambda: True)
+    traced = solver_batched.normal_coefficients(products, norms, 1e-3)
+    assert torch.equal(eager[0], traced[0]) and torch.equal(eager[1], traced[1])
 
 
 # -- non-finite samples, routing -----------------------------------------------------------------

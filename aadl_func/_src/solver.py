@@ -24,20 +24,21 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import grad_mode, solver_batched, solver_eager, tree
+from aadl_func._src import grad_mode, solver_batched, solver_eager, solver_masked, tree
 from aadl_func._src.anderson import Anderson, functions
 from aadl_func._src.checks import differentiating
 from aadl_func._src.core.linesearch import armijo
 from aadl_func._src.core.scalars import wide
 from aadl_func._src.inner import InnerOptimizer
 from aadl_func._src.options import AndersonOptions
-from aadl_func._src.state import allow_weights_only
+from aadl_func._src.solver_info import CALLBACK, CONVERGED, MAX_ITER, NONFINITE, REASONS, SolverInfo
+from aadl_func._src.solver_masked import per_problem
 from aadl_func._src.validation import (
     check_bool,
     check_callable,
@@ -49,43 +50,6 @@ from aadl_func._src.validation import (
 __all__ = ["REASONS", "SolverInfo", "fixed_point", "root", "implicit_fixed_point"]
 
 PyTree = Any
-
-# Status codes of SolverInfo.status, indexing REASONS.
-CONVERGED, MAX_ITER, NONFINITE, CALLBACK = range(4)
-REASONS = ("converged", "max_iter", "nonfinite", "callback")
-
-
-class SolverInfo(NamedTuple):
-    """What a solve did. Tensors only, so the record also comes out of `vmap`.
-
-    Attributes:
-      iterations: 0-d int64, accepted steps (updates of `x`).
-      evaluations: 0-d int64, calls of `g` or `F` (line-search trials included).
-      residual_norms: 1-d float64, $\\|r_k\\|$ after `k` steps, `k = 0, 1, ...`
-        (eager: `iterations + 1` entries; masked: one per round of the batch, a member that
-        has stopped repeating its last value).
-      converged: 0-d bool, the tolerance was met.
-      status: 0-d int64, the reason code: 0 converged, 1 `max_iter` reached, 2 a non-finite
-        residual (the step that produced it was not taken), 3 the callback asked to stop.
-      returned_iteration: 0-d int64, the step `k` whose iterate $x_k$ was returned
-        (`residual_norms[k]` is its residual): `iterations` when converged or without
-        `return_best`, else the iterate with the lowest residual norm seen.
-    """
-
-    iterations: Tensor
-    evaluations: Tensor
-    residual_norms: Tensor
-    converged: Tensor
-    status: Tensor
-    returned_iteration: Tensor
-
-    @property
-    def reason(self) -> str:
-        """The status in words (eager results: one problem, not a batch)."""
-        return REASONS[int(self.status)]
-
-
-allow_weights_only(SolverInfo)
 
 
 # -- the identity inner optimizer ------------------------------------------------------------
@@ -271,22 +235,9 @@ def _norm(leaves: list[Tensor], batch_dims: int = 0) -> Tensor:
     return torch.stack(squares).sum().sqrt()
 
 
-def _per_problem(value: Any, t: Tensor) -> Any:
-    """`value` (a number, or a tensor of one per problem of a batch) broadcast against the
-    leaf `t` whose leading dimensions are the batch's."""
-    if not isinstance(value, Tensor) or value.dim() == 0:
-        return value
-    return value.reshape(value.shape + (1,) * (t.dim() - value.dim()))
-
-
 def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
     """`a * x + y` leaf by leaf (`a` a number or a 0-d tensor)."""
     return [(a * xi).to(yi.dtype) + yi for xi, yi in zip(x, y)]
-
-
-def _where(flag: Tensor, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
-    """`a` where `flag` (one per problem) holds, else `b`, leaf by leaf."""
-    return [torch.where(_per_problem(flag, ai), ai, bi) for ai, bi in zip(a, b)]
 
 
 def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
@@ -352,7 +303,7 @@ class _Problem:
         if _is_one(self.scale):
             step = r
         else:
-            step = [_cast(_per_problem(self.scale, t) * t, t.dtype) for t in r]
+            step = [_cast(per_problem(self.scale, t) * t, t.dtype) for t in r]
         return step, _norm(r, self.batch_dims), value
 
 
@@ -456,86 +407,6 @@ def _met(norm: float, threshold: float, gtol: float, value: Tensor | None) -> bo
     return value is not None and norm <= gtol * float(value)
 
 
-def _all_stopped(done: Tensor) -> bool:
-    """Whether every problem of the batch has stopped, when that can be read without a graph
-    break or a device synchronisation (eager vmap over CPU flags, or no transform)."""
-    if tree.tracing():
-        return False
-    if _functorch.is_batchedtensor(done):
-        return tree.uniform_value(done) is True
-    if _functorch.is_functorch_wrapped_tensor(done) or not done.is_cpu:
-        return False
-    return bool(done.all())
-
-
-def _masked_loop(
-    problem: _Problem, x: list[Tensor], opt: Anderson, options: _Options, spec: Any
-) -> tuple[list[Tensor], SolverInfo]:
-    """A fixed budget of `max_iter` rounds in which every decision is a mask: a problem
-    that has stopped keeps its `x` (its evaluations are computed and discarded), so a
-    `vmap` batch stops problem by problem and `torch.compile` sees one straight graph."""
-    step, norm, value = problem(x)
-    scaled, tol = options.rtol * norm, options.tol
-    threshold = (
-        torch.maximum(scaled, tol) if isinstance(tol, Tensor) else torch.clamp(scaled, min=tol)
-    )
-
-    def met(norm: Tensor, value: Tensor | None) -> Tensor:
-        if value is None:
-            return norm <= threshold
-        return norm <= torch.maximum(threshold, options.gtol * value)
-
-    finite = torch.isfinite(norm)
-    converged = finite & met(norm, value)
-    status = torch.where(converged, CONVERGED, torch.where(finite, MAX_ITER, NONFINITE))
-    done = converged | ~finite
-    iterations = torch.zeros_like(status)
-    evaluations = torch.ones_like(status)
-    norms = [norm]
-    best_x, best_norm, returned = x, norm, iterations
-    state = opt.init(tree.unflatten(spec, x))
-    for _ in range(options.max_iter):
-        if _all_stopped(done):
-            break
-        proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
-        proposal = tree.flatten(proposal, "x")[0]
-        new_step, new_norm, new_value = problem(proposal)
-        active = ~done
-        bad = active & ~(new_norm < math.inf)  # a norm is finite when below Inf (NaN is not)
-        accept = active & ~bad
-        x = _where(accept, proposal, x)
-        step = _where(accept, new_step, step)
-        norm = torch.where(accept, new_norm, norm)
-        iterations = iterations + accept  # int64 + bool: counts the True ones
-        evaluations = evaluations + active
-        converged = accept & met(norm, new_value)
-        status = torch.where(converged, CONVERGED, torch.where(bad, NONFINITE, status))
-        done = done | converged | bad
-        norms.append(norm)
-        if options.return_best:
-            lower = accept & (norm < best_norm)
-            best_x = _where(lower, x, best_x)
-            best_norm = torch.where(lower, norm, best_norm)
-            returned = torch.where(lower, iterations, returned)
-        if options.callback is not None:
-            options.callback(len(norms) - 1, tree.unflatten(spec, x), norm)
-    if options.return_best:
-        # A converged problem's last iterate is its lowest (every earlier one failed the test).
-        x = _where(status == CONVERGED, x, best_x)
-        returned = torch.where(status == CONVERGED, iterations, returned)
-    else:
-        returned = iterations
-    info = SolverInfo(
-        iterations=iterations,
-        evaluations=evaluations,
-        residual_norms=torch.stack(norms, dim=-1),  # (problems..., rounds), as vmap's
-        converged=status == CONVERGED,
-        status=status,
-        returned_iteration=returned,
-    )
-    return x, info
-
-
 def _solve(
     owner: str,
     kind: str,
@@ -576,7 +447,7 @@ def _solve(
         if kind == "root":
             problem.scale = _root_alpha(problem, x, alpha, masked)
         if masked:
-            return (*_masked_loop(problem, x, opt, options, spec), recorded)
+            return (*solver_masked.masked_loop(problem, x, opt, options, spec), recorded)
         accelerate = solver_eager.accelerator_step(opt, settings, x, spec)
         return (*_eager_loop(problem, x, accelerate, options, spec), recorded)
 
