@@ -183,10 +183,10 @@ class EagerWindow:
         """The ring slots of the window's pairs, oldest first."""
         return [(self.head - self.size + 1 + p) % self.q for p in range(self.size)]
 
-    def _weights(self) -> list[float] | None:
-        r"""$\alpha$ (chronological, Python floats), or None when the problem is not
-        finite."""
-        slots, reg = self._slots(), self.options.reg
+    def _weights(self, slots: list[int]) -> list[float] | None:
+        r"""$\alpha$ over the window's `slots` (oldest first; Python floats), or None when
+        the problem is not finite."""
+        reg = self.options.reg
         later = slots[1:]  # the newer end of each difference: the columns of gamma
         if self.exact:
             residuals = self.ring[1].index_select(0, torch.tensor(slots))
@@ -212,12 +212,13 @@ class EagerWindow:
 
     def _mix(self, x: Tensor) -> Tensor | None:
         """Steps 2-4: the mix, or None where the solve or the mix is not finite."""
-        alpha = self._weights()
+        slots = self._slots()
+        alpha = self._weights(slots)
         if alpha is None:
             return None
         q, relaxation = self.q, self.options.relaxation
         weights = [0.0] * (2 * q)
-        for slot, w, a in zip(self._slots(), classic_coefficients(alpha), alpha):
+        for slot, w, a in zip(slots, classic_coefficients(alpha), alpha):
             weights[slot], weights[q + slot] = w, relaxation * a
         window = self.ring.view(2 * q, -1)
         mixed = torch.addmv(x, window.mT, float64_tensor(weights).to(window.dtype))
