@@ -79,6 +79,8 @@ class BatchedWindow(NamedTuple):
         kept (empty for a float64 window, which needs no Gram).
       gram: `(B, Q, Q)` float64 $\langle f_i, f_j \rangle$ summed over leaves, in ring
         order (the normal equations' route); None for a float64 window (the QR route).
+        Only row `i` is written when slot `i` is: the entries $G_{ij}$ with slot `j` no
+        newer than `i` are current (the layout's maps read those), the others stale.
       count: calls of `update` so far (every sample's: the batch moves in lockstep).
       slots: per slot, the views `update` writes through (`_slot_views()`), made once.
     """
@@ -94,8 +96,8 @@ class BatchedWindow(NamedTuple):
 class _Slot(NamedTuple):
     """One ring slot's views, per leaf (`wide` and `wide_row` empty without a Gram):
     `step` `ring[:, 0, k]`, `residual` `ring[:, 1, k]`, `wide` `wide[:, k]`, `wide_row`
-    the same as `(B, 1, n)`, `wide_t` `wide` transposed `(B, n, Q)`; and `row`, `column`,
-    `gram[:, k]` and `gram[:, :, k]` (None without a Gram)."""
+    the same as `(B, 1, n)`, `wide_t` `wide` transposed `(B, n, Q)`; and `row`,
+    `gram[:, k]` as `(B, 1, Q)` (None without a Gram)."""
 
     step: list[Tensor]
     residual: list[Tensor]
@@ -103,7 +105,6 @@ class _Slot(NamedTuple):
     wide_row: list[Tensor]
     wide_t: list[Tensor]
     row: Tensor | None
-    column: Tensor | None
 
 
 def _slot_views(ring: list[Tensor], wide: list[Tensor], gram: Tensor | None) -> list[_Slot]:
@@ -116,8 +117,7 @@ def _slot_views(ring: list[Tensor], wide: list[Tensor], gram: Tensor | None) -> 
             [w[:, k] for w in wide],
             [w[:, k].unsqueeze(1) for w in wide],
             [w.mT for w in wide],
-            None if gram is None else gram[:, k],
-            None if gram is None else gram[:, :, k],
+            None if gram is None else gram[:, k].unsqueeze(1),
         )
         for k in range(ring[0].shape[2])
     ]
@@ -172,9 +172,8 @@ def batched_anderson(options: AndersonOptions) -> Anderson:
         head = (count - 1) % q
         slot = state.slots[head]
         for step, residual, anchor, xi, fi in zip(slot.step, slot.residual, state.anchor, x, f):
-            step.copy_(xi - anchor)
+            _into(step, torch.sub, xi, anchor)
             residual.copy_(fi)
-            anchor.copy_(xi)
         if state.gram is not None:
             _append_gram_row(slot, f)
         size = min(count, q)
@@ -183,7 +182,9 @@ def batched_anderson(options: AndersonOptions) -> Anderson:
         else:
             out = [xi + fi for xi, fi in zip(x, f)]  # the plain step g(x)
         shaped = [o if t.dim() == 2 else o.reshape(t.shape) for o, t in zip(out, leaves)]
-        return tree.unflatten(spec, shaped), state._replace(count=count)
+        # The anchor is `x` itself, not a copy: the solvers' loops never write an iterate
+        # they have handed over (each round makes new ones).
+        return tree.unflatten(spec, shaped), state._replace(count=count, anchor=x)
 
     return Anderson(init, update)  # type: ignore[arg-type]
 
@@ -191,6 +192,17 @@ def batched_anderson(options: AndersonOptions) -> Anderson:
 def _rows(t: Tensor) -> Tensor:
     """A leaf as `(B, n)`: one row per problem (a 2-d leaf itself)."""
     return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
+
+
+def _into(view: Tensor, op: Any, *args: Tensor) -> None:
+    """`op(*args)` written into `view` (a slot of a window): through `out=` eagerly, saving
+    a temporary and its copy; through a copy while compiling (Dynamo refuses an `out=`
+    that is not contiguous). For elementwise ops only: `bmm` into a strided `out` is
+    several times slower than into a temporary."""
+    if tree.tracing():
+        view.copy_(op(*args))
+    else:
+        op(*args, out=view)
 
 
 def _append_gram_row(slot: _Slot, residual: list[Tensor]) -> None:
@@ -201,11 +213,11 @@ def _append_gram_row(slot: _Slot, residual: list[Tensor]) -> None:
     row = None
     for wide, wide_row, wide_t, fi in zip(slot.wide, slot.wide_row, slot.wide_t, residual):
         wide.copy_(fi)
-        # As (B, 1, n) x (B, n, Q): a few times faster than (B, Q, n) x (B, n, 1) on the CPU.
-        part = torch.bmm(wide_row, wide_t).squeeze(1)  # (B, Q)
+        # As (B, 1, n) x (B, n, Q): a few times faster than (B, Q, n) x (B, n, 1) on the CPU
+        # (and into a temporary: `bmm` into the strided row is several times slower).
+        part = torch.bmm(wide_row, wide_t)  # (B, 1, Q)
         row = part if row is None else row + part
     slot.row.copy_(row)
-    slot.column.copy_(row)
 
 
 def _mix(
@@ -224,7 +236,7 @@ def _mix(
     dtype's range)."""
     q = options.num_slots
     layout = _layout(q, head, size, state.anchor[0].device)
-    gamma, ok = mixing_weights(options, state, head, size, layout)
+    gamma, ok, every = mixing_weights(options, state, head, size, layout)
     weights = torch.addmm(layout.offset, gamma, layout.weights)  # (B, 2Q), ring slots
     if options.relaxation != 1.0:
         weights = weights * layout.weights.new_tensor([1.0] * q + [options.relaxation] * q)
@@ -236,7 +248,7 @@ def _mix(
             cast[ring.dtype] = weights.to(ring.dtype)
         window = ring.reshape(ring.shape[0], 2 * q, ring.shape[-1])
         mixes.append(torch.bmm(cast[ring.dtype], window).squeeze(1) + xi)
-    if _all_finite(ok, mixes):  # read where that is free: no per-sample selection needed
+    if _all_finite(ok, every, mixes):  # read where free: no per-sample selection needed
         return mixes
     for mix in mixes:
         total = mix.sum(-1)
@@ -244,12 +256,12 @@ def _mix(
     return [torch.where(ok[:, None], m, xi + fi) for m, xi, fi in zip(mixes, x, f)]
 
 
-def _all_finite(ok: Tensor, mixes: list[Tensor]) -> bool:
-    """Whether every sample's solve was finite (`ok`) and every mix is, read on the host
-    eagerly on the CPU (False where it cannot be read): through one sum per leaf, finite
-    only if every entry is (and otherwise only past the dtype's range, where the
-    per-sample test decides)."""
-    if tree.tracing() or not ok.is_cpu or not bool(ok.all()):
+def _all_finite(ok: Tensor, every: bool, mixes: list[Tensor]) -> bool:
+    """Whether every sample's solve was finite (`ok`, known when `every`) and every mix
+    is, read on the host eagerly on the CPU (False where it cannot be read): through one
+    sum per leaf, finite only if every entry is (and otherwise only past the dtype's range,
+    where the per-sample test decides)."""
+    if tree.tracing() or not ok.is_cpu or not (every or bool(ok.all())):
         return False
     return all(math.isfinite(mix.sum().item()) for mix in mixes)
 
@@ -264,8 +276,10 @@ class _Layout(NamedTuple):
       differences: `(Q, s)` $T = [\Delta \mid e_{\mathrm{last}}]$: a ring of residuals
         times $T$ is $[\Delta F \mid f_{s-1}]$, so $T^\top G T$ is $A^\top A$ of the
         window's problem.
-      products: `(Q * Q, s * s)` $T \otimes T$: the flattened $G$ times it is the flattened
-        $T^\top G T$ in one product, each entry the signed sum of the four Gram entries
+      products: `(Q * Q, s * s)` $T \otimes T$ with each coefficient of $G_{ij}$, `i`
+        older than `j`, moved to $G_{ji}$ (the current one of the two equal entries,
+        `BatchedWindow.gram`): the flattened $G$ times it is the flattened $T^\top G T$
+        in one product, each entry the signed sum of the four Gram entries
         $G_{i+1,j+1} - G_{i,j+1} - G_{i+1,j} + G_{ij}$ (two for the last row and column).
       weights: `(s - 1, 2Q)` and `offset`: `(2Q,)`: `gamma @ weights + offset` is the
         combination's weights by slot, steps then residuals: with
@@ -283,6 +297,21 @@ class _Layout(NamedTuple):
 
 
 _LAYOUTS: dict[tuple[int, int, int, torch.device], _Layout] = {}
+
+
+def _newer_rows(products: Tensor, slot: list[int]) -> Tensor:
+    """`products` `(Q * Q, k)`, a map of the flattened Gram matrix, reading $G_{ij}$
+    from the row of the newer of slots `i` and `j` (`slot[p]`: the slot of chronological
+    position `p`), where `update` keeps it current."""
+    q = len(slot)
+    position = {k: p for p, k in enumerate(slot)}
+    moved = products.clone()
+    for i in range(q):
+        for j in range(q):
+            if position[i] < position[j]:  # i older: G_ij is read as G_ji
+                moved[j * q + i] += moved[i * q + j]
+                moved[i * q + j] = 0.0
+    return moved
 
 
 def _layout(q: int, head: int, size: int, device: torch.device) -> _Layout:
@@ -305,7 +334,7 @@ def _layout(q: int, head: int, size: int, device: torch.device) -> _Layout:
     differences[slot[q - 1], size - 1] = 1.0
     offset = torch.zeros(2 * q, dtype=torch.float64)
     offset[q + slot[q - 1]] = 1.0  # alpha_{s-1} = 1 - gamma_{s-2}
-    products = torch.kron(differences, differences)
+    products = _newer_rows(torch.kron(differences, differences), slot)
     layout = _Layout(*(t.to(device) for t in (differences, products, weights, offset)))
     if not tree.tracing():
         _LAYOUTS[key] = layout
@@ -314,10 +343,11 @@ def _layout(q: int, head: int, size: int, device: torch.device) -> _Layout:
 
 def mixing_weights(
     options: AndersonOptions, state: BatchedWindow, head: int, size: int, layout: _Layout
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, bool]:
     r"""The least-squares coefficients $\gamma$ `(B, s - 1)` (float64, oldest first) of each
-    sample's newest `size` residuals and whether its problem was finite (`(B,)`; where not,
-    $\gamma = 0$, the plain step).
+    sample's newest `size` residuals, whether its problem was finite (`(B,)`; where not,
+    $\gamma = 0$, the plain step), and whether that is known to hold for every sample
+    (read on the way; False where not read).
 
     A float64 window is solved through the QR factor of $A = [\Delta F \mid f_{s-1}]$,
     the differences formed element by element (`solve_factor()`'s route); others through
@@ -334,7 +364,7 @@ def mixing_weights(
         a = columns[0] if len(columns) == 1 else torch.cat(columns, dim=-1)
         factor = torch.linalg.qr(a.mT, mode="r").R  # (B, s, s), R^T R = A^T A
         reg = _ridge(options, lambda: (a[:, :-1] * a[:, :-1]).sum(-1))
-        return factor_coefficients(factor, reg)
+        return (*factor_coefficients(factor, reg), False)
     b = state.gram.shape[0]
     # (B, s, s): [[H, c], [c^T, |f_{s-1}|^2]] = T^T G T
     products = (state.gram.reshape(b, q * q) @ layout.products).reshape(b, size, size)
@@ -342,7 +372,7 @@ def mixing_weights(
     # belong to it (a full ring), so the largest and the finiteness are the window's.
     norms = torch.diagonal(state.gram, dim1=-2, dim2=-1)
     reg = _ridge(options, lambda: torch.diagonal(products, dim1=-2, dim2=-1)[:, :-1])
-    return normal_coefficients(products, norms, reg)
+    return _normal_coefficients(products, norms, reg)
 
 
 def _ridge(options: AndersonOptions, column_sq: Any) -> float | Tensor:
@@ -418,6 +448,15 @@ def normal_coefficients(
       norms: `(B, m + 1)` float64 $\|f_i\|^2$.
       reg: the Tikhonov weight $\lambda \ge 0$: a number or one per sample `(B,)`.
     """
+    gamma, ok, _ = _normal_coefficients(products, norms, reg)
+    return gamma, ok
+
+
+def _normal_coefficients(
+    products: Tensor, norms: Tensor, reg: float | Tensor
+) -> tuple[Tensor, Tensor, bool]:
+    """`normal_coefficients()`, and whether every problem is known to be finite (read on
+    the host eagerly; False where not read)."""
     m = products.shape[-1] - 1
     peak = norms.amax(-1)  # NaN where a norm is (amax propagates NaN)
     # Scaled by the peak unguarded: where it is 0 or not finite, or the problem is not
@@ -427,24 +466,26 @@ def normal_coefficients(
     h = scaled[:, :m, :m]
     if shift is not None:
         h = torch.addcmul(h, shift[:, :, None], _identity(m, h.dtype, h.device))  # H + mu I
-    factor, fast = _certified(h)
+    # Without a ridge, tr(H) <= 4 m: each H_ii = |f_{i+1} - f_i|^2 / max_j |f_j|^2 <= 4 by
+    # Cauchy-Schwarz (the Gram's float64 sums of exact products round far inside the 1e-3).
+    factor, fast = _certified(h, 4.004 * m if shift is None else None)
     gamma = torch.cholesky_solve(scaled[:, :m, m:], factor).squeeze(-1)
     eager = not tree.tracing() and fast.is_cpu
     if eager and bool(fast.all()):
         # Every problem is then finite: a residual that is not puts an Inf or a NaN in the
         # peak or on the diagonal of H (through its differences), which no certified
         # system holds.
-        return gamma, fast
+        return gamma, fast, True
     total = products.sum((-2, -1)) + peak
     ok = total - total == 0  # False for an Inf or NaN total: NaN - NaN is NaN
     fast = fast & ok
     if not eager:  # no host read: both solves, the certified samples' Cholesky answer kept
         slow = _eigen_coefficients(products, peak, ok, reg)
-        return torch.where(fast[:, None], gamma, slow), ok
+        return torch.where(fast[:, None], gamma, slow), ok, False
     rest = (~fast).nonzero().squeeze(-1)
     part = reg[rest] if isinstance(reg, Tensor) else reg
     gamma[rest] = _eigen_coefficients(products[rest], peak[rest], ok[rest], part)
-    return gamma, ok
+    return gamma, ok, False
 
 
 def _shift(reg: float | Tensor, unit: Tensor) -> Tensor | None:
@@ -475,10 +516,12 @@ def _eigen_coefficients(products: Tensor, peak: Tensor, ok: Tensor, reg: float |
     return (eigvecs @ (inverse.unsqueeze(-1) * projected)).squeeze(-1)
 
 
-def _certified(a: Tensor) -> tuple[Tensor, Tensor]:
+def _certified(a: Tensor, trace_bound: float | None = None) -> tuple[Tensor, Tensor]:
     r"""The Cholesky factor of each symmetric `a` `(B, m, m)` (its lower triangle), and
     whether every eigenvalue of `a` is certified to exceed the cut-off `RTOL` by more than
     the eigendecomposition's rounding, so that `_eigen_coefficients()` would drop none `(B,)`.
+    `trace_bound`: a number $T \ge \mathrm{tr}(a)$ the caller knows for every `a` of the
+    batch, used for $t$ below (a larger $t$ only certifies less); None: each `a`'s own.
 
     The certificate is a second floating-point Cholesky, of $a - \tau I$ (Rump, *Verification
     of positive definiteness*, BIT 46, 2006): where it runs to completion, the computed
@@ -498,13 +541,16 @@ def _certified(a: Tensor) -> tuple[Tensor, Tensor]:
     ridge), their smallest eigenvalues
     $10^{-5}$ and up on the DEQ bench."""
     m = a.shape[-1]
-    u = torch.finfo(a.dtype).eps / 2
-    # The trace is t where `factor` exists: a factored `a` has a positive diagonal.
-    t = torch.diagonal(a, dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1)
-    tau = t * (64 * (m + 1) ** 2 * u) + RTOL
+    margin = 64 * (m + 1) ** 2 * torch.finfo(a.dtype).eps / 2
     factor, info = torch.linalg.cholesky_ex(a)
     # a - tau I: the off-diagonal entries minus 0, exactly themselves.
-    lowered = torch.addcmul(a, tau, _identity(m, a.dtype, a.device), value=-1.0)
+    if trace_bound is not None:  # one tau for the batch: no trace to form
+        tau = RTOL + margin * trace_bound
+        lowered = torch.sub(a, _identity(m, a.dtype, a.device), alpha=tau)
+    else:
+        # The trace is t where `factor` exists: a factored `a` has a positive diagonal.
+        t = torch.diagonal(a, dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1)
+        lowered = torch.addcmul(a, t * margin + RTOL, _identity(m, a.dtype, a.device), value=-1.0)
     _, lowered_info = torch.linalg.cholesky_ex(lowered)
     return factor, (info | lowered_info) == 0
 

@@ -18,6 +18,9 @@ from aadl_func._src.solver_info import CONVERGED, MAX_ITER, NONFINITE, SolverInf
 
 __all__ = ["masked_loop", "per_problem"]
 
+# A count per problem: a Python int while every problem's is the same one (`masked_loop`).
+Count = int | Tensor
+
 
 def per_problem(value: Any, t: Tensor) -> Any:
     """`value` (a number, or a tensor of one per problem of a batch) broadcast against the
@@ -50,13 +53,13 @@ def _known_all(flag: Tensor) -> bool:
 
 
 def _lowest(
-    best: tuple[list[Tensor], Tensor, Tensor],
+    best: tuple[list[Tensor], Tensor, Count],
     accept: Tensor,
     every: bool,
     x: list[Tensor],
     norm: Tensor,
-    iterations: Tensor,
-) -> tuple[list[Tensor], Tensor, Tensor]:
+    iterations: Count,
+) -> tuple[list[Tensor], Tensor, Count]:
     """The masked loop's lowest iterates `(x, norm, iteration)` per problem after a step
     that accepted `x` (with its `norm`) where `accept` holds (everywhere when `every`)."""
     best_x, best_norm, returned = best
@@ -77,9 +80,85 @@ def masked_loop(
     that has stopped keeps its `x` (its evaluations are computed and discarded), so a
     `vmap` batch stops problem by problem and `torch.compile` sees one straight graph.
     `problem(x)` gives `(step, norm, value)` (`solver._Problem`), `opt` is the Anderson
-    update, `options` the solver's `_Options`."""
+    update, `options` the solver's `_Options`.
+
+    Eagerly on the CPU, the first rounds are in lockstep while that is known on the host
+    (`_running_on()`: one sum and one `any` a round): every problem runs, reaches a finite
+    norm and none meets its tolerance, so no status changes, nothing is selected, and the
+    counts, the same for every problem, are Python ints. The first round that is not in
+    lockstep turns them into tensors, and the masks take over."""
     step, norm, value = problem(x)
-    scaled, tol = options.rtol * norm, options.tol
+    met = _stopping_test(options, norm)
+    finite = torch.isfinite(norm)
+    converged = finite & met(norm, value)
+    status = torch.where(converged, CONVERGED, torch.where(finite, MAX_ITER, NONFINITE))
+    done = converged | ~finite
+    lockstep = _known_none(done)
+    # The counts per problem: Python ints while in lockstep (one value for all).
+    iterations: Count = 0 if lockstep else torch.zeros_like(status)
+    evaluations: Count = 1 if lockstep else torch.ones_like(status)
+    norms = [norm]
+    best = (x, norm, iterations)
+    state = opt.init(tree.unflatten(spec, x))
+    for _ in range(options.max_iter):
+        if not lockstep and _known_all(done):
+            break
+        proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
+        proposal = tree.flatten(proposal, "x")[0]
+        new_step, new_norm, new_value = problem(proposal)
+        met_now = met(new_norm, new_value)
+        if lockstep and _running_on(new_norm, met_now):
+            x, step, norm = proposal, new_step, new_norm
+            iterations, evaluations = iterations + 1, evaluations + 1
+            accept, every = done, True  # `accept` is not read when `every`
+        else:
+            if lockstep:  # the counts become one per problem
+                iterations = torch.full_like(status, iterations)
+                evaluations = torch.full_like(status, evaluations)
+                lockstep = False
+            active = ~done
+            accept = active & (new_norm < math.inf)  # finite when below Inf (NaN is not)
+            # Read once per step where that is free (eagerly, on the CPU): while every
+            # problem runs and accepts, no mask below needs a pass over the problems.
+            every = _known_all(accept)
+            x = _where(accept, proposal, x, every)
+            step = _where(accept, new_step, step, every)
+            norm = new_norm if every else torch.where(accept, new_norm, norm)
+            iterations = iterations + accept  # int64 + bool: counts the True ones
+            evaluations = evaluations + active
+            status, done = _after_round(status, done, met_now, accept, active, every)
+        norms.append(norm)
+        if options.return_best:
+            best = _lowest(best, accept, every, x, norm, iterations)
+        if options.callback is not None:
+            options.callback(len(norms) - 1, tree.unflatten(spec, x), norm)
+    return _finish(options, x, best, status, iterations, evaluations, norms)
+
+
+def _running_on(norm: Tensor, met: Tensor) -> bool:
+    """Whether every problem's new `norm` is finite and none `met` its tolerance, read on
+    the host (False where it cannot be: traced, or not on the CPU). The norms are `>= 0`,
+    so their sum is finite exactly when each is (short of float64's range: then False, and
+    the masks decide)."""
+    if tree.tracing() or not norm.is_cpu or _functorch.is_functorch_wrapped_tensor(norm):
+        return False
+    return math.isfinite(norm.sum().item()) and not bool(met.any())
+
+
+def _known_none(flag: Tensor) -> bool:
+    """Whether `flag` is known on the host to hold for no problem of the batch (False
+    where it cannot be read without a graph break or a device synchronisation). Only for
+    a batch of plain tensors (`batch_dims`): under `vmap` the loop keeps its masks."""
+    if tree.tracing() or not flag.is_cpu or _functorch.is_functorch_wrapped_tensor(flag):
+        return False
+    return not bool(flag.any())
+
+
+def _stopping_test(options: Any, norm0: Tensor) -> Callable:
+    r"""`met(norm, value)`: which problems meet their tolerance, $\|r\| \le
+    \max(\mathrm{tol}, \mathrm{rtol} \|r_0\|, \mathrm{gtol} \|g(x)\|)$, with
+    $\|r_0\|$ = `norm0`."""
+    scaled, tol = options.rtol * norm0, options.tol
     threshold = (
         torch.maximum(scaled, tol) if isinstance(tol, Tensor) else torch.clamp(scaled, min=tol)
     )
@@ -89,45 +168,29 @@ def masked_loop(
             return norm <= threshold
         return norm <= torch.maximum(threshold, options.gtol * value)
 
-    finite = torch.isfinite(norm)
-    converged = finite & met(norm, value)
-    status = torch.where(converged, CONVERGED, torch.where(finite, MAX_ITER, NONFINITE))
-    done = converged | ~finite
-    iterations = torch.zeros_like(status)
-    evaluations = torch.ones_like(status)
-    norms = [norm]
-    best_x, best_norm, returned = x, norm, iterations
-    state = opt.init(tree.unflatten(spec, x))
-    for _ in range(options.max_iter):
-        if _known_all(done):
-            break
-        proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
-        proposal = tree.flatten(proposal, "x")[0]
-        new_step, new_norm, new_value = problem(proposal)
-        active = ~done
-        accept = active & (new_norm < math.inf)  # a norm is finite when below Inf (NaN is not)
-        # Read once per step where that is free (eagerly, on the CPU): while every problem
-        # runs and accepts, no mask below needs a pass over the problems.
-        every = _known_all(accept)
-        x = _where(accept, proposal, x, every)
-        step = _where(accept, new_step, step, every)
-        norm = new_norm if every else torch.where(accept, new_norm, norm)
-        iterations = iterations + accept  # int64 + bool: counts the True ones
-        evaluations = evaluations + active
-        status, done = _after_round(status, done, met(norm, new_value), accept, active, every)
-        norms.append(norm)
-        if options.return_best:
-            best_x, best_norm, returned = _lowest(
-                (best_x, best_norm, returned), accept, every, x, norm, iterations
-            )
-        if options.callback is not None:
-            options.callback(len(norms) - 1, tree.unflatten(spec, x), norm)
+    return met
+
+
+def _finish(
+    options: Any,
+    x: list[Tensor],
+    best: tuple[list[Tensor], Tensor, Count],
+    status: Tensor,
+    iterations: Count,
+    evaluations: Count,
+    norms: list[Tensor],
+) -> tuple[list[Tensor], SolverInfo]:
+    """The masked loop's result: with `return_best`, each problem's lowest iterate (its
+    last where it converged: every earlier one failed the test), and its `SolverInfo`
+    (a count still a Python int made one per problem)."""
+    iterations, evaluations = (
+        torch.full_like(status, c) if isinstance(c, int) else c for c in (iterations, evaluations)
+    )
+    returned = iterations
     if options.return_best:
-        # A converged problem's last iterate is its lowest (every earlier one failed the test).
+        best_x, _, lowest = best
         x = _where(status == CONVERGED, x, best_x)
-        returned = torch.where(status == CONVERGED, iterations, returned)
-    else:
-        returned = iterations
+        returned = torch.where(status == CONVERGED, iterations, lowest)
     info = SolverInfo(
         iterations=iterations,
         evaluations=evaluations,
