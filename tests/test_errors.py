@@ -482,6 +482,9 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "lbfgs-update-params-structure": lambda: aa.lbfgs().update(
         _grads_of(_params()), aa.lbfgs().init(_params()), params={"w": _params()["w"]}
     ),
+    "lbfgs-update-state-shape": lambda: aa.lbfgs(memory_size=3).update(
+        _grads_of(_params()), aa.lbfgs(memory_size=5).init(_params()), params=_params()
+    ),
     "update-inner_state-lbfgs-shape": _update_case(
         inner_made=lambda: aa.lbfgs(memory_size=5), inner_called=lambda: aa.lbfgs(memory_size=3)
     ),

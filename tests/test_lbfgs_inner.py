@@ -229,6 +229,25 @@ def test_update_requires_params_and_leaves_the_state_alone():
         assert torch.equal(t, b)
 
 
+@pytest.mark.parametrize(
+    ("made", "field"),
+    [(dict(memory_size=4), "s_memory"), (dict(params={"w": torch.ones(2)}), "s_memory")],
+)
+def test_direct_update_refuses_a_state_for_another_memory_or_params(made, field):
+    """Called directly (not through anderson, which checks the inner state itself), a state
+    made for another memory size or for other params is refused, naming the field, before
+    anything is written: the state and the gradient buffers are as they were."""
+    opt = aa.lbfgs(memory_size=3)
+    params = {"w": torch.ones(3)}
+    state = aa.lbfgs(memory_size=made.get("memory_size", 3)).init(made.get("params", params))
+    grads = {"w": torch.full((3,), 0.5)}
+    before = [t.clone() for t in state]
+    with pytest.raises(ValueError, match=rf"lbfgs: `state\.{field}`"):
+        opt.update(grads, state, params=params, inplace=True)
+    assert all(torch.equal(t, b) for t, b in zip(state, before))
+    assert torch.equal(grads["w"], torch.full((3,), 0.5))
+
+
 def test_anderson_refuses_a_state_for_other_params():
     opt = aa.anderson(aa.lbfgs(), history_depth=3)
     state = opt.init({"w": torch.ones(3)})

@@ -290,6 +290,8 @@ def lbfgs(
         if params is None:
             raise ValueError(f"{fn}: `params` are required (the pairs are made from them)")
         p_leaves = flatten_like(fn, "params", params, spec)
+        # Before any write: a state made for another memory or other params is refused whole.
+        _check_state(memory_size, state, p_leaves, spec, name="state", owner=fn)
         dtype = state.s_memory.dtype
         x, g = _flat(p_leaves, dtype), _flat(g_leaves, dtype)
         pair = _new_pair(state, x, g, eps, scale_init_precond)
