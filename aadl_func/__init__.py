@@ -10,7 +10,8 @@ from aadl_func._src.mix import mix, mixing_weights
 from aadl_func._src.native import kernel_info
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
 from aadl_func._src.rna import RNA, RNAAverager, RNAChoice, RNAState, recompute_bn, rna
-from aadl_func._src.solver import SolverInfo, fixed_point, implicit_fixed_point, root
+from aadl_func._src.solver import SolverInfo, fixed_point, root
+from aadl_func._src.solver_implicit import implicit_fixed_point
 from aadl_func._src.state import AndersonState
 from aadl_func._src.wrapper import AcceleratedOptimizer, accelerate
 

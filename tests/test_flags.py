@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import aadl_func as aa
 from aadl_func._src import flags
-from aadl_func._src.stages import advance as _advance
+from aadl_func._src.update_call import advance as _advance
 
 BOOLS = [False, True]
 

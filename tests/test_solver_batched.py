@@ -356,7 +356,7 @@ def test_routes(monkeypatch):
     options; anything else keeps the core's update under vmap, which still solves each
     sample as alone (mode "aadl" here: the same steps as its own eager solve)."""
     from aadl_func._src.options import AndersonOptions
-    from aadl_func._src.solver import _IDENTITY
+    from aadl_func._src.solver_options import _IDENTITY
 
     def settings(**options):
         return AndersonOptions.for_owner("fixed_point", 2, inner=_IDENTITY, **options)
@@ -416,7 +416,7 @@ def test_a_mix_that_is_not_finite_falls_back_to_the_plain_step(monkeypatch):
     coefficients made Inf, so its mix is not finite) the update returns the plain step
     ``x + f``; the other samples are mixed as before."""
     from aadl_func._src.options import AndersonOptions
-    from aadl_func._src.solver import _IDENTITY
+    from aadl_func._src.solver_options import _IDENTITY
 
     options = AndersonOptions.for_owner(
         "fixed_point", 2, inner=_IDENTITY, mode="classic", history_depth=3

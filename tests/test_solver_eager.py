@@ -23,7 +23,7 @@ from test_solver_batched import sensitivity_bounds
 from test_solver_options import recorded
 
 import aadl_func as aa
-from aadl_func._src import solver, solver_eager
+from aadl_func._src import solver_eager, solver_options
 
 D = torch.float64
 
@@ -166,7 +166,9 @@ def settings(**options):
     keys = ("history_depth", "relaxation", "reg", "reg_relative")
     given = {"history_depth": 3, "relaxation": 1.0, "reg": 0.0, "reg_relative": 0.0, **options}
     rest = {k: v for k, v in given.items() if k not in keys}
-    return solver._anderson_options("fixed_point", *(given[k] for k in keys), "classic", rest)
+    return solver_options.anderson_options(
+        "fixed_point", *(given[k] for k in keys), "classic", rest
+    )
 
 
 def test_a_mix_that_is_not_finite_takes_the_plain_step():

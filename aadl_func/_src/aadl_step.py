@@ -27,13 +27,10 @@ from aadl_func._src.average import window_average
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.ring import to_ring_order
 from aadl_func._src.core.variants.aadl import aadl_coefficients
+from aadl_func._src.exec.inplace import begin_writes, commit, undo_later
+from aadl_func._src.exec.sharded import Reduction
 from aadl_func._src.stages import (
-    Call,
-    Reduction,
-    advance,
     append,
-    begin_writes,
-    commit,
     commit_plain,
     count_outcome,
     finite,
@@ -49,10 +46,10 @@ from aadl_func._src.stages import (
     stores,
     to_history,
     to_params,
-    undo_later,
     window_tree,
 )
 from aadl_func._src.state import AndersonState
+from aadl_func._src.update_call import Call, advance
 from aadl_func._src.window import append_difference, combine
 
 __all__ = ["aadl_step", "base_bound", "last_plain_step"]

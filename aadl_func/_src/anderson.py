@@ -3,7 +3,7 @@
 The entry points live here: [`anderson()`][aadl_func.anderson] (the options, `AndersonOptions`),
 `init` (the state's buffers, laid out by the mode's record in `aadl_func._src.modes`) and
 `update`, which checks its arguments, runs the inner optimizer and hands one
-`aadl_func._src.stages.Call` to the mode's step function
+`aadl_func._src.update_call.Call` to the mode's step function
 (`aadl_func._src.aadl_step`, `aadl_func._src.classic_step`). `step()` is that
 entry point for other front ends
 ([`aadl_func.AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer]).
@@ -42,10 +42,12 @@ from aadl_func._src.checks import (
 from aadl_func._src.core import accept
 from aadl_func._src.core.scalars import wide
 from aadl_func._src.exec import eager
+from aadl_func._src.exec.inplace import commit, recover
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
-from aadl_func._src.stages import Call, commit, recover, revert
+from aadl_func._src.stages import revert
 from aadl_func._src.state import COUNTERS, AndersonState
+from aadl_func._src.update_call import Call
 from aadl_func._src.window import new_ring
 
 __all__ = ["Anderson", "anderson"]
@@ -237,7 +239,7 @@ def anderson(
     anywhere after the commit point), as after the plain step with the window restarted from
     `y` (raised while the plain step was being written), or the call's complete result
     (raised during its final writes). The state's tensors are updated in place and the
-    returned state holds those same tensors. See `aadl_func._src.stages.recover` and
+    returned state holds those same tensors. See `aadl_func._src.exec.inplace.recover` and
     docs/reliability.md. That guarantee is the eager one:
     under `torch.compile` (and `vmap`) the in-place writes are masked blends inside one
     graph, the returned state carries new counters, and an interrupted compiled call may be

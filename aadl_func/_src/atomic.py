@@ -13,7 +13,7 @@ something usable, the step is split at a *commit point*:
    until every decision is made; then the final writes and a second `write_back()`.
 
 `Progress` records how far the call has written, so that an exception of any type
-raised anywhere is turned into one complete outcome (`stages.recover`): before 1 nothing
+raised anywhere is turned into one complete outcome (`exec.inplace.recover`): before 1 nothing
 changed; during 1 the plain step is completed with the window restarted; during a commit
 (2, or the final one) the commit is finished; during the rest of 3 the caller gets exactly
 the plain step back. `InterruptGuard` turns a
@@ -50,7 +50,7 @@ _SIGINT = int(signal.SIGINT)
 
 class Progress:
     """How far an eager in-place call has written the caller's tensors, so that an exception
-    raised anywhere in it can be turned into one complete outcome (`stages.recover`).
+    raised anywhere in it can be turned into one complete outcome (`exec.inplace.recover`).
 
     Attributes:
       param_versions: the params' version counters before the first write of the call (None

@@ -6,7 +6,7 @@ and only the chosen branch runs. Under `torch.func.vmap` (members that disagree)
 with `torch.where`, and an in-place write made inside a branch must then only land where
 the decision holds. A `Blend` is that context for one call: it knows which blended
 selects are running, so every in-place write of the call goes through `Blend.assign()`.
-It belongs to the call (`aadl_func._src.stages.Call`), so calls in different threads
+It belongs to the call (`aadl_func._src.update_call.Call`), so calls in different threads
 never see each other's gates.
 """
 

@@ -28,13 +28,10 @@ from aadl_func._src import distributed, flags, mix_search, tree
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.ring import to_ring_order
 from aadl_func._src.core.variants.classic import classic_coefficients
+from aadl_func._src.exec.inplace import begin_writes, commit
+from aadl_func._src.exec.sharded import Reduction
 from aadl_func._src.stages import (
-    Call,
-    Reduction,
-    advance,
     append,
-    begin_writes,
-    commit,
     commit_plain,
     count_outcome,
     finite,
@@ -52,6 +49,7 @@ from aadl_func._src.stages import (
     window_tree,
 )
 from aadl_func._src.state import AndersonState
+from aadl_func._src.update_call import Call, advance
 from aadl_func._src.window import combine, write_slot
 
 __all__ = ["base_bound", "classic_step", "last_plain_step"]

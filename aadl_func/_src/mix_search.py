@@ -19,7 +19,8 @@ from torch import Tensor
 
 from aadl_func._src import flags, tree
 from aadl_func._src.core import linesearch
-from aadl_func._src.stages import Call, callbacks
+from aadl_func._src.exec.inplace import callbacks
+from aadl_func._src.update_call import Call
 from aadl_func._src.validation import scalar_loss
 
 __all__ = ["check_call", "search"]

@@ -3,7 +3,7 @@
 Everything that differs between the modes is here or in the step function a record names:
 the ring's layout, how much window a mix needs, whether AADL's moving average applies, the
 step itself, and the bounds behind a sharded step's finiteness certificate
-(`aadl_func._src.stages.certified_finite()`). Adding a mode is adding a record.
+(`aadl_func._src.exec.sharded.certified_finite()`). Adding a mode is adding a record.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Mode:
       averages: AADL's moving average (`average=True`) is defined for it.
       complex_params: complex params are accepted (a complex window, Hermitian Grams).
       step: `step(call) -> (params, state)`, one `update` call
-        (`aadl_func._src.stages.Call`).
+        (`aadl_func._src.update_call.Call`).
       base_bound: `base_bound(call)`, this rank's bound of the combination's base.
       mix_bound: `mix_bound(options, alpha, norms, base)`, a bound of every entry of the mix
         from the summed base bound and the residual norms.

@@ -8,8 +8,9 @@ of the map $g$ follows. Two routes write that recurrence for speed, each held to
 update by its tests: the eager loop's own window for one problem
 (`aadl_func._src.solver_eager`) and the batched per-sample step
 (`aadl_func._src.solver_batched`). This module adds the loops, the stopping test, the
-bookkeeping, SciPy's backtracking line search, the masked fixed-budget variant for
-`vmap`/`torch.compile`, and implicit differentiation.
+bookkeeping, SciPy's backtracking line search and the masked fixed-budget variant for
+`vmap`/`torch.compile`; the arguments are checked in `aadl_func._src.solver_options`, and
+implicit differentiation is `aadl_func._src.solver_implicit`.
 
 Residual norm: the 2-norm over all leaves of the pytree,
 $\|r\| = (\sum_\ell \sum_i |r_{\ell,i}|^2)^{1/2}$, accumulated in float64, of
@@ -19,10 +20,8 @@ iterate with $\|r_k\| \le \max(\mathrm{tol}, \mathrm{rtol}\,\|r_0\|)$.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,190 +29,32 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import grad_mode, solver_batched, solver_eager, solver_masked, tree
+from aadl_func._src import (
+    grad_mode,
+    solver_batched,
+    solver_eager,
+    solver_masked,
+    solver_options,
+    tree,
+)
 from aadl_func._src.anderson import Anderson, functions
 from aadl_func._src.checks import differentiating
 from aadl_func._src.core.linesearch import armijo
 from aadl_func._src.core.scalars import wide
-from aadl_func._src.inner import InnerOptimizer
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.solver_info import CALLBACK, CONVERGED, MAX_ITER, NONFINITE, REASONS, SolverInfo
 from aadl_func._src.solver_masked import per_problem
-from aadl_func._src.validation import (
-    check_bool,
-    check_callable,
-    check_choice,
-    check_float,
-    check_int,
-)
+from aadl_func._src.validation import check_callable, check_float, check_int
 
-__all__ = ["REASONS", "SolverInfo", "fixed_point", "root", "implicit_fixed_point"]
+__all__ = ["REASONS", "SolverInfo", "fixed_point", "root"]
 
 PyTree = Any
 
 
-# -- the identity inner optimizer ------------------------------------------------------------
-def _identity_init(params: PyTree) -> tuple:
-    return ()
-
-
-def _identity_update(
-    updates: PyTree, state: tuple, params: PyTree = None, inplace: bool = False
-) -> tuple[PyTree, tuple]:
-    return updates, state
-
-
-# The inner "optimizer" whose step from x with grads r is x + r: Anderson then accelerates
-# x -> x + r(x), the map the solver was given.
-_IDENTITY = InnerOptimizer(_identity_init, _identity_update)
-
-
-# -- options ---------------------------------------------------------------------------------
-# The options of aadl_func.anderson that the solvers pass through (read once: torch.compile
-# does not trace dataclasses.fields of a class).
-_ANDERSON_OPTIONS = frozenset(AndersonOptions.names())
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    tol: float | Tensor
-    rtol: float | Tensor
-    gtol: float | Tensor
-    max_iter: int
-    line_search: bool
-    callback: Callable | None
-    masked: bool | None
-    return_best: bool
-
-    def tensors(self) -> list[Tensor]:
-        """The tolerances given as tensors (a batched one makes the loop masked)."""
-        return [t for t in (self.tol, self.rtol, self.gtol) if isinstance(t, Tensor)]
-
-
-def _options(
-    owner: str,
-    tol: object,
-    rtol: object,
-    max_iter: object,
-    line_search: object,
-    callback: object,
-    masked: object,
-    return_best: object,
-    gtol: object = 0.0,
-    batch_dims: int = 0,
-) -> _Options:
-    if line_search not in (None, False, True, "armijo"):
-        raise ValueError(
-            f"{owner}: `line_search` must be None, False, True or 'armijo', got {line_search!r}"
-        )
-    if callback is not None:
-        check_callable(owner, "callback", callback)
-    return _Options(
-        tol=_tolerance(owner, "tol", tol, batch_dims),
-        rtol=_tolerance(owner, "rtol", rtol, batch_dims),
-        gtol=_tolerance(owner, "gtol", gtol, batch_dims),
-        max_iter=check_int(owner, "max_iter", max_iter, 0),
-        line_search=line_search not in (None, False),
-        callback=callback,  # type: ignore[arg-type]
-        masked=None if masked is None else check_bool(owner, "masked", masked),
-        return_best=check_bool(owner, "return_best", return_best),
-    )
-
-
-def _tolerance(owner: str, name: str, value: object, batch_dims: int) -> float | Tensor:
-    """A tolerance: a real number `>= 0`, or a real tensor of them (a float64 copy): 0-d,
-    the per-problem value under `vmap` (a batched 0-d tensor), or with `batch_dims` one
-    per problem of the batch (its shape checked against `x0` later). Its values are checked
-    where they can be read (not under a transform or while compiling)."""
-    if not isinstance(value, Tensor):
-        return check_float(owner, name, value, minimum=0.0)
-    if value.is_complex() or value.dtype == torch.bool or value.dim() > batch_dims:
-        raise TypeError(
-            f"{owner}: `{name}` must be a real number or a real tensor of one per problem "
-            f"(0-d, or the batch shape with batch_dims), got a {value.dtype} tensor of shape "
-            f"{tuple(value.shape)}"
-        )
-    value = value.detach().to(torch.float64)
-    if not tree.is_transformed(value) and not bool(((value >= 0) & value.isfinite()).all()):
-        raise ValueError(f"{owner}: `{name}` must be finite and >= 0.0, got {value.tolist()}")
-    return value
-
-
-def _anderson_options(
-    owner: str,
-    history_depth: int,
-    relaxation: float,
-    reg: float,
-    reg_relative: float,
-    mode: str,
-    anderson_options: dict[str, Any],
-) -> AndersonOptions:
-    """The options of the [`aadl_func.anderson()`][aadl_func.anderson] update around the
-    identity map, validated in the solver's name. Mode "classic" takes `history_depth=2` here
-    (AA(1), SciPy's `M=1`: one difference), which `anderson` itself does not."""
-    if "inner" in anderson_options:
-        raise TypeError(f"{owner}: `inner` is set by the solver (the identity map), not by you")
-    unknown = sorted(set(anderson_options) - _ANDERSON_OPTIONS)
-    if unknown:
-        raise TypeError(
-            f"{owner}: unexpected keyword argument `{unknown[0]}` (neither a solver option nor "
-            "one of aadl_func.anderson's)"
-        )
-    return AndersonOptions.for_owner(
-        owner,
-        2 if mode == "classic" else 3,
-        inner=_IDENTITY,
-        history_depth=history_depth,
-        relaxation=relaxation,
-        reg=reg,
-        reg_relative=reg_relative,
-        mode=mode,
-        **anderson_options,
-    )
-
-
+# -- the update ------------------------------------------------------------------------------
 def _accelerator(settings: AndersonOptions) -> Anderson:
     """The [`aadl_func.anderson()`][aadl_func.anderson] update for `settings`."""
     return Anderson(*functions(settings))
-
-
-def _check_x0(
-    owner: str, x0: PyTree, mode: str | None = None, name: str = "x0"
-) -> tuple[list[Tensor], Any]:
-    """`x0`'s leaves: real floating, or (`mode="classic"`) all complex; `mode` None
-    ([`implicit_fixed_point()`][aadl_func.implicit_fixed_point], whose `name` is `z0`) takes real
-    ones only."""
-    leaves, spec = tree.flatten(x0, name, owner=owner)
-    if not leaves:
-        raise ValueError(f"{owner}: `{name}` must contain at least one tensor")
-    kinds = [leaf.is_complex() for leaf in leaves]
-    for i, leaf in enumerate(leaves):
-        if leaf.is_floating_point():
-            continue
-        path = tree.leaf_path(spec, i, name)
-        if not leaf.is_complex():
-            raise TypeError(
-                f"{owner}: `{path}` has dtype {leaf.dtype}; {owner} takes floating tensors "
-                "(real, or complex in mode='classic')"
-            )
-        if mode is None:
-            raise TypeError(
-                f"{owner}: `{path}` has dtype {leaf.dtype}; {owner} takes real floating "
-                "tensors (complex ones are not supported: the adjoint solve is written for "
-                "real vjps)"
-            )
-        if mode != "classic":
-            raise TypeError(
-                f"{owner}: `{path}` is complex ({leaf.dtype}); complex problems are solved in "
-                f"mode='classic' only (the default), not mode={mode!r}"
-            )
-        if not all(kinds):
-            real = tree.leaf_path(spec, kinds.index(False), name)
-            raise TypeError(
-                f"{owner}: `{path}` is complex but `{real}` is real; `{name}` must be all real or "
-                "all complex (make the real leaves complex)"
-            )
-    return leaves, spec
 
 
 # -- pytree arithmetic -----------------------------------------------------------------------
@@ -235,12 +76,12 @@ def _norm(leaves: list[Tensor], batch_dims: int = 0) -> Tensor:
     return torch.stack(squares).sum().sqrt()
 
 
-def _axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
+def axpy(a: Any, x: list[Tensor], y: list[Tensor]) -> list[Tensor]:
     """`a * x + y` leaf by leaf (`a` a number or a 0-d tensor)."""
     return [(a * xi).to(yi.dtype) + yi for xi, yi in zip(x, y)]
 
 
-def _masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
+def masked_wanted(masked: bool | None, leaves: list[Tensor]) -> bool:
     """The masked fixed-budget loop under `torch.compile` or `vmap`, where the stopping
     test cannot be read on the host; `masked` overrides the choice."""
     if masked is not None:
@@ -332,7 +173,7 @@ def _line_search(
 
     def point(s: float) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor | None]:
         if s not in trials:
-            xs = proposal if s == 1.0 else _axpy(s, direction, x)
+            xs = proposal if s == 1.0 else axpy(s, direction, x)
             trials[s] = (xs, *problem(xs))
         return trials[s]
 
@@ -347,7 +188,11 @@ def _line_search(
 
 # -- the loops -------------------------------------------------------------------------------
 def _eager_loop(
-    problem: _Problem, x: list[Tensor], accelerate: Callable, options: _Options, spec: Any
+    problem: _Problem,
+    x: list[Tensor],
+    accelerate: Callable,
+    options: solver_options.Options,
+    spec: Any,
 ) -> tuple[list[Tensor], SolverInfo]:
     """Python control flow: stops at the first iterate that meets the tolerance.
     `accelerate(x, step)` is the Anderson step (`solver_eager.accelerator_step()`)."""
@@ -413,15 +258,15 @@ def _solve(
     fn: Callable,
     x0: PyTree,
     alpha: Any,
-    options: _Options,
+    options: solver_options.Options,
     settings: AndersonOptions,
     mode: str,
     batch_dims: int = 0,
 ) -> tuple[PyTree, SolverInfo]:
-    leaves, spec = _check_x0(owner, x0, mode)
+    leaves, spec = solver_options.check_x0(owner, x0, mode)
     opt = _accelerator(settings)
     if batch_dims:
-        _check_batch(owner, leaves, spec, options, batch_dims)
+        solver_options.check_batch(owner, leaves, spec, options, batch_dims)
         opt = _per_sample(opt, settings, leaves, batch_dims)
     if torch.is_grad_enabled() and differentiating():
         # Unrolled through the core's update the gradient is not usable (NaN where the
@@ -437,7 +282,7 @@ def _solve(
         x = [t.detach() if t.requires_grad else t for t in leaves]
         value_norms = isinstance(options.gtol, Tensor) or options.gtol > 0
         problem = _Problem(owner, fn, spec, x, kind, value_norms, batch_dims)
-        masked = batch_dims > 0 or _masked_wanted(options.masked, x + options.tensors())
+        masked = batch_dims > 0 or masked_wanted(options.masked, x + options.tensors())
         if masked and options.line_search:
             raise ValueError(
                 f"{owner}: `line_search` needs the eager loop; it is not available under vmap, "
@@ -456,40 +301,6 @@ def _solve(
     if recorded:
         x = list(_NoGradient.apply(owner, _ANCHOR, *x))
     return tree.unflatten(spec, x), info
-
-
-def _check_batch(
-    owner: str, leaves: list[Tensor], spec: Any, options: _Options, batch_dims: int
-) -> None:
-    """With `batch_dims` (1, not under a transform): every leaf of `x0` starts with the
-    same batch shape, and each tolerance is one number or one per problem (the batch
-    shape)."""
-    if batch_dims > 1:
-        raise ValueError(
-            f"{owner}: `batch_dims` must be 0 or 1, got {batch_dims} (the core's update does "
-            "not nest vmaps: fold the batch dimensions into one)"
-        )
-    if _functorch.maybe_current_level() is not None:
-        raise ValueError(
-            f"{owner}: `batch_dims` is not available under torch.func transforms (the core's "
-            "update does not nest vmaps): fold the vmapped dimension into the batch, or vmap "
-            "the solve without batch_dims"
-        )
-    shape = leaves[0].shape[:batch_dims]
-    for i, leaf in enumerate(leaves):
-        if leaf.dim() < batch_dims or leaf.shape[:batch_dims] != shape:
-            raise ValueError(
-                f"{owner}: `{tree.leaf_path(spec, i, 'x0')}` has shape {tuple(leaf.shape)}; "
-                f"with batch_dims={batch_dims} every leaf of `x0` starts with the batch shape "
-                f"{tuple(shape)}"
-            )
-    for name in ("tol", "rtol", "gtol"):
-        value = getattr(options, name)
-        if isinstance(value, Tensor) and value.dim() and value.shape != shape:
-            raise ValueError(
-                f"{owner}: `{name}` has shape {tuple(value.shape)}; with batch_dims="
-                f"{batch_dims} a tolerance is one number or one per problem, shape {tuple(shape)}"
-            )
 
 
 def _per_sample(
@@ -670,10 +481,10 @@ def fixed_point(
     owner = "fixed_point"
     check_callable(owner, "g", g)
     batch_dims = check_int(owner, "batch_dims", batch_dims, 0)
-    options = _options(
+    options = solver_options.options(
         owner, tol, rtol, max_iter, line_search, callback, masked, return_best, gtol, batch_dims
     )
-    settings = _anderson_options(
+    settings = solver_options.anderson_options(
         owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options
     )
     return _solve(owner, "fixed_point", g, x0, None, options, settings, mode, batch_dims)
@@ -742,276 +553,10 @@ def root(
         if alpha == 0.0:
             raise ValueError(f"{owner}: `alpha` must be non-zero (the step is x + alpha F(x))")
     batch_dims = check_int(owner, "batch_dims", batch_dims, 0)
-    options = _options(
+    options = solver_options.options(
         owner, tol, rtol, max_iter, line_search, callback, masked, return_best, 0.0, batch_dims
     )
-    settings = _anderson_options(
+    settings = solver_options.anderson_options(
         owner, history_depth, relaxation, reg, reg_relative, mode, anderson_options
     )
     return _solve(owner, "root", F, x0, alpha, options, settings, mode, batch_dims)
-
-
-# -- implicit differentiation ----------------------------------------------------------------
-class _ImplicitFixedPoint(torch.autograd.Function):
-    """`z* = f(z*, theta)` forward by [`fixed_point()`][aadl_func.fixed_point]; backward by the
-    implicit function theorem. Inputs: the static
-    `(f, z_spec, theta_spec, n_z, options, adjoint_options)`, then the leaves of `z0` and of
-    `theta`; outputs: the leaves of `z*`, then the [`SolverInfo`][aadl_func.SolverInfo] fields (not
-    differentiable)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        f: Callable, z_spec: Any, theta_spec: Any, n_z: int, options: dict, adjoint: dict,
-        *leaves: Tensor,
-    ) -> tuple[Tensor, ...]:  # fmt: skip
-        theta = tree.unflatten(theta_spec, list(leaves[n_z:]))
-        z0 = tree.unflatten(z_spec, list(leaves[:n_z]))
-        options = dict(options)
-        first = [options.pop("_first", None)]  # f(z0, theta), computed by the caller
-
-        def g(z: PyTree) -> PyTree:  # the solver's first evaluation is at z0
-            known, first[0] = first[0], None
-            return f(z, theta) if known is None else known
-
-        z, info = fixed_point(g, z0, **options)
-        # An input returned as is (z0 already converged, max_iter=0) cannot be saved for
-        # backward by setup_context: return a copy.
-        z_leaves = [
-            t.clone() if any(t is i for i in leaves) else t for t in tree.flatten(z, "z")[0]
-        ]
-        return (*z_leaves, *info)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        f, z_spec, theta_spec, n_z, _, adjoint, *leaves = inputs
-        ctx.save_for_backward(*output[:n_z], *leaves[n_z:])
-        ctx.mark_non_differentiable(*output[n_z:])
-        ctx.static = (f, z_spec, theta_spec, n_z, adjoint)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        f, z_spec, theta_spec, n_z, adjoint = ctx.static
-        adjoint = dict(adjoint)
-        on_failure = adjoint.pop("on_nonconvergence")
-        saved = ctx.saved_tensors
-        z_star = tree.unflatten(z_spec, list(saved[:n_z]))
-        theta = tree.unflatten(theta_spec, list(saved[n_z:]))
-        cotangent = [torch.zeros_like(z) if g is None else g for g, z in zip(grads[:n_z], saved)]
-        u = _adjoint(f, z_star, theta, z_spec, cotangent, adjoint, on_failure)
-        _, vjp_theta = torch.func.vjp(lambda th: f(z_star, th), theta)
-        (grad_theta,) = vjp_theta(u)
-        theta_leaves = tree.flatten(grad_theta, "theta")[0]
-        return (None,) * (6 + n_z) + tuple(theta_leaves)
-
-
-def _adjoint(
-    f: Callable,
-    z_star: PyTree,
-    theta: PyTree,
-    spec: Any,
-    cotangent: list[Tensor],
-    options: dict,
-    on_failure: str,
-) -> PyTree:
-    r"""The adjoint fixed point $u = J_z f(z^*, \theta)^\top u + \bar z$ by
-    [`fixed_point()`][aadl_func.fixed_point] (the map is affine, so classic Anderson acceleration is
-    GMRES on $(I - J^\top) u = \bar z$); a solve that does not converge is reported by
-    `on_failure` (`_report()`)."""
-    _, vjp_z = torch.func.vjp(lambda z: f(z, theta), z_star)
-    rhs = tree.unflatten(spec, cotangent)
-
-    def adjoint_map(u: PyTree) -> PyTree:
-        (ju,) = vjp_z(u)
-        return tree.unflatten(spec, _axpy(1.0, tree.flatten(ju, "u")[0], cotangent))
-
-    # First derivatives only: no graph through the adjoint iterations.
-    u, info = grad_mode.kept(lambda: fixed_point(adjoint_map, rhs, **options))
-    if not _masked_wanted(options.get("masked"), cotangent):
-        _report(
-            on_failure, info, "the adjoint fixed point u = J^T u + dL/dz*",
-            "is f a contraction in z at z*? Raise `max_iter` or loosen `tol` in "
-            "`adjoint_options`",
-        )  # fmt: skip
-    return u
-
-
-def _report(on_failure: str, info: SolverInfo, what: str, hint: str) -> None:
-    """A solve that did not converge, by `on_nonconvergence`: a `RuntimeWarning`
-    ("warn"), a `RuntimeError` ("raise"), or nothing ("ignore"; `info` says it)."""
-    if on_failure == "ignore" or bool(info.converged.all()):
-        return
-    if info.converged.dim():  # a batch (batch_dims)
-        failed = int((~info.converged).sum())
-        outcome = f"for {failed} of {info.converged.numel()} problems"
-    else:
-        outcome = f"({info.reason} after {int(info.iterations)} steps)"
-    residual = float(info.residual_norms[..., -1].max())
-    message = (
-        f"implicit_fixed_point: {what} did not converge {outcome}, residual {residual:.3g}; " + hint
-    )
-    if on_failure == "raise":
-        raise RuntimeError(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def implicit_fixed_point(
-    f: Callable[[PyTree, PyTree], PyTree],
-    z0: PyTree,
-    theta: PyTree,
-    *,
-    adjoint_options: dict[str, Any] | None = None,
-    gradient: str = "implicit",
-    phantom_steps: int = 1,
-    phantom_damping: float = 1.0,
-    on_nonconvergence: str = "warn",
-    **options: Any,
-) -> tuple[PyTree, SolverInfo]:
-    r"""The fixed point $z^* = f(z^*, \theta)$, differentiable in $\theta$ (and in
-    the parameters of `f` when it is an `torch.nn.Module`); returns `(z*, info)`.
-
-    The forward solve is [`fixed_point()`][aadl_func.fixed_point] on $z \mapsto f(z, \theta)$ from
-    `z0` with `options`; no iteration is recorded for autograd. `gradient="implicit"`
-    (default): the backward pass, given $\bar z = \partial L / \partial z^*$, solves
-    the adjoint fixed point
-
-    $$
-    u = J_z f(z^*, \theta)^\top u + \bar z \quad \big(\text{i.e. } u = (I - J_z^\top)^{-1}
-    \bar z\big), \qquad \frac{\partial L}{\partial \theta} = J_\theta f(z^*, \theta)^\top u,
-    $$
-
-    with the same solver (`adjoint_options`, default: `options`), the products
-    $J^\top v$ being `torch.func.vjp()` of `f` at $(z^*, \theta)$. This is
-    exact at an exact fixed point where $I - J_z$ is invertible (e.g. `f` a
-    contraction in `z`); its error follows the two tolerances. It is a
-    `torch.autograd.Function` (with `setup_context` and a generated vmap rule), so
-    `loss.backward()`, `torch.func.grad()`/`vjp` and `torch.func.vmap()` of either
-    work. Only first derivatives: the backward pass is not itself differentiable.
-
-    `gradient="phantom"`: the cheap backward of torchdeq (Geng et al., 2021), no adjoint
-    solve: from $z_0 = z^*$ (constant) it records `phantom_steps` $= k$ damped
-    steps $z_{i+1} = (1 - \tau) z_i + \tau f(z_i, \theta)$, $\tau$ =
-    `phantom_damping`, and returns $z_k$, so that autograd differentiates those
-    $k$ steps only. With $\tau = 1$ its gradient is
-    $J_\theta^\top \sum_{i<k} (J_z^\top)^i \bar z$, the truncated Neumann series of
-    the implicit one; $k = 1$ is the Jacobian-free gradient (Fung et al., 2022),
-    $J_\theta^\top \bar z$. It costs $k$ evaluations and vjps of `f`.
-
-    Args:
-      f: `f(z, theta) -> z`. Every tensor whose gradient you want comes in through
-        `theta`, or is a parameter of `f` when `f` is an `torch.nn.Module`
-        (called through `torch.func.functional_call()`, so its parameters are inputs of
-        the backward pass). A tensor that requires grad and that `f` closes over otherwise
-        (`lambda z, x: layer(z, x)` around a module) would get no gradient: this is
-        refused with a `ValueError` (checked on the first evaluation of `f`, which the
-        solve reuses, whenever autograd records).
-      z0: the starting point (no gradient flows to it: $z^*$ does not depend on it).
-      theta: a pytree of tensors, the parameters (or the layer's input `x`).
-      adjoint_options: [`fixed_point()`][aadl_func.fixed_point] options for the adjoint solve
-        (default: the forward's).
-      gradient: `"implicit"` (default) or `"phantom"` (above).
-      phantom_steps: $k \ge 1$, the recorded steps of `gradient="phantom"`.
-      phantom_damping: $\tau \in (0, 1]$ of `gradient="phantom"`.
-      on_nonconvergence: a forward or adjoint solve that does not converge (eager loop):
-        `"warn"` (default, a `RuntimeWarning`; `info` says it too), `"raise"` (a
-        `RuntimeError`) or `"ignore"`.
-      **options: [`fixed_point()`][aadl_func.fixed_point] options for the forward solve.
-
-    Returns:
-      `(z*, info)`: `z*` like `z0` (with `"phantom"`, $z_k$), and the forward
-      solve's [`SolverInfo`][aadl_func.SolverInfo] (with `"phantom"`, its evaluations include the
-      $k$ recorded ones).
-    """
-    owner = "implicit_fixed_point"
-    check_callable(owner, "f", f)
-    z_leaves, z_spec = _check_x0(owner, z0, name="z0")
-    theta_leaves, theta_spec = tree.flatten(theta, "theta", owner=owner)
-    if adjoint_options is not None and not isinstance(adjoint_options, dict):
-        raise TypeError(
-            f"{owner}: `adjoint_options` must be None or a dict of fixed_point options, "
-            f"got {type(adjoint_options).__name__}"
-        )
-    gradient = check_choice(owner, "gradient", gradient, ("implicit", "phantom"))
-    steps = check_int(owner, "phantom_steps", phantom_steps, 1)
-    damping = check_float(owner, "phantom_damping", phantom_damping, minimum=0.0, strict=True)
-    if damping > 1.0:
-        raise ValueError(f"{owner}: `phantom_damping` must be in (0, 1], got {damping}")
-    on_failure = check_choice(
-        owner, "on_nonconvergence", on_nonconvergence, ("warn", "raise", "ignore")
-    )
-    adjoint = dict(options if adjoint_options is None else adjoint_options)
-    adjoint["on_nonconvergence"] = on_failure
-    if gradient == "phantom":
-        z, info = _phantom(f, z0, theta, options, steps, damping)
-    else:
-        z, info = _implicit(f, z_spec, z_leaves, theta, options, adjoint)
-    if not _masked_wanted(options.get("masked"), z_leaves + theta_leaves):
-        hint = "raise `max_iter` or loosen `tol`; the gradient is that of the returned point"
-        _report(on_failure, info, "the forward fixed point z* = f(z*, theta)", hint)
-    return z, info
-
-
-def _implicit(
-    f: Callable, z_spec: Any, z_leaves: list[Tensor], theta: PyTree, options: dict, adjoint: dict
-) -> tuple[PyTree, SolverInfo]:
-    """The forward solve and the implicit backward (`_ImplicitFixedPoint`); an
-    `torch.nn.Module` `f` takes its parameters as inputs, through
-    `torch.func.functional_call()`."""
-    if isinstance(f, torch.nn.Module):
-        module = f
-        params = {k: p for k, p in module.named_parameters() if p.requires_grad}
-        theta = (theta, params)
-
-        def f(z: PyTree, both: tuple) -> PyTree:  # noqa: F811  (the module, functionally)
-            return torch.func.functional_call(module, both[1], (z, both[0]))
-
-    theta_leaves, theta_spec = tree.flatten(theta, "theta", owner="implicit_fixed_point")
-    first = _first_evaluation(f, z_spec, z_leaves, theta)
-    out = _ImplicitFixedPoint.apply(
-        f, z_spec, theta_spec, len(z_leaves), {**options, "_first": first}, adjoint,
-        *z_leaves, *theta_leaves,
-    )  # fmt: skip
-    n_z = len(z_leaves)
-    return tree.unflatten(z_spec, list(out[:n_z])), SolverInfo(*out[n_z:])
-
-
-def _first_evaluation(
-    f: Callable, z_spec: Any, z_leaves: list[Tensor], theta: PyTree
-) -> PyTree | None:
-    """`f(z0, theta)` evaluated with autograd on and `theta` detached, when autograd
-    records (not under `torch.func` transforms): an output that still requires grad
-    depends on a tensor that `f` closes over, which would get no gradient, and is refused.
-    The value (detached) is the forward solve's first evaluation, so the check costs none."""
-    if not torch.is_grad_enabled() or _functorch.maybe_current_level() is not None:
-        return None
-    z0 = tree.unflatten(z_spec, [t.detach() for t in z_leaves])
-    leaves, spec = tree.flatten(theta, "theta")
-    out = f(z0, tree.unflatten(spec, [t.detach() for t in leaves]))
-    out_leaves, out_spec = tree.flatten(out, "f(z, theta)", owner="implicit_fixed_point")
-    if any(t.requires_grad for t in out_leaves):
-        raise ValueError(
-            "implicit_fixed_point: f(z, theta) depends on a tensor that requires grad but is "
-            "neither in `theta` nor a parameter of `f` (e.g. a module that f closes over): it "
-            "would get no gradient. Pass the nn.Module itself as `f` (its parameters are then "
-            "differentiated), or pass the tensors through `theta`"
-        )
-    return tree.unflatten(out_spec, [t.detach() for t in out_leaves])
-
-
-def _phantom(
-    f: Callable, z0: PyTree, theta: PyTree, options: dict, steps: int, damping: float
-) -> tuple[PyTree, SolverInfo]:
-    """The forward solve without a graph, then `steps` damped steps from $z^*$ with
-    one (torchdeq's phantom gradient; a module `f` is called as it is)."""
-    z, info = grad_mode.kept(lambda: fixed_point(lambda z: f(z, theta), z0, **options))
-    leaves, spec = tree.flatten(z, "z")
-    z = tree.unflatten(spec, [t.detach() for t in leaves])
-    for _ in range(steps):
-        fz = tree.flatten(f(z, theta), "f(z, theta)", owner="implicit_fixed_point")[0]
-        zl = tree.flatten(z, "z")[0]
-        if damping == 1.0:
-            z = tree.unflatten(spec, fz)
-        else:
-            z = tree.unflatten(spec, [(1 - damping) * a + damping * b for a, b in zip(zl, fz)])
-    return z, info._replace(evaluations=info.evaluations + steps)

@@ -62,7 +62,7 @@ __all__ = ["BatchedWindow", "batched_anderson", "supports"]
 PyTree = Any
 
 # Leaf dtypes the route computes in: the window is kept in the leaf's dtype and the mix is
-# computed in it (the core's compute dtype for these, `stages._arithmetic`).
+# computed in it (the core's compute dtype for these, `update_call._arithmetic`).
 _REAL = (torch.float32, torch.float64)
 
 

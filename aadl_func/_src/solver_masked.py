@@ -80,7 +80,7 @@ def masked_loop(
     that has stopped keeps its `x` (its evaluations are computed and discarded), so a
     `vmap` batch stops problem by problem and `torch.compile` sees one straight graph.
     `problem(x)` gives `(step, norm, value)` (`solver._Problem`), `opt` is the Anderson
-    update, `options` the solver's `_Options`.
+    update, `options` the solver's `solver_options.Options`.
 
     Eagerly on the CPU, the first rounds are in lockstep while that is known on the host
     (`_running_on()`: one sum and one `any` a round): every problem runs, reaches a finite

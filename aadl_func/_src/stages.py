@@ -9,192 +9,61 @@ is a short sequence of these stages:
 4. `solve()` -- the mixing weights of the window's least-squares problem;
 5. the mode's own combination (`aadl_func._src.window.combine()`), then `finite()`
    and `safeguard()` -- accept or reject the mix;
-6. `output()` and `commit()` -- the returned params and the final state.
+6. `output()` and `commit()` (`aadl_func._src.exec.inplace`) -- the returned params and
+   the final state.
 
-Every stage takes the `Call` (the call's inputs, read-only) and returns what it
-computed; nothing is handed from one stage to another through shared attributes. The
-execution concerns a stage meets are left to the module that owns them: a gate without a
-value (vmap, torch.compile) to the call's `aadl_func._src.blend.Blend`, the window passes'
-backends to `aadl_func._src.window`, an eager in-place commit to
-`aadl_func._src.atomic`, sharded params' reductions to `Reduction` below.
+Every stage takes the `Call` (the call's inputs, read-only: `aadl_func._src.update_call`)
+and returns what it computed; nothing is handed from one stage to another through shared
+attributes. The execution concerns a stage meets are left to the module that owns them: a
+gate without a value (vmap, torch.compile) to the call's `aadl_func._src.blend.Blend`, the
+window passes' backends to `aadl_func._src.window`, an eager in-place call's commits and
+recovery to `aadl_func._src.exec.inplace`, sharded params' reduction to
+`aadl_func._src.exec.sharded`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import deferred, distributed, flags, protocols, tree
-from aadl_func._src.atomic import InterruptGuard, Progress, write_back
-from aadl_func._src.blend import Blend
+from aadl_func._src import deferred, flags, tree
 from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
-from aadl_func._src.core.lstsq import (
-    MixingWeights,
-    stack_factors,
-)
-from aadl_func._src.core.ring import chronological, difference_valid, slot_valid
-from aadl_func._src.core.scalars import EXACT, float64_tensor, real_view
+from aadl_func._src.core.lstsq import MixingWeights
+from aadl_func._src.core.ring import slot_valid
+from aadl_func._src.core.scalars import float64_tensor, real_view
 from aadl_func._src.core.weights import known_weights, window_weights
+from aadl_func._src.exec.inplace import callbacks, commit
 from aadl_func._src.exec.ops import OPS
+from aadl_func._src.exec.sharded import Reduction, certified_finite, reduce_rows, shard_factor
 from aadl_func._src.state import AndersonState
+from aadl_func._src.update_call import Call, advance, may_mix
 from aadl_func._src.validation import scalar_loss
-from aadl_func._src.window import difference_factor, difference_rows, set_gram_row, write_slot
-
-if TYPE_CHECKING:
-    from aadl_func._src.options import AndersonOptions
+from aadl_func._src.window import difference_rows, set_gram_row, window_factor, write_slot
 
 __all__ = [
-    "Call",
-    "Reduction",
     "Solution",
-    "advance",
     "append",
-    "begin_writes",
-    "commit",
     "commit_plain",
-    "commit_to",
     "count_outcome",
     "finite",
     "gate",
     "output",
     "plain_step",
-    "recover",
     "replace_newest",
     "reset_streak",
-    "restart_window",
     "revert",
     "safeguard",
     "solve",
     "stores",
     "to_history",
     "to_params",
-    "undo_later",
     "window_tree",
-    "window_factor",
 ]
 
 Params = Any
-
-
-class Call:
-    """One call of `update`: its inputs and what follows from them alone, fixed before the
-    first stage runs and never written afterwards.
-
-    Attributes:
-      options: the `AndersonOptions`.
-      state: the state passed in (in an eager in-place call, the tensors every commit writes).
-      params, spec: the params' leaves `x` and their tree structure.
-      updates: the inner optimizer's update leaves `u` (`y = x + u`).
-      inner_state: the inner optimizer's state after this call's update.
-      inplace, loss_fn: as given to `update`.
-      loss: the training loss at `params` given to `update` (the deferred safeguard,
-        `aadl_func._src.deferred`), a 0-d tensor, or None.
-      shards: sharded params only, the call's `aadl_func._src.distributed.ShardedCall`.
-      guard: eager in-place calls only, the `InterruptGuard`.
-      plain: the wrapper's recovery: record the plain step, never mix.
-      count, count_value: the call's number (1-based) as a counter and, eagerly, as an int.
-      q: ring slots.
-      ring, anchor, iterates: the state's window leaves (`iterates`: mode "classic").
-      compute_device: where the Grams and the small problem live.
-      compute_dtypes: per params leaf, the dtype the mix is computed in.
-      overflow_limit: half the largest value of the params' and compute dtypes.
-      exact: a float64 window, solved through a QR factor instead of its Grams.
-      blend: the call's `Blend` (`select` and masked writes).
-      progress: eager in-place calls only, the `Progress` of
-        the call's writes, for `recover()`.
-    """
-
-    __slots__ = (
-        "options",
-        "state",
-        "params",
-        "spec",
-        "updates",
-        "inner_state",
-        "inplace",
-        "loss_fn",
-        "loss",
-        "shards",
-        "guard",
-        "plain",
-        "count",
-        "count_value",
-        "q",
-        "ring",
-        "anchor",
-        "iterates",
-        "compute_device",
-        "compute_dtypes",
-        "overflow_limit",
-        "exact",
-        "blend",
-        "progress",
-    )
-
-    def __init__(
-        self,
-        options: AndersonOptions,
-        state: AndersonState,
-        params: list[Tensor],
-        spec: Any,
-        updates: list[Tensor],
-        inner_state: Any,
-        *,
-        inplace: bool,
-        loss_fn: Any,
-        loss: Tensor | None = None,
-        shards: distributed.ShardedCall | None = None,
-        guard: InterruptGuard | None = None,
-        plain: bool = False,
-    ) -> None:
-        self.options = options
-        self.state = state
-        self.params = params
-        self.spec = spec
-        self.updates = updates
-        self.inner_state = inner_state
-        self.inplace = inplace
-        self.loss_fn = loss_fn
-        self.loss = loss
-        self.shards = shards
-        self.guard = guard
-        self.plain = plain
-        # Eager: the call's number as an int, from which the call-count gates are read
-        # without tensor operations (None under vmap / torch.compile).
-        self.count, self.count_value = advance(state.count, 1)
-        self.q = options.num_slots
-        self.ring = tuple(tree.flatten(r, "state.residuals")[0] for r in state.residuals)
-        self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
-        self.iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
-        self.compute_device = state.gram.device
-        self.compute_dtypes, self.overflow_limit = _arithmetic(
-            options.history_dtype, tuple(p.dtype for p in params)
-        )
-        # A float64 window is mixed through a QR factor of its differences (accurate to
-        # eps * cond); other windows through their float64 Gram matrices (O(m n)).
-        self.exact = all(leaf.dtype in EXACT for leaf in self.ring[0])
-        # The call's decisions without values (vmap, torch.compile): see blend.py.
-        self.blend = Blend()
-        self.progress = Progress() if guard is not None else None
-
-
-class Reduction(NamedTuple):
-    """Sharded params: what the call's one all_reduce summed over ranks (`reduce_rows()`).
-
-    Attributes:
-      rows: `(g, h, c)`, the newest residual's rows of `gram`, `dr_gram` and `dr_rhs`.
-      factor: a float64 window's QR factor of the whole window's differences (else None).
-      base_bound: the bound of the combination's base, for `certified_finite()`.
-    """
-
-    rows: tuple
-    factor: Tensor | None
-    base_bound: Tensor
 
 
 class Solution(NamedTuple):
@@ -281,16 +150,6 @@ def to_params(call: Call, leaves: list[Tensor]) -> list[Tensor]:
 
 
 # -- the call-count gates ---------------------------------------------------------------------
-def may_mix(call: Call) -> Tensor:
-    """The call-count gates of a mix: past `wait_iterations` and on the `frequency`;
-    eagerly read from the call's number."""
-    options = call.options
-    if call.count_value is not None:
-        count = call.count_value
-        return flags.known(count > options.wait_iterations and count % options.frequency == 0)
-    return (call.count > options.wait_iterations) & (call.count % options.frequency == 0)
-
-
 def gate(call: Call, window_size: Tensor) -> Tensor:
     """Whether this call mixes: past `wait_iterations`, on the `frequency`, with the
     mode's minimum window (and never in the wrapper's `plain` recovery)."""
@@ -344,7 +203,7 @@ def append(
         # use the sums over ranks. A float64 window's factor for this call's mix rides
         # along in the same all_reduce.
         grams, reduction = reduce_rows(
-            call, grams, head, rows, _shard_factor(call, ring, slot, grown)
+            call, grams, head, rows, shard_factor(call, ring, slot, grown)
         )
         rows = reduction.rows
     stacked = torch.stack(rows)  # (3, Q): one finiteness check for the three rows
@@ -388,15 +247,6 @@ def replace_newest(call: Call, ring: tuple, grams: Grams, head: Tensor, residual
 
 
 # -- the least-squares problem ----------------------------------------------------------------
-def window_factor(ring: tuple, head: Tensor, num_residuals: Tensor, device: Any) -> Tensor:
-    """The float64 QR factor of `[DF | f_head]` over the valid residuals of `ring`
-    (this rank's rows only when sharded): one streaming pass, O(Q^2 n) flops."""
-    q = len(ring)
-    return difference_factor(
-        ring, chronological(q, head), difference_valid(q, num_residuals), device
-    )
-
-
 def solve(
     call: Call,
     ring: tuple,
@@ -430,7 +280,7 @@ def solve(
             return Solution(MixingWeights(known[0], alpha, None, flags.TRUE), newest)
     else:
         if reduction is None:
-            factor = _shard_factor(call, ring, head, num_residuals)
+            factor = shard_factor(call, ring, head, num_residuals)
             (gram, dr_gram, _), reduction = reduce_rows(call, grams, head, factor=factor)
         g, h, dr_rhs = reduction.rows
         gram, dr_gram = set_gram_row(gram, head, g), set_gram_row(dr_gram, head, h)
@@ -520,10 +370,10 @@ def output(
 ) -> list[Tensor]:
     """The returned params: `x` where `use_mix` else `y`, in the params' buffers if
     `inplace` (`y` already lives there). `final`: the call's final state, which
-    `commit()` then makes the caller's.
+    `commit()` (`aadl_func._src.exec.inplace`) then makes the caller's.
 
     In an eager in-place call the final writes start here: from now on an exception
-    finishes the call (these copies, then the final commit, see `recover()`) instead
+    finishes the call (these copies, then the final commit, see `inplace.recover()`) instead
     of going back to the plain step. It is called after the last `loss_fn` call and every
     computation of the step."""
     chosen = call.blend.select(use_mix, lambda: x, y)
@@ -654,283 +504,7 @@ def revert(call: Call, *, blended: bool) -> tuple[Any, AndersonState]:
     return tree.unflatten(call.spec, out), commit(call, final)
 
 
-def commit(call: Call, new_state: AndersonState, *, plain: bool = False) -> AndersonState:
-    """Makes `new_state` the caller's: in an eager in-place call its values are written
-    into the tensors of the state passed in (which is returned), see atomic.py. The
-    copies are from tensors the caller does not hold, so an interrupted commit is finished
-    by doing them again (`recover()`). `plain`: the commit point's commit, after which
-    an exception goes back to the plain step; after any other commit the call is done."""
-    if call.guard is None:
-        return new_state
-    commit_to(call.state, call.progress, new_state, call.inner_state, _adopts(call), plain=plain)
-    return call.state
-
-
-def commit_to(
-    state: AndersonState,
-    progress: Progress,
-    new_state: AndersonState,
-    inner_state: Any,
-    adopts: bool,
-    *,
-    plain: bool = False,
-) -> None:
-    """`commit()`'s writes: `new_state`'s values into the tensors of `state` (the
-    caller's), recorded in `progress`. `adopts`: the caller's inner-state buffers may take
-    over `inner_state`'s memory (`adopt()`) at the commit point."""
-    progress.pending = new_state
-    if plain and inner_state is not state.inner_state and adopts:
-        # The built-in inner optimizers' new buffers are fresh tensors: the caller's take
-        # over their memory (O(1) each) instead of a copy, and the rest is written back.
-        adopt(state.inner_state, inner_state)
-        write_back(state, new_state._replace(inner_state=state.inner_state))
-    else:
-        write_back(state, new_state)
-    # Each outcome recorded in one statement, so that no line runs between the two.
-    if plain:
-        progress.pending, progress.plain = None, True
-    else:
-        progress.pending, progress.writes, progress.undo = None, [], []
-
-
-def _adopts(call: Call) -> bool:
-    """Whether the inner state's new buffers may be adopted by the caller's."""
-    return protocols.adopts_buffers(call.options.inner)
-
-
-def adopt(target: Any, source: Any) -> None:
-    """`target`'s tensors take over the memory of `source`'s (`Tensor.set_`, O(1)),
-    leaf by leaf; leaves of another shape, dtype or device are copied. Doing it again is a
-    no-op, so an interrupted adoption is finished by repeating it."""
-    targets = optree.tree_leaves(target, none_is_leaf=True)
-    sources = optree.tree_leaves(source, none_is_leaf=True)
-    for dst, src in zip(targets, sources):
-        if isinstance(dst, Tensor) and isinstance(src, Tensor) and dst is not src:
-            if dst.shape == src.shape and dst.dtype == src.dtype and dst.device == src.device:
-                dst.set_(src)
-            else:
-                dst.copy_(src)
-
-
-def begin_writes(call: Call) -> None:
-    """The first write into the caller's tensors is next: the params' version counters are
-    recorded, so that `recover()` knows which leaves hold their plain step (a version
-    counter moves with the write itself; `Progress.stepped` backs it up for inference
-    tensors, which keep none)."""
-    if call.progress is not None:
-        # Inference tensors keep no version counter: their leaves go by `stepped` alone.
-        call.progress.param_versions = [
-            None if p.is_inference() else p._version for p in call.params
-        ]
-
-
-def undo_later(call: Call, targets: list[Tensor], sources: list[Tensor]) -> None:
-    """After the commit point: copies `targets[i] <- sources[i]` that restore the plain
-    step in tensors about to be written (`sources` must stay as they are until the call
-    ends)."""
-    if call.progress is not None:
-        call.progress.undo.append((targets, sources))
-
-
-def recover(call: Call) -> None:
-    """Turns an exception raised anywhere in an eager in-place call into one complete
-    outcome (docs/reliability.md, "The exception guarantee"), by copies only:
-
-    * during a commit (plain, final or skipped): the commit is finished (the final one with
-      the output's copies into the params), so the caller holds that state;
-    * after the commit point: the params and the window entries written since are put back,
-      so the caller holds the plain step (its mix dropped, uncounted);
-    * before the commit point, once the writes began: the plain step is completed (params,
-      inner state, counters) with the window restarted from it, as after a non-finite
-      append (`restart_window()`);
-    * before any write (the checks, the inner optimizer's out-of-place update): nothing to
-      do, the caller holds the state as it was.
-
-    A second exception while this runs is not handled (one fault at a time).
-    """
-    progress = call.progress
-    if progress.pending is not None:
-        for dst, src in progress.writes:
-            dst.copy_(src)
-        write_back(call.state, progress.pending)
-        progress.pending, progress.writes = None, []
-    elif progress.plain:
-        for targets, sources in progress.undo:
-            for dst, src in zip(targets, sources):
-                dst.copy_(src)
-    elif progress.param_versions is not None:
-        restart_window(call)
-
-
-def restart_window(call: Call) -> None:
-    """The plain step of the call, completed in the caller's tensors, with the window
-    restarted from it: params `y = x + u` (leaves not yet stepped get their update),
-    the inner optimizer's new state, `count` advanced, the anchor `y` the window's only
-    entry (mode "aadl": `window_size = 1`; "classic": no pair, `window_size = 0`), the
-    Grams zero, `head` one slot on, `skip_streak = 0`; the other counters as they were.
-    Ring slots written halfway are outside the window and never read before being
-    rewritten (their Gram entries are recomputed then)."""
-    state = call.state
-    progress = call.progress
-    for i, (p, u, version) in enumerate(zip(call.params, call.updates, progress.param_versions)):
-        done = i < len(progress.stepped) if version is None else p._version != version
-        if not done:
-            p.add_(u)
-    write_back(state.inner_state, call.inner_state)
-    for a, p in zip(call.anchor, call.params):
-        a.copy_(p)
-    for field in (state.gram, state.dr_gram, state.dr_rhs):
-        field.zero_()
-    state.head.fill_((int(state.head) + 1) % call.q)
-    state.window_size.fill_(0 if call.options.rules.keeps_iterates else 1)
-    state.count.fill_(call.count_value)
-    state.skip_streak.fill_(0)
-    state.pending_loss.fill_(deferred.INF)
-
-
-def callbacks(call: Call) -> contextlib.AbstractContextManager:
-    """Where the user's `loss_fn` runs: interruptible, after a deferred Ctrl-C is raised."""
-    return call.guard.callbacks() if call.guard is not None else contextlib.nullcontext()
-
-
-# -- sharded params (DTensor / FSDP2; see distributed.py) -------------------------------------
-def _shard_factor(call: Call, ring: tuple, head: Tensor, num_residuals: Tensor) -> Tensor | None:
-    """This rank's factor for the step's all_reduce: float64 windows, on calls that may mix."""
-    if not call.exact or flags.value(may_mix(call)) is False:
-        return None
-    return window_factor(ring, head, num_residuals, call.compute_device)
-
-
-def reduce_rows(
-    call: Call,
-    grams: Grams,
-    head: Tensor,
-    new_rows: tuple | None = None,
-    factor: Tensor | None = None,
-) -> tuple[Grams, Reduction]:
-    """The step's one all_reduce over the shard group.
-
-    Sums over ranks, in one float64 vector: the rows `gram[head]` and `dr_gram[head]` of
-    the previous newest residual (kept as this rank's partial sums because the safeguard
-    may have replaced that residual after the previous reduction), then either the three
-    partial rows of the residual appended now (`new_rows`) or the partial `dr_rhs`,
-    then, with `factor` (this rank's `Q x Q` QR factor of a float64 window), a
-    `(world, Q, Q)` block holding it in this rank's slot and zeros elsewhere, and this
-    rank's bound for `certified_finite()`.
-
-    The sum of the blocks is every rank's factor, in rank order, on every rank; their
-    stacked QR (`aadl_func._src.core.lstsq.stack_factors()`) is the factor of the whole
-    window, identical on all ranks. (Summing the factors' Gram matrices would square the
-    condition number again; a TSQR tree needs a reduction with QR as its operator, which
-    collectives do not offer.)
-
-    Returns `(grams with the head rows summed, the Reduction)`.
-    """
-    q = call.q
-    shards = call.shards
-    gram, dr_gram, dr_rhs = grams
-    device = gram.device
-    at = head.to(device)
-    tail = list(new_rows) if new_rows is not None else [dr_rhs]
-    parts = [gram[at], dr_gram[at], *(t.to(device) for t in tail)]
-    rows_end = sum(p.numel() for p in parts)
-    world = shards.world_size
-    if factor is not None:
-        own = torch.arange(world, device=device) == shards.rank
-        slots = torch.where(own[:, None, None], factor.to(device)[None], 0.0)
-        parts.append(slots.reshape(-1))
-    parts.append(_local_base_bound(call).to(device).reshape(1))
-    total = shards.all_sum(torch.cat(parts))
-    summed_factor = None
-    if factor is not None:
-        every_rank = total[rows_end : rows_end + world * q * q].reshape(world * q, q)
-        summed_factor = stack_factors([every_rank])
-    gram = set_gram_row(gram, head, total[:q])
-    dr_gram = set_gram_row(dr_gram, head, total[q : 2 * q])
-    if new_rows is not None:
-        summed = (total[2 * q : 3 * q], total[3 * q : 4 * q], total[4 * q : 5 * q])
-    else:
-        summed = (total[:q], total[q : 2 * q], total[2 * q : 3 * q])
-    return Grams(gram, dr_gram, dr_rhs), Reduction(summed, summed_factor, total[-1])
-
-
-def _local_base_bound(call: Call) -> Tensor:
-    """This rank's bound of the combination's base (the mode's rule); 0 if no mix can happen."""
-    known = flags.value(may_mix(call))
-    if known is not None and not known:
-        return torch.zeros((), dtype=torch.float64, device=call.compute_device)
-    return call.options.rules.base_bound(call)
-
-
-def certified_finite(call: Call, solution: Solution) -> Tensor:
-    r"""Whether the mix is certainly finite, from reduced quantities only (same on all ranks):
-    the mode's bound of every entry of the mix (from the summed base bound and
-    $\|r_s\| = \sqrt{G_{ss}}$) is at most half the largest value of the parameter and
-    compute dtypes."""
-    bound = call.options.rules.mix_bound(
-        call.options, solution.weights.alpha, solution.norms, solution.reduction.base_bound
-    )
-    return tree.decision(bound <= call.overflow_limit, call.compute_device)
-
-
 # -- small helpers ----------------------------------------------------------------------------
-def advance(
-    counter: Tensor,
-    step: int,
-    *,
-    modulo: int | None = None,
-    low: int | None = None,
-    high: int | None = None,
-) -> tuple[Tensor, int | None]:
-    """`counter + step` (a 0-d int64 counter), then taken `% modulo` or clamped to
-    `[low, high]`: a new tensor and, eagerly, its value as an int (else `None`).
-
-    An eager counter is read once and the result made in one operation; the same chain of
-    tensor operations (`clamp(w - 1, min=0)`: two) costs a few microseconds per link,
-    which adds up over the counters a step advances. Under vmap or torch.compile the chain
-    is applied to the tensor.
-    """
-    value = tree.static_value(counter)
-    if value is None:
-        result = counter + step
-        if modulo is not None:
-            result = result % modulo
-        if low is not None or high is not None:
-            result = torch.clamp(result, min=low, max=high)
-        return result, None
-    value += step
-    if modulo is not None:
-        value %= modulo
-    if low is not None:
-        value = max(value, low)
-    if high is not None:
-        value = min(value, high)
-    return torch.scalar_tensor(value, dtype=torch.int64), value
-
-
-_ARITHMETIC: dict[tuple, tuple[tuple[torch.dtype, ...], float]] = {}
-
-
-def _arithmetic(
-    history_dtype: torch.dtype | None, param_dtypes: tuple[torch.dtype, ...]
-) -> tuple[tuple[torch.dtype, ...], float]:
-    """Per params leaf, the dtype the mix is computed in (the params' and the history's,
-    at least float32), and the overflow limit of `finite()`'s certificate: half the
-    largest value of every params and compute dtype. Cached for eager calls, which ask on
-    every step (a traced step computes it once, at trace time)."""
-    key = (history_dtype, param_dtypes)
-    if not tree.tracing() and key in _ARITHMETIC:
-        return _ARITHMETIC[key]
-    compute = tuple(
-        torch.promote_types(torch.promote_types(d, history_dtype or d), torch.float32)
-        for d in param_dtypes
-    )
-    result = compute, 0.5 * min(torch.finfo(d).max for d in [*param_dtypes, *compute])
-    if not tree.tracing():
-        _ARITHMETIC[key] = result
-    return result
-
-
 def _same_leaves(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 

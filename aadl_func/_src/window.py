@@ -10,7 +10,8 @@ rows of one buffer). Its operations:
 * `difference_rows()` -- the Gram rows of a newly written slot, in one pass;
 * `append_difference()` -- the fused in-place append of a float32 window (native kernel);
 * `combine()` -- $b + \sum_j w_j s_j$ in the compute dtype;
-* `difference_factor()` -- a streaming float64 QR factor of the slots' differences.
+* `difference_factor()` -- a streaming float64 QR factor of the slots' differences;
+* `window_factor()` -- that factor of a whole ring, its valid entries in chronological order.
 
 Each pass runs leaf by leaf with the eager kernels (`aadl_func._src.kernels`) or, for
 leaves batched by vmap or traced by torch.compile, their counterparts
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from aadl_func._src import batched, kernels, native, tree
 from aadl_func._src.blend import Blend
+from aadl_func._src.core.ring import chronological, difference_valid
 from aadl_func._src.core.scalars import EXACT, float64_tensor, wide
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "new_ring",
     "set_gram_row",
     "stored_value",
+    "window_factor",
     "write_slot",
 ]
 
@@ -481,3 +484,12 @@ def difference_factor(
         else:
             factor = kernels.factor_leaf(flats, *positions, factor.to(here))
     return factor.to(device)
+
+
+def window_factor(ring: tuple, head: Tensor, num_residuals: Tensor, device: Any) -> Tensor:
+    """The float64 QR factor of `[DF | f_head]` over the valid residuals of `ring`
+    (this rank's rows only when sharded): one streaming pass, O(Q^2 n) flops."""
+    q = len(ring)
+    return difference_factor(
+        ring, chronological(q, head), difference_valid(q, num_residuals), device
+    )

@@ -424,7 +424,7 @@ class AcceleratedOptimizer(Optimizer):
         one not finished) ends at the core's outcome, the later groups at the plain step.
 
         The core wrote its outcome in place into `starts[position]` and the window
-        (`aadl_func._src.stages.recover()`), and counted the call (`count`, or
+        (`aadl_func._src.exec.inplace.recover()`), and counted the call (`count`, or
         `num_rejected` for a call that reverted a mix); a window whose marks did not move
         (or were not read) never saw the step, so that group is finished like the later
         ones, from its params."""

@@ -40,7 +40,7 @@ def window_weights(
     dr_rhs)` of a ring of `q` slots, whose newest residual is in slot `head`: the weights,
     the order for `to_ring_order()` and $\|f_i\|^2$ (chronological). `exact` (a float64
     window): solved through `factor`, the window's QR factor
-    (`aadl_func._src.stages.window_factor()`)."""
+    (`aadl_func._src.window.window_factor()`)."""
     gram, dr_gram, dr_rhs = grams
     newest = ops.value(head)
     if newest is not None:

@@ -11,7 +11,7 @@ the general path's machinery: no `Call`, no blends, no decision tensors.
 
 In place, the protocol is the general path's (`aadl_func._src.atomic`): the same commit
 point, the same `Progress` record and, on an exception anywhere, the same recovery
-(`aadl_func._src.stages.recover()`), so the exception guarantee of docs/reliability.md holds
+(`aadl_func._src.exec.inplace.recover()`), so the exception guarantee of docs/reliability.md holds
 unchanged. A pure call builds a new window and state as the general path does, sharing the
 tensors the call leaves as they were.
 
@@ -29,13 +29,13 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import deferred, flags, protocols, stages, tree
+from aadl_func._src import deferred, flags, protocols, stages, tree, update_call
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
 from aadl_func._src.checks import mark_verified
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.core.variants.classic import classic_coefficients
-from aadl_func._src.exec import passes
+from aadl_func._src.exec import inplace, passes
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 from aadl_func._src.window import append_difference
@@ -171,7 +171,7 @@ class _Step:
         self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
         self.ring = tuple(tree.flatten(r, "state.residuals")[0] for r in state.residuals)
         self.iterates = tuple(tree.flatten(r, "state.iterates")[0] for r in state.iterates)
-        self.compute_dtypes = stages._arithmetic(
+        self.compute_dtypes = update_call._arithmetic(
             options.history_dtype, tuple(p.dtype for p in params)
         )[0]
 
@@ -301,7 +301,7 @@ class _Step:
 
     # -- the stages ---------------------------------------------------------------------------
     def begin_writes(self) -> None:
-        """See `aadl_func._src.stages.begin_writes()`."""
+        """See `aadl_func._src.exec.inplace.begin_writes()`."""
         if self.inplace:
             self.progress.param_versions = [
                 None if p.is_inference() else p._version for p in self.params
@@ -351,7 +351,7 @@ class _Step:
                 iterates=self.window_tree(state.iterates, self.iterates),
             )
             return
-        stages.commit_to(state, self.progress, plain, self.inner_state, self._adopts(), plain=True)
+        inplace.commit_to(state, self.progress, plain, self.inner_state, self._adopts(), plain=True)
         self.guard.checkpoint()
 
     def counter(self, tensor: Tensor, old: int, new: int) -> Tensor | int:
@@ -406,14 +406,14 @@ class _Step:
         self.progress.writes, self.progress.pending = writes, final
         for p, v in writes:
             p.copy_(v)
-        stages.commit_to(self.state, self.progress, final, None, False)
+        inplace.commit_to(self.state, self.progress, final, None, False)
         return self.params
 
     def recover(self) -> None:
         """An exception anywhere: one complete outcome, as on the general path."""
         if self.progress is None or self.progress.param_versions is None:
             return  # nothing written
-        call = stages.Call(
+        call = update_call.Call(
             self.options,
             self.state,
             self.params,
@@ -427,7 +427,7 @@ class _Step:
         )
         call.count, call.count_value = _counter(self.count), self.count
         call.progress = self.progress
-        stages.recover(call)
+        inplace.recover(call)
 
     def _adopts(self) -> bool:
         return protocols.adopts_buffers(self.options.inner)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from aadl_func._src import kernels, native, stages
+from aadl_func._src import kernels, native
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.ring import to_ring_order
 from aadl_func._src.core.scalars import EXACT, float64_tensor
@@ -25,7 +25,7 @@ from aadl_func._src.core.weights import known_weights, window_weights
 from aadl_func._src.exec.ops import OPS
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.window import combine as window_combine
-from aadl_func._src.window import difference_rows, known_rows
+from aadl_func._src.window import difference_rows, known_rows, window_factor
 
 __all__ = ["appended_grams", "combine", "finite", "mixing_weights", "ring_order"]
 
@@ -116,7 +116,7 @@ def mixing_weights(
     head_t, num_t, factor = None, None, None
     if exact:
         head_t, num_t = _counters(head, num_residuals)
-        factor = stages.window_factor(ring, head_t, num_t, device)
+        factor = window_factor(ring, head_t, num_t, device)
     known = known_weights(options, grams, head, num_residuals, factor, ops=OPS)
     if known is not None:
         return known[1], True
