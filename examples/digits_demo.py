@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shutil
 import sys
@@ -127,6 +128,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="instead: the AA settings that fail unguarded, without and with the deferred "
         "safeguard",
     )
+    parser.add_argument(
+        "--tail",
+        action="store_true",
+        help="instead: the chosen AA rows with a float32 and a float64 window, and L-BFGS "
+        "(where each ends)",
+    )
     parser.add_argument("--families", default=None, help="--tune: these grids only (a,b,...)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -158,7 +165,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def anderson_adam(lr: float, history_depth: int, reg_relative: float):
+def anderson_adam(
+    lr: float, history_depth: int, reg_relative: float, history_dtype: torch.dtype | None = None
+):
     """Classic AA around Adam without momentum (``beta1 = 0``): the map ``g`` then depends on
     the params and the slowly moving second-moment estimate only, which is closer to the
     fixed-point map Anderson acceleration assumes than Adam with momentum."""
@@ -167,6 +176,7 @@ def anderson_adam(lr: float, history_depth: int, reg_relative: float):
         history_depth=history_depth,
         mode="classic",
         reg_relative=reg_relative,
+        history_dtype=history_dtype,
     )
 
 
@@ -312,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return tune(args, data, out)
     if args.guard:
         return guard(args, data, dtype, out)
+    if args.tail:
+        return tail(args, data, dtype, out)
 
     problems = {seed: make_problem(seed, data, dtype, args.wall_clock) for seed in args.seeds}
     forward_ratio = measure_forward_ratio(next(iter(problems.values())))
@@ -382,6 +394,33 @@ def guard(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[
     for key, per_seed in runs.items():
         counts = [f"{r['num_mixed']} kept / {r['num_rejected']} rejected" for r in per_seed]
         print(f"{rows[key].label}: " + ", ".join(counts))
+    return summary
+
+
+def tail(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[str, Any]:
+    """``--tail``: whether the window's precision is what stops AA near 1e-5 where L-BFGS
+    goes on: the chosen unguarded and deferred rows with their float32 window and with a
+    float64 one (``history_dtype``, nothing else changed), beside L-BFGS; writes
+    ``tail.json`` and prints each run's final and lowest loss."""
+    rows = {"lbfgs": lbfgs_method(**LBFGS)}
+    for key, settings, safeguard in (("aa", AA, "none"), ("aa_deferred", AA_DEFERRED, "deferred")):
+        label, usage, flags = aa_row(safeguard)
+        for window in (None, torch.float64):
+            make = functools.partial(anderson_adam, **settings, history_dtype=window)
+            name = "float32" if window is None else "float64"
+            rows[f"{key} {name}"] = Method(
+                f"{label}, {name} window", "functional", make=make, **flags, description=usage
+            )
+    comparison = dataclasses.replace(COMPARISON, baselines=(), accelerated=())
+    problems = {seed: make_problem(seed, data, dtype, args.wall_clock) for seed in args.seeds}
+    runs = run_all(rows, problems, args.budget, comparison, not args.no_progress)
+    summary = {"config": {"seeds": args.seeds, "budget": args.budget}, "runs": runs}
+    write_json(os.path.join(out, "tail.json"), summary)
+    for key, per_seed in runs.items():
+        ends = ", ".join(
+            f"{r['final_loss']:.1e} (lowest {min(r['curve']['loss']):.1e})" for r in per_seed
+        )
+        print(f"{rows[key].label}: final loss per seed {ends}")
     return summary
 
 

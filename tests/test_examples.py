@@ -598,6 +598,23 @@ def test_deq(examples, tmp_path, capsys):
     assert anderson["test_accuracy"] > 0.8  # 10 classes: chance is 0.1
 
 
+def test_digits_demo_tail(examples, tmp_path, capsys):
+    """``--tail``: L-BFGS and each chosen AA row with a float32 and a float64 window; the
+    window's dtype is the only difference, and it changes the trajectory (by rounding)."""
+    demo = examples["digits_demo"]
+    summary = demo.main(["--tail", "--quick", "--no-progress", "--out-dir", str(tmp_path)])
+    assert json.loads((tmp_path / "digits" / "tail.json").read_text()) == summary
+    runs = summary["runs"]
+    assert sorted(runs) == sorted(
+        ["lbfgs", "aa float32", "aa float64", "aa_deferred float32", "aa_deferred float64"]
+    )
+    assert "float64 window: final loss per seed" in capsys.readouterr().out
+    for key in ("aa", "aa_deferred"):
+        (low,), (high,) = runs[f"{key} float32"], runs[f"{key} float64"]
+        assert low["grads"] == high["grads"] and low["curve"]["loss"] != high["curve"]["loss"]
+        assert abs(low["final_loss"] - high["final_loss"]) < 1e-3 * max(low["final_loss"], 1e-3)
+
+
 def test_digits_demo_guard(examples, tmp_path, capsys):
     """``--guard``: each failing AA setting without and with the deferred safeguard."""
     demo = examples["digits_demo"]
