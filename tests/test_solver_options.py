@@ -359,6 +359,30 @@ def test_batch_dims_best_iterate_and_bad_shapes():
         vmap(lambda x0: aa.fixed_point(lambda x: x, x0, batch_dims=1))(torch.zeros(2, 3, 2))
 
 
+@pytest.mark.parametrize("blowup", [math.inf, math.nan])
+def test_batch_dims_a_sample_whose_map_blows_up_stops_alone(blowup):
+    """From its fourth evaluation on, sample 0's map returns +Inf (its residual norm is Inf,
+    not NaN) or NaN: that sample stops as "nonfinite" at its last finite iterate, the others
+    go on and converge as they do alone (the eager loop, float64)."""
+    calls = []
+
+    def g(z):
+        calls.append(1)
+        out = 0.5 * torch.tanh(z) + 0.25
+        if len(calls) >= 4:
+            out = torch.cat([torch.full_like(out[:1], blowup), out[1:]])
+        return out
+
+    z0 = torch.linspace(-1.0, 1.0, 12, dtype=D).reshape(3, 4)
+    z, info = aa.fixed_point(g, z0, batch_dims=1, tol=1e-12, max_iter=50)
+    assert info.status.tolist() == [2, 0, 0]  # SolverInfo's codes: nonfinite, converged
+    assert int(info.iterations[0]) == 2 and bool(torch.isfinite(z[0]).all())
+    for i in (1, 2):
+        alone, alone_info = aa.fixed_point(lambda x: 0.5 * torch.tanh(x) + 0.25, z0[i], tol=1e-12)
+        assert int(info.iterations[i]) == int(alone_info.iterations)
+        torch.testing.assert_close(z[i], alone, rtol=0, atol=1e-12)
+
+
 @pytest.mark.skipif(torch.__version__ < (2, 12), reason="compile of update needs torch 2.12+")
 def test_batch_dims_under_compile_with_a_fixed_budget():
     """torch.compile (dynamo, backend "eager", fullgraph) of a per-sample solve: the full

@@ -362,7 +362,13 @@ def mixing_weights(
             f = ring[:, 1].roll(-(head + 1), 1)[:, ring.shape[2] - size :]  # oldest first
             columns.append(torch.cat([f.diff(dim=1), f[:, -1:]], dim=1))  # (B, s, n)
         a = columns[0] if len(columns) == 1 else torch.cat(columns, dim=-1)
-        factor = torch.linalg.qr(a.mT, mode="r").R  # (B, s, s), R^T R = A^T A
+        factor = torch.linalg.qr(a.mT, mode="r").R  # (B, min(n, s), s), R^T R = A^T A
+        if factor.shape[-2] < size:
+            # Fewer coordinates than columns: zero rows square the factor (R^T R is
+            # unchanged), as the core's factor is padded; the solve then cuts the rank off.
+            factor = torch.cat(
+                [factor, factor.new_zeros(factor.shape[0], size - factor.shape[-2], size)], -2
+            )
         reg = _ridge(options, lambda: (a[:, :-1] * a[:, :-1]).sum(-1))
         return (*factor_coefficients(factor, reg), False)
     b = state.gram.shape[0]

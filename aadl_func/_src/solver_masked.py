@@ -83,14 +83,14 @@ def masked_loop(
     update, `options` the solver's `solver_options.Options`.
 
     Eagerly on the CPU, the first rounds are in lockstep while that is known on the host
-    (`_running_on()`: one sum and one `any` a round): every problem runs, reaches a finite
+    (`_running_on()`: one `aminmax` a round): every problem runs, reaches a finite
     norm and none meets its tolerance, so no status changes, nothing is selected, and the
     counts, the same for every problem, are Python ints. The first round that is not in
     lockstep turns them into tensors, and the masks take over."""
     step, norm, value = problem(x)
-    met = _stopping_test(options, norm)
+    tolerance = _tolerances(options, norm)
     finite = torch.isfinite(norm)
-    converged = finite & met(norm, value)
+    converged = finite & (norm <= tolerance(value))
     status = torch.where(converged, CONVERGED, torch.where(finite, MAX_ITER, NONFINITE))
     done = converged | ~finite
     lockstep = _known_none(done)
@@ -106,8 +106,8 @@ def masked_loop(
         proposal, state = opt.update(state, tree.unflatten(spec, x), tree.unflatten(spec, step))
         proposal = tree.flatten(proposal, "x")[0]
         new_step, new_norm, new_value = problem(proposal)
-        met_now = met(new_norm, new_value)
-        if lockstep and _running_on(new_norm, met_now):
+        limit = tolerance(new_value)
+        if lockstep and _running_on(new_norm, limit):
             x, step, norm = proposal, new_step, new_norm
             iterations, evaluations = iterations + 1, evaluations + 1
             accept, every = done, True  # `accept` is not read when `every`
@@ -126,7 +126,8 @@ def masked_loop(
             norm = new_norm if every else torch.where(accept, new_norm, norm)
             iterations = iterations + accept  # int64 + bool: counts the True ones
             evaluations = evaluations + active
-            status, done = _after_round(status, done, met_now, accept, active, every)
+            met = new_norm <= limit
+            status, done = _after_round(status, done, met, accept, active, every)
         norms.append(norm)
         if options.return_best:
             best = _lowest(best, accept, every, x, norm, iterations)
@@ -135,14 +136,15 @@ def masked_loop(
     return _finish(options, x, best, status, iterations, evaluations, norms)
 
 
-def _running_on(norm: Tensor, met: Tensor) -> bool:
-    """Whether every problem's new `norm` is finite and none `met` its tolerance, read on
-    the host (False where it cannot be: traced, or not on the CPU). The norms are `>= 0`,
-    so their sum is finite exactly when each is (short of float64's range: then False, and
-    the masks decide)."""
+def _running_on(norm: Tensor, limit: Tensor) -> bool:
+    """Whether every problem's new `norm` is finite and above its tolerance `limit` (none
+    has converged), read on the host (False where it cannot be: traced, or not on the CPU):
+    every gap `norm - limit` in `(0, inf)`, from its least and largest (a NaN anywhere
+    makes both NaN, which fails both tests)."""
     if tree.tracing() or not norm.is_cpu or _functorch.is_functorch_wrapped_tensor(norm):
         return False
-    return math.isfinite(norm.sum().item()) and not bool(met.any())
+    low, high = torch.aminmax(norm - limit)
+    return low.item() > 0 and high.item() < math.inf
 
 
 def _known_none(flag: Tensor) -> bool:
@@ -154,21 +156,21 @@ def _known_none(flag: Tensor) -> bool:
     return not bool(flag.any())
 
 
-def _stopping_test(options: Any, norm0: Tensor) -> Callable:
-    r"""`met(norm, value)`: which problems meet their tolerance, $\|r\| \le
-    \max(\mathrm{tol}, \mathrm{rtol} \|r_0\|, \mathrm{gtol} \|g(x)\|)$, with
-    $\|r_0\|$ = `norm0`."""
+def _tolerances(options: Any, norm0: Tensor) -> Callable:
+    r"""`tolerance(value)`: each problem's tolerance, a problem having converged where
+    $\|r\| \le \max(\mathrm{tol}, \mathrm{rtol} \|r_0\|, \mathrm{gtol} \|g(x)\|)$,
+    with $\|r_0\|$ = `norm0` and $\|g(x)\|$ = `value` (None without `gtol`)."""
     scaled, tol = options.rtol * norm0, options.tol
     threshold = (
         torch.maximum(scaled, tol) if isinstance(tol, Tensor) else torch.clamp(scaled, min=tol)
     )
 
-    def met(norm: Tensor, value: Tensor | None) -> Tensor:
+    def tolerance(value: Tensor | None) -> Tensor:
         if value is None:
-            return norm <= threshold
-        return norm <= torch.maximum(threshold, options.gtol * value)
+            return threshold
+        return torch.maximum(threshold, options.gtol * value)
 
-    return met
+    return tolerance
 
 
 def _finish(
