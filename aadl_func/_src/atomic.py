@@ -145,8 +145,8 @@ class InterruptGuard:
     def _owns(self, handler: Any) -> bool:
         """Whether `handler` is this guard's `_record`. Told by its owner and function, not
         by identity with a bound method the guard keeps: a guard holding its own bound
-        method is a reference cycle, which only the garbage collector frees, one per call
-        (its full collections then come every few thousand calls, tens of ms each)."""
+        method is a reference cycle, which only the garbage collector frees (one per
+        in-place call: a collection every couple of hundred steps, for this alone)."""
         return (
             getattr(handler, "__self__", None) is self
             and getattr(handler, "__func__", None) is InterruptGuard._record
