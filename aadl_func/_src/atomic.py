@@ -140,15 +140,24 @@ class InterruptGuard:
     def __init__(self) -> None:
         self.pending = False
         self._active = False
-        self._handler = self._record  # one bound method, so that it can be compared by identity
         self._frame: Any = None
+
+    def _owns(self, handler: Any) -> bool:
+        """Whether `handler` is this guard's `_record`. Told by its owner and function, not
+        by identity with a bound method the guard keeps: a guard holding its own bound
+        method is a reference cycle, which only the garbage collector frees (one per
+        in-place call: a collection every couple of hundred steps, for this alone)."""
+        return (
+            getattr(handler, "__self__", None) is self
+            and getattr(handler, "__func__", None) is InterruptGuard._record
+        )
 
     def _record(self, signum: int, frame: Any) -> None:
         if self._holds(frame):
             self.pending = True
             return
         # Stale: the guarded call ended without __exit__. Behave as the default handler.
-        if _get_handler(_SIGINT) is self._handler:
+        if self._owns(_get_handler(_SIGINT)):
             _set_handler(_SIGINT, signal.default_int_handler)
         raise KeyboardInterrupt
 
@@ -168,7 +177,7 @@ class InterruptGuard:
                 _get_handler(_SIGINT)
             ):
                 self._frame = sys._getframe(1)  # the guarded call's frame (see _record)
-                _set_handler(_SIGINT, self._handler)
+                _set_handler(_SIGINT, self._record)
                 self._active = True
             return self
         except BaseException:
@@ -185,7 +194,7 @@ class InterruptGuard:
         """Puts the default handler back if the guard's own is installed; nothing else (a
         deferred Ctrl-C stays pending). Idempotent: `guarded()` calls it again when an
         exception may have skipped `__exit__` or cut it short."""
-        if _get_handler(_SIGINT) is self._handler:
+        if self._owns(_get_handler(_SIGINT)):
             _set_handler(_SIGINT, signal.default_int_handler)
         self._active, self._frame = False, None
 
@@ -208,7 +217,7 @@ class InterruptGuard:
         finally:
             # Back to recording, unless the user's code installed a handler of its own.
             if _get_handler(_SIGINT) is signal.default_int_handler:
-                _set_handler(_SIGINT, self._handler)
+                _set_handler(_SIGINT, self._record)
 
 
 def guarded(guard: InterruptGuard | None, run: Callable[[], Any]) -> Any:

@@ -32,4 +32,7 @@ def kept(
         with context():
             return run()
     finally:
-        torch.set_grad_enabled(enabled)
+        # Set again only where it differs: `__exit__` has restored it unless it was skipped
+        # (the common case costs a read, not a `set_grad_enabled` object every call).
+        if torch.is_grad_enabled() != enabled:
+            torch.set_grad_enabled(enabled)

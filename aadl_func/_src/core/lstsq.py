@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
@@ -439,7 +440,7 @@ def solve_known(
       residual_sq: `(m + 1,)` $\|f_i\|^2$, chronological.
       reg: the Tikhonov weight on $\gamma$, `>= 0` (a number).
     """
-    values = [*residual_sq, *dr_rhs, *(v for row in dr_gram for v in row)]
+    values = [*residual_sq, *dr_rhs, *chain.from_iterable(dr_gram)]
     if not all(map(math.isfinite, values)):
         return None
     unit = max(residual_sq)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ def _appended_known(grams: Grams, slot: int, grown: int, g: list[float]) -> Gram
     checked = (g, h, c)
     if grown != q:  # only the slots in the window (their age below `grown`)
         checked = [[v for t, v in enumerate(row) if (slot - t) % q < grown] for row in checked]
-    if not all(all(map(math.isfinite, row)) for row in checked):
+    if not all(map(math.isfinite, chain.from_iterable(checked))):
         return None
     return Grams(
         _with_row(gram, slot, g),
