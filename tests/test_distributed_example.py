@@ -22,6 +22,9 @@ from gloo import FSDP2_ON_CPU
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "distributed.py"
 EPOCHS = 20
 TIMEOUT_S = 300
+# What a rank prints when it aborts in std::terminate while the process group's threads are
+# torn down (not an exception of the training).
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 pytest.importorskip("sklearn")
 
@@ -32,6 +35,11 @@ def run(world: int) -> tuple[list[float], str]:
     command += [f"--nproc_per_node={world}", str(EXAMPLE), "--epochs", str(EPOCHS)]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    if done.returncode != 0 and TEARDOWN_ABORT in done.stderr:
+        # A rank aborted in gloo's teardown after the run, its output complete (seen twice in
+        # the project's full-suite runs, never in isolation, despite the example's barrier
+        # before destroy_process_group): launched once more, which must exit cleanly.
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     losses = [float(v) for v in re.findall(r"train loss ([0-9.]+)", done.stdout)]
     summary = re.search(r"test accuracy .*", done.stdout)
