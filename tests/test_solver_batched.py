@@ -17,8 +17,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_flags import _CountOps
 from test_solver_options import batch_problem, recorded
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import aadl_func as aa
 from aadl_func._src import solver_batched
@@ -463,16 +463,6 @@ def test_under_compile_with_options(dtype):
     assert torch.equal(info.iterations, eager_info.iterations)
     torch.testing.assert_close(x, eager_x, rtol=0, atol=0)
     torch._dynamo.reset()
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_an_evaluation_stays_within_its_operation_budget():

@@ -171,8 +171,12 @@ def batched_anderson(options: AndersonOptions) -> Anderson:
         count = state.count + 1
         head = (count - 1) % q
         slot = state.slots[head]
+        traced = tree.tracing()
         for step, residual, anchor, xi, fi in zip(slot.step, slot.residual, state.anchor, x, f):
-            _into(step, torch.sub, xi, anchor)
+            if traced:  # Dynamo refuses an `out=` that is not contiguous
+                step.copy_(xi - anchor)
+            else:  # straight into the slot: no temporary, no copy
+                torch.sub(xi, anchor, out=step)
             residual.copy_(fi)
         if state.gram is not None:
             _append_gram_row(slot, f)
@@ -192,17 +196,6 @@ def batched_anderson(options: AndersonOptions) -> Anderson:
 def _rows(t: Tensor) -> Tensor:
     """A leaf as `(B, n)`: one row per problem (a 2-d leaf itself)."""
     return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
-
-
-def _into(view: Tensor, op: Any, *args: Tensor) -> None:
-    """`op(*args)` written into `view` (a slot of a window): through `out=` eagerly, saving
-    a temporary and its copy; through a copy while compiling (Dynamo refuses an `out=`
-    that is not contiguous). For elementwise ops only: `bmm` into a strided `out` is
-    several times slower than into a temporary."""
-    if tree.tracing():
-        view.copy_(op(*args))
-    else:
-        op(*args, out=view)
 
 
 def _append_gram_row(slot: _Slot, residual: list[Tensor]) -> None:

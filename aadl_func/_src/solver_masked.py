@@ -141,7 +141,7 @@ def _running_on(norm: Tensor, limit: Tensor) -> bool:
     has converged), read on the host (False where it cannot be: traced, or not on the CPU):
     every gap `norm - limit` in `(0, inf)`, from its least and largest (a NaN anywhere
     makes both NaN, which fails both tests)."""
-    if tree.tracing() or not norm.is_cpu or _functorch.is_functorch_wrapped_tensor(norm):
+    if not _on_host(norm):
         return False
     low, high = torch.aminmax(norm - limit)
     return low.item() > 0 and high.item() < math.inf
@@ -151,9 +151,15 @@ def _known_none(flag: Tensor) -> bool:
     """Whether `flag` is known on the host to hold for no problem of the batch (False
     where it cannot be read without a graph break or a device synchronisation). Only for
     a batch of plain tensors (`batch_dims`): under `vmap` the loop keeps its masks."""
-    if tree.tracing() or not flag.is_cpu or _functorch.is_functorch_wrapped_tensor(flag):
+    if not _on_host(flag):
         return False
     return not bool(flag.any())
+
+
+def _on_host(t: Tensor) -> bool:
+    """Whether `t`'s values can be read on the host for free: eagerly, a plain CPU tensor
+    (not traced, not under a torch.func transform, no device synchronisation)."""
+    return not tree.tracing() and t.is_cpu and not _functorch.is_functorch_wrapped_tensor(t)
 
 
 def _tolerances(options: Any, norm0: Tensor) -> Callable:

@@ -67,7 +67,7 @@ def applies(
         return False
     if not state.gram.is_cpu:
         return False
-    for p, a in zip(p_leaves, _leaves(state.anchor, "state.anchor")):
+    for p, a in zip(p_leaves, tree.flatten(state.anchor, "state.anchor")[0]):
         if not p.is_cpu or p.is_complex() or not a.is_cpu:
             return False
     return True
@@ -168,9 +168,9 @@ class _Step:
         self.q = options.num_slots
         count, self.head, self.size, self.streak, self.mixed = _read_counters(state)
         self.count = count + 1  # this call's number
-        self.anchor = _leaves(state.anchor, "state.anchor")
-        self.ring = tuple([_leaves(r, "state.residuals") for r in state.residuals])
-        self.iterates = tuple([_leaves(r, "state.iterates") for r in state.iterates])
+        self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
+        self.ring = tuple([tree.flatten(r, "state.residuals")[0] for r in state.residuals])
+        self.iterates = tuple([tree.flatten(r, "state.iterates")[0] for r in state.iterates])
         self.compute_dtypes = update_call._arithmetic(
             options.history_dtype, tuple([p.dtype for p in params])
         )[0]
@@ -366,9 +366,9 @@ class _Step:
         """The state's field as trees like `params` (`stages.window_tree()`): the field
         itself when every leaf is still its own."""
         if isinstance(leaves, list):  # the anchor
-            same = _same(_leaves(field, "state.anchor"), leaves)
+            same = _same(tree.flatten(field, "state.anchor")[0], leaves)
             return field if same else tree.unflatten(self.spec, list(leaves))
-        mine = tuple([_leaves(r, "state window") for r in field])
+        mine = tuple([tree.flatten(r, "state window")[0] for r in field])
         if len(mine) == len(leaves) and all(_same(a, b) for a, b in zip(mine, leaves)):
             return field
         return tuple(tree.unflatten(self.spec, list(r)) for r in leaves)
@@ -447,13 +447,6 @@ def _to_history(leaves: list[Tensor], like: list[Tensor]) -> list[Tensor]:
         if not (v.dtype == w.dtype and v.is_cpu and w.is_cpu and v.stride() == w.stride()):
             return stages.to_history(leaves, like)
     return list(leaves)
-
-
-def _leaves(field: Any, name: str) -> list[Tensor]:
-    """`tree.flatten(field, name)[0]`, a bare tensor without the call: the window's trees
-    are flattened a dozen times a call (the executor never runs traced, so flatten's test
-    for tracing has nothing to add)."""
-    return [field] if isinstance(field, Tensor) else tree.flatten(field, name)[0]
 
 
 def _write(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
