@@ -366,6 +366,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return summary
 
 
+# The side comparisons (--guard, --tail): rows against each other, no baselines or verdict.
+SIDE_COMPARISON = dataclasses.replace(COMPARISON, baselines=(), accelerated=())
+
+
+def side_runs(
+    args: argparse.Namespace, data, dtype: torch.dtype, rows: dict[str, Method], path: str
+) -> dict[str, Any]:
+    """Runs `rows` on the chosen seeds and budget, writes `{"config", "runs"}` to `path`
+    and returns it."""
+    problems = {seed: make_problem(seed, data, dtype, args.wall_clock) for seed in args.seeds}
+    runs = run_all(rows, problems, args.budget, SIDE_COMPARISON, not args.no_progress)
+    summary = {"config": {"seeds": args.seeds, "budget": args.budget}, "runs": runs}
+    write_json(path, summary)
+    return summary
+
+
 def guard(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[str, Any]:
     """``--guard``: the AA settings that fail without a safeguard (outside the tuned band),
     each without and with the deferred safeguard (``loss=``, nothing else changed); writes
@@ -384,13 +400,10 @@ def guard(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[
             rows[f"{name} {safeguard}"] = Method(
                 f"{label} ({name})", "functional", make=make, **flags, description=usage
             )
-    comparison = dataclasses.replace(COMPARISON, baselines=(), accelerated=())
-    problems = {seed: make_problem(seed, data, dtype, args.wall_clock) for seed in args.seeds}
-    runs = run_all(rows, problems, args.budget, comparison, not args.no_progress)
-    stats, _ = summarize_runs(runs, comparison)
-    summary = {"config": {"seeds": args.seeds, "budget": args.budget}, "runs": runs}
-    write_json(os.path.join(out, "guard.json"), summary)
-    print(markdown({"stats": stats}, rows, comparison))
+    summary = side_runs(args, data, dtype, rows, os.path.join(out, "guard.json"))
+    runs = summary["runs"]
+    stats, _ = summarize_runs(runs, SIDE_COMPARISON)
+    print(markdown({"stats": stats}, rows, SIDE_COMPARISON))
     for key, per_seed in runs.items():
         counts = [f"{r['num_mixed']} kept / {r['num_rejected']} rejected" for r in per_seed]
         print(f"{rows[key].label}: " + ", ".join(counts))
@@ -411,12 +424,8 @@ def tail(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[s
             rows[f"{key} {name}"] = Method(
                 f"{label}, {name} window", "functional", make=make, **flags, description=usage
             )
-    comparison = dataclasses.replace(COMPARISON, baselines=(), accelerated=())
-    problems = {seed: make_problem(seed, data, dtype, args.wall_clock) for seed in args.seeds}
-    runs = run_all(rows, problems, args.budget, comparison, not args.no_progress)
-    summary = {"config": {"seeds": args.seeds, "budget": args.budget}, "runs": runs}
-    write_json(os.path.join(out, "tail.json"), summary)
-    for key, per_seed in runs.items():
+    summary = side_runs(args, data, dtype, rows, os.path.join(out, "tail.json"))
+    for key, per_seed in summary["runs"].items():
         ends = ", ".join(
             f"{r['final_loss']:.1e} (lowest {min(r['curve']['loss']):.1e})" for r in per_seed
         )
