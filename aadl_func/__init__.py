@@ -10,6 +10,7 @@ from aadl_func._src.mix import mix, mixing_weights
 from aadl_func._src.native import kernel_info
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
 from aadl_func._src.rna import RNA, RNAAverager, RNAChoice, RNAState, recompute_bn, rna
+from aadl_func._src.short_recurrence import ShortRecurrence, ShortRecurrenceState, short_recurrence
 from aadl_func._src.solver import SolverInfo, fixed_point, root
 from aadl_func._src.solver_implicit import implicit_fixed_point
 from aadl_func._src.state import AndersonState
@@ -35,6 +36,8 @@ __all__ = [
     "RNAChoice",
     "RNAState",
     "SgdState",
+    "ShortRecurrence",
+    "ShortRecurrenceState",
     "SolverInfo",
     "accelerate",
     "add_decayed_weights",
@@ -54,5 +57,6 @@ __all__ = [
     "rna",
     "root",
     "sgd",
+    "short_recurrence",
     "solve_weights",
 ]

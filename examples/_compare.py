@@ -236,6 +236,8 @@ def run_functional(
     if isinstance(state, aa.AndersonState):
         names = ("num_mixed", "num_rejected", "num_nonfinite")
         counters = {name: int(getattr(state, name)) for name in names}
+    elif isinstance(state, aa.ShortRecurrenceState):
+        counters = {name: int(getattr(state, name)) for name in ("num_rejected", "num_restarts")}
     return trace, params, counters
 
 

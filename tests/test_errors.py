@@ -488,6 +488,31 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "update-inner_state-lbfgs-shape": _update_case(
         inner_made=lambda: aa.lbfgs(memory_size=5), inner_called=lambda: aa.lbfgs(memory_size=3)
     ),
+    # short_recurrence: its arguments, then update called with bad input
+    "short_recurrence-inner": lambda: aa.short_recurrence(torch.optim.SGD),
+    "short_recurrence-relaxation-type": lambda: aa.short_recurrence(sgd(0.1), relaxation="1"),
+    "short_recurrence-relaxation-range": lambda: aa.short_recurrence(sgd(0.1), relaxation=0.0),
+    "short_recurrence-curvature_eps-range": lambda: aa.short_recurrence(
+        sgd(0.1), curvature_eps=math.nan
+    ),
+    "short_recurrence-drift_tol-range": lambda: aa.short_recurrence(sgd(0.1), drift_tol=0.0),
+    "short_recurrence-update-state-type": lambda: aa.short_recurrence(sgd(0.1)).update(
+        sgd(0.1).init(_params()), _params(), _grads_of(_params())
+    ),
+    "short_recurrence-update-grads-structure": lambda: aa.short_recurrence(sgd(0.1)).update(
+        aa.short_recurrence(sgd(0.1)).init(_params()), _params(), {"w": _params()["w"]}
+    ),
+    "short_recurrence-update-state-shape": lambda: aa.short_recurrence(sgd(0.1)).update(
+        aa.short_recurrence(sgd(0.1)).init({**_params(), "c": torch.zeros(1)}),
+        _params(),
+        _grads_of(_params()),
+    ),
+    "short_recurrence-update-loss-shape": lambda: aa.short_recurrence(sgd(0.1)).update(
+        aa.short_recurrence(sgd(0.1)).init(_params()),
+        _params(),
+        _grads_of(_params()),
+        loss=torch.ones(2),
+    ),
     # mix and mixing_weights
     "mix-history-none": lambda: aa.mix(None),
     "mix-history-leaf": lambda: aa.mix([1.0, 2.0, 3.0]),
@@ -551,6 +576,7 @@ def test_rows_are_well_formed():
             "sgd",
             "adam",
             "lbfgs",
+            "short_recurrence",
         }, row
         # The message names the argument it rejects: the excerpt shows where.
         assert f"`{row.argument}" in row.excerpt, row

@@ -24,7 +24,13 @@ from torch import Tensor
 from aadl_func._src import tree
 from aadl_func._src.inner import InnerOptimizer
 from aadl_func._src.state import allow_weights_only
-from aadl_func._src.validation import check_float, check_int, check_state_type, flatten_like
+from aadl_func._src.validation import (
+    check_field_shapes,
+    check_float,
+    check_int,
+    check_state_type,
+    flatten_like,
+)
 
 __all__ = ["LbfgsState", "lbfgs"]
 
@@ -212,14 +218,8 @@ def _check_state(
     dtype = _compute_dtype(owner, leaves)
     expected = {"s_memory": (memory_size, n), "y_memory": (memory_size, n)}
     expected.update(params=(n,), grads=(n,))
-    for field, shape in expected.items():
-        t = getattr(state, field)
-        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(
-                f"{owner}: `{name}.{field}` is {got}, expected a {dtype} tensor of shape "
-                f"{shape}; was it made by another configuration or for other params?"
-            )
+    hint = "was it made by another configuration or for other params?"
+    check_field_shapes(owner, state, name, expected, dtype, hint)
 
 
 def lbfgs(

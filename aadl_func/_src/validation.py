@@ -310,6 +310,21 @@ def check_buffers(buffers: Any, name: str, leaves: list[Tensor], spec: Any, owne
             )
 
 
+def check_field_shapes(
+    owner: str, state: Any, name: str, expected: dict[str, tuple], dtype: torch.dtype, hint: str
+) -> None:
+    """Each field of `state` named in `expected` is a `dtype` tensor of that shape; else a
+    `ValueError` naming the field, what it is and what was expected, then `hint`."""
+    for field, shape in expected.items():
+        t = getattr(state, field)
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"{owner}: `{name}.{field}` is {got}, expected a {dtype} tensor of shape "
+                f"{shape}; {hint}"
+            )
+
+
 def flatten_like(owner: str, what: str, value: Any, spec: Any) -> list[Any]:
     """The leaves of `value`, a pytree that must have the structure `spec` of `updates`."""
     if value is None:

@@ -164,13 +164,18 @@ def targets_of(spec: Spec, f_star: dict[str, float] | None, seed: int) -> Target
     return Targets(spec, None if f_star is None else f_star[str(seed)])
 
 
-def tune(spec: Spec, f_star, seeds, budget: float, quick: bool) -> dict[str, Any]:
-    """Each family's grid on the tuning seeds; the chosen setting first."""
+def tune(
+    spec: Spec, f_star, seeds, budget: float, quick: bool, families: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Each family's grid (or the ``families``' only) on the tuning seeds; the chosen
+    setting first."""
     problems = [(spec.make(seed, spec.dtype), targets_of(spec, f_star, seed)) for seed in seeds]
     tolerance = problems[0][1].tolerances[problems[0][1].tuning_index]
     label = problems[0][1].labels[problems[0][1].tuning_index]
     chosen: dict[str, Any] = {}
     for family, grid in methods.grids(spec).items():
+        if families is not None and family not in families:
+            continue
         if quick:
             grid = grid[::3]
         scored = []
@@ -196,14 +201,20 @@ def tune(spec: Spec, f_star, seeds, budget: float, quick: bool) -> dict[str, Any
     return chosen
 
 
+# The accelerated rows without tuning, by key.
+DEFAULTS = {
+    "aa_default": methods.aa_default,
+    "aa_sufficient": methods.aa_sufficient,
+    "aa_lbfgs_default": methods.aa_lbfgs_default,
+    "st_am_default": methods.st_am_default,
+}
+
+
 def rows_for(spec: Spec, chosen: dict[str, Any]) -> dict[str, Method]:
-    tuned = ("aa_tuned", "aa_lbfgs_tuned")
-    rows = {family: entry["method"] for family, entry in chosen.items() if family not in tuned}
-    rows["aa_default"] = methods.aa_default()
-    rows["aa_tuned"] = chosen["aa_tuned"]["method"]
-    rows["aa_sufficient"] = methods.aa_sufficient()
-    rows["aa_lbfgs_default"] = methods.aa_lbfgs_default()
-    rows["aa_lbfgs_tuned"] = chosen["aa_lbfgs_tuned"]["method"]
+    """The peers as tuned, then the accelerated rows in the suite's order."""
+    rows = {k: e["method"] for k, e in chosen.items() if k not in methods.TUNED_ROWS}
+    for key in methods.ACCELERATED:
+        rows[key] = DEFAULTS[key]() if key in DEFAULTS else chosen[key]["method"]
     return rows
 
 
@@ -397,7 +408,12 @@ def markdown_page(payload: dict[str, Any]) -> str:
         "line search), the same on every problem: `"
         + methods.aa_lbfgs_default().description
         + "`; **AA-L-BFGS tuned** the same with its lr tuned, and **L-BFGS inner alone** "
-        "the transformation without AA, its lr tuned.",
+        "the transformation without AA, its lr tuned. "
+        "**ST-AM default** is short-term recurrence Anderson mixing (`aa.short_recurrence`: "
+        "two conjugate pairs, CG's iterates on a quadratic) around Adam, the same on every "
+        "problem: `" + methods.st_am_default().description + "`; **ST-AM tuned** the same "
+        "with its lr tuned on AA's grid, and **ST-AM-GD tuned** around gradient descent "
+        "(`aa.sgd(lr)`), its lr tuned on a grid of its own.",
         "",
     ]
     lines = verdicts(results)
@@ -546,8 +562,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--add-rows",
         default=None,
-        help="a,b: run only these untuned rows (e.g. aa_sufficient) on the reported seeds and "
-        "put them into the results file (--out), the other rows kept as they are",
+        help="a,b: run only these accelerated rows (e.g. st_am_default, st_am_tuned; a tuned "
+        "one is tuned first) on the reported seeds and put them into the results file "
+        "(--out), the other rows kept as they are",
     )
     args = parser.parse_args(argv)
     args.problems = [p for p in args.problems.split(",") if p]
@@ -581,18 +598,26 @@ def combine(paths: Sequence[str]) -> dict[str, Any]:
 
 
 def add_rows(payload: dict[str, Any], keys: Sequence[str], args: argparse.Namespace) -> None:
-    """Runs the untuned rows ``keys`` (``rows_for``'s defaults, no tuning) on the payload's
-    reported seeds for ``args.problems`` and puts their runs, statistics and comparisons
-    into ``payload`` in place; the other rows are kept as measured."""
+    """Runs the accelerated rows ``keys`` on the payload's reported seeds for
+    ``args.problems`` (a tuned row's family tuned first, on the payload's tuning seeds with
+    the problem's tuning budget, as the full run tunes it) and puts their runs, statistics,
+    tuning and comparisons into ``payload`` in place; the other rows are kept as measured."""
     for key in args.problems:
         spec, result = SPECS[key], payload["problems"][key]
         f_star = None if spec.pinn else payload["f_star"][key]["f_star"]
-        defaults = {"aa_default": methods.aa_default, "aa_sufficient": methods.aa_sufficient,
-                    "aa_lbfgs_default": methods.aa_lbfgs_default}  # fmt: skip
         seeds = payload["config"]["seeds"]
         targets = targets_of(spec, f_star, seeds[0])
+        tuned = [row for row in keys if row not in DEFAULTS]
+        chosen = tune(
+            spec, f_star, payload["config"]["tuning_seeds"], result["tuning_budget"],
+            payload["config"]["quick"], tuned,
+        ) if tuned else {}  # fmt: skip
+        for family, entry in chosen.items():
+            result["tuning"][family] = {
+                "chosen": entry["method"].description, "grid": entry["grid"],
+            }  # fmt: skip
         for row in keys:
-            method = defaults[row]()
+            method = DEFAULTS[row]() if row in DEFAULTS else chosen[row]["method"]
             run_once(method, spec.make(seeds[0], spec.dtype), 3, targets, 0.0)  # warm-up
             runs = []
             for seed in seeds:

@@ -33,9 +33,12 @@ def beats(loss_mix: Tensor, loss_plain: Tensor) -> Tensor:
     return torch.isfinite(loss_mix) & (loss_mix < loss_plain)
 
 
-def judged_loss(loss: Tensor) -> Tensor:
+def judged_loss(loss: Tensor | float) -> Tensor | float:
     r"""The deferred safeguard's bar for the mix returned now: the loss $\ell(x_k)$ at the
-    point it was made from, or $+\infty$ (nothing to judge) when that loss is not finite."""
+    point it was made from, or $+\infty$ (nothing to judge) when that loss is not finite.
+    A 0-d tensor or a Python number alike."""
+    if isinstance(loss, float):
+        return loss if math.isfinite(loss) else INF
     return torch.where(torch.isfinite(loss), loss, INF)
 
 
@@ -49,10 +52,12 @@ def sufficient_bar(loss: Tensor, slope: Tensor, c: float) -> Tensor:
     return torch.where(descent, loss + c * torch.where(descent, slope, 0.0), loss)
 
 
-def rejects_pending(pending: Tensor, loss: Tensor) -> Tensor:
+def rejects_pending(pending: Tensor | float, loss: Tensor | float) -> Tensor | bool:
     r"""The deferred verdict on the previous call's mix: rejected when one is pending
     (`pending` finite) and the loss at it, `loss`, is not below `pending`, the loss at the
-    point it was made from (NaN is not below anything)."""
+    point it was made from (NaN is not below anything). 0-d tensors or Python numbers."""
+    if isinstance(pending, float):
+        return math.isfinite(pending) and not loss < pending
     return torch.isfinite(pending) & ~(loss < pending)
 
 

@@ -1,0 +1,482 @@
+r"""Short-term recurrence Anderson mixing (ST-AM; Wei, Bao and Liu, ICLR 2022): type-I
+Anderson mixing whose window is two conjugate pairs, which on a symmetric positive-definite
+linear problem does what full-memory type-I mixing does, and so follows conjugate gradients.
+
+The map is one step of the inner optimizer, $r_k = u(x_k)$, $x \mapsto x + r(x)$. Call $k$
+turns the newest secant pair $p = x_k - x_{k-1}$, $q = r_k - r_{k-1}$ into a conjugate one
+by one modified Gram-Schmidt sweep against the two kept pairs $(p_i, q_i)$ (older first):
+
+$$
+\zeta_i = \frac{p_i^\top q}{p_i^\top q_i}, \qquad p \leftarrow p - \zeta_i p_i, \qquad
+q \leftarrow q - \zeta_i q_i ,
+$$
+
+so that $p_i^\top q = 0$ for both; it scales the pair to $\|p\| = 1$ and drops the older
+one. With $P = [p_{k-1}, p_k]$ and $Q = [q_{k-1}, q_k]$ the type-I (Galerkin) condition
+$P^\top (r_k - Q\Gamma) = 0$ makes $P^\top Q$ lower triangular, solved by substitution, and
+
+$$
+\bar x_k = x_k - P\Gamma, \qquad \bar r_k = r_k - Q\Gamma, \qquad
+x_{k+1} = \bar x_k + \beta \bar r_k ,
+$$
+
+$\beta$ the relaxation. Why two pairs are enough: for $r(x) = b - Ax$, $A$ symmetric
+positive definite (gradient descent on a quadratic, $A$ the Hessian times the learning
+rate), $\bar x_k$ is the Galerkin point of $x_0 + \mathcal K_k(A, r_0)$, which is conjugate
+gradients' $k$-th iterate $c_k$; the proof that $r_k$ and the next $\Delta x$ are conjugate to
+every pair but the last two is the Lanczos argument (the module's tests hold
+$x_{k+1} = c_k + \beta\, r(c_k)$ to a float64 NumPy CG).
+
+What keeps it safe away from that case:
+
+* a pair is kept only if it is finite and $p^\top q < -\epsilon \|p\| \|q\|$ (the residual
+  decreases along $p$, as it does for a contraction or a descent step on a convex region);
+  any other pair restarts the window, and the call takes the plain step $x_k + \beta r_k$;
+* a mix that is not finite is replaced by the plain step, with a restart;
+* the pairs are combinations of earlier pairs, so their rounding errors compound (CG resets
+  its own with a fresh product $Ap$ every step; a short recurrence has none): each pair
+  carries an estimate of its error, and above `drift_tol` the window starts again from the
+  raw secant pair (without this, gradient descent at relaxation 0.5 on a quadratic of
+  condition 100 diverges after about 25 calls);
+* with `loss=` the deferred safeguard of [`anderson()`][aadl_func.anderson]: a returned mix
+  whose loss (passed with the next call's gradient) is not below the loss at the point it was
+  made from is rejected: that call returns the plain step $x_{k-1} + \beta r_{k-1}$ it
+  replaced, restarts the window and discards the rejected point's gradient (the inner
+  optimizer's state is kept as it was before it).
+
+A step that is not finite (the inner update of a NaN gradient) is returned as the inner
+optimizer alone would return it, but it is never stored: the window and the previous point
+stay finite, and the next pair starts before it.
+
+The vectors are flat, as in [`lbfgs()`][aadl_func.lbfgs]: the leaves are concatenated into
+one vector of their promoted dtype and the inner products are taken over every leaf at once
+(in that dtype, then float64). Eagerly the scalar work is Python arithmetic and the choices
+are branches (`_Arith`); under `torch.func.vmap()` (an ensemble, each member with its own
+window) and `torch.compile` every choice is a `torch.where` on 0-d tensors, which round
+alike. The state holds six parameter-sized vectors besides the inner optimizer's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+
+from aadl_func._src import tree
+from aadl_func._src.core import accept
+from aadl_func._src.lbfgs import _compute_dtype, _flat, _unflat
+from aadl_func._src.state import allow_weights_only
+from aadl_func._src.validation import (
+    check_field_shapes,
+    check_float,
+    check_state_type,
+    flatten_like,
+)
+
+__all__ = ["ShortRecurrence", "ShortRecurrenceState", "short_recurrence"]
+
+PyTree = Any
+_OWNER = "short_recurrence"
+
+
+class ShortRecurrenceState(NamedTuple):
+    r"""State of [`short_recurrence()`][aadl_func.short_recurrence]; $N$ is the number of
+    parameter entries.
+
+    Attributes:
+        count: 0-d `int64` tensor, the number of updates done so far.
+        num_pairs: 0-d `int64` tensor, the conjugate pairs in the window (0, 1 or 2); row 1
+            of `directions` and `residual_changes` is the newest, row 0 the older.
+        num_restarts: 0-d `int64` tensor, the updates that emptied the window (a rejected
+            pair, a mix that was not finite, or a rejected mix).
+        num_rejected: 0-d `int64` tensor, the mixes the deferred safeguard rejected.
+        pending_loss: 0-d `float64` tensor, the loss at the point the returned mix was made
+            from, which the next call's loss must beat; $+\infty$ when no mix is pending.
+        pair_errors: `float64` tensor of shape `(2,)`, the estimated errors of the rows'
+            pairs (see `drift_tol`).
+        inner: the inner optimizer's state.
+        directions: `(2, N)` tensor, the conjugate steps $p_i$.
+        residual_changes: `(2, N)` tensor, the matching residual changes $q_i$.
+        params: `(N,)` tensor, $x_{k-1}$: the params of the previous update, flattened.
+        residual: `(N,)` tensor, $r_{k-1}$: the inner optimizer's update there.
+    """
+
+    count: Tensor
+    num_pairs: Tensor
+    num_restarts: Tensor
+    num_rejected: Tensor
+    pending_loss: Tensor
+    pair_errors: Tensor
+    inner: Any
+    directions: Tensor
+    residual_changes: Tensor
+    params: Tensor
+    residual: Tensor
+
+
+allow_weights_only(ShortRecurrenceState)
+
+
+class ShortRecurrence(NamedTuple):
+    """`state = init(params)`; `params, state = update(state, params, grads, loss=None)`."""
+
+    init: Callable[[PyTree], ShortRecurrenceState]
+    update: Callable[..., tuple[PyTree, ShortRecurrenceState]]
+
+
+class _Arith:
+    """The scalar arithmetic of one call. Eagerly the scalars are Python numbers and the
+    choices Python branches: a 0-d tensor operation costs a few microseconds, more than
+    the vector work of a small model. Under vmap and torch.compile (no values to read)
+    they are 0-d float64 tensors and masks. Both round alike (IEEE double), and the vector
+    operations are the same, so the two give the same bits."""
+
+    def __init__(self, eager: bool) -> None:
+        self.eager = eager
+
+    def read(self, t: Tensor) -> Any:
+        """A 0-d state tensor's value (eager) or the tensor."""
+        return t.item() if self.eager else t
+
+    def dot(self, a: Tensor, b: Tensor) -> Any:
+        """$a^\top b$, in the vectors' dtype, as a float64 number."""
+        d = torch.dot(a, b)
+        return d.item() if self.eager else d.to(torch.float64)
+
+    def ratio(self, num: Any, den: Any, valid: Any) -> Any:
+        """`num / den` where `valid`, else 0 (`den` is nonzero where `valid`)."""
+        if self.eager:
+            return num / den if valid else 0.0
+        return torch.where(valid, num / torch.where(valid, den, 1.0), 0.0)
+
+    def div(self, num: Any, den: Any) -> Any:
+        """`num / den` as IEEE division (a zero `den` gives Inf or NaN, not an exception)."""
+        if not self.eager or den != 0:
+            return num / den
+        return math.nan if num == 0 or math.isnan(num) else math.copysign(math.inf, num * den)
+
+    def where(self, flag: Any, a: Any, b: Any) -> Any:
+        if self.eager:
+            return a if flag else b
+        return torch.where(flag, a, b)
+
+    def finite(self, v: Any) -> Any:
+        return math.isfinite(v) if self.eager else torch.isfinite(v)
+
+    def all_finite(self, t: Tensor) -> Any:
+        flag = torch.isfinite(t).all()
+        return bool(flag) if self.eager else flag
+
+    def sqrt(self, v: Any) -> Any:
+        return math.sqrt(v) if self.eager else torch.sqrt(v)
+
+    def negate(self, flag: Any) -> Any:
+        return (not flag) if self.eager else ~flag
+
+    def coefficient(self, v: Any, dtype: torch.dtype) -> Any:
+        """A scalar that multiplies a vector: rounded to its dtype either way."""
+        return v if self.eager else v.to(dtype)
+
+    def count(self, flag: Any) -> Any:
+        """A flag as 0 or 1, to add to a counter."""
+        return int(flag) if self.eager else flag.to(torch.int64)
+
+    def tensor(self, v: Any, like: Tensor) -> Tensor:
+        """A state field's new value as a tensor like `like`."""
+        return torch.tensor(v, dtype=like.dtype, device=like.device) if self.eager else v
+
+
+class _Window(NamedTuple):
+    """The window after this call's pair: its rows, their error estimates, how many of them
+    hold pairs, and whether it was emptied."""
+
+    directions: Tensor
+    residual_changes: Tensor
+    pair_errors: list[Any]
+    num_pairs: Any
+    restarted: Any
+
+
+def _conjugate_pair(
+    ar: _Arith, state: ShortRecurrenceState, x: Tensor, r: Tensor, eps: float, drift_tol: float
+) -> _Window:
+    r"""The window with this call's secant pair made conjugate to the kept ones and appended,
+    or emptied (`restarted`) when there is no previous update or the pair fails the test
+    $p^\top q < -\epsilon \|p\| \|q\|$ (finite, residual decreasing along $p$).
+
+    The sweep subtracts the kept pairs' errors along with them, and divides by how much of
+    the pair survives it: the newest pair's error is estimated as
+    $e = (u \|\Delta x\| + |\zeta_0| e_0 + |\zeta_1| e_1) / \|p\|$ ($u$ the dtype's
+    epsilon, $e_i$ the kept pairs' estimates; every pair has $\|p\| = 1$). Left alone it
+    grows geometrically (the short recurrence has no fresh Jacobian product to reset it, as
+    CG has), so above `drift_tol` the window restarts from the raw pair instead."""
+    raw_p, raw_q = x - state.params, r - state.residual
+    p, q, error = raw_p, raw_q, 0.0
+    num_pairs, errors = ar.read(state.num_pairs), state.pair_errors
+    errors = errors.tolist() if ar.eager else list(errors.unbind())
+    for row, valid in enumerate((num_pairs >= 2, num_pairs >= 1)):  # older, newer
+        if ar.eager and not valid:
+            continue
+        p_i, q_i = state.directions[row], state.residual_changes[row]
+        # A row that holds no pair is finite (zeros or an old pair): zeta = 0 leaves p, q.
+        zeta = ar.ratio(ar.dot(p_i, q), ar.dot(p_i, q_i), valid)
+        error = error + abs(zeta) * errors[row]
+        zeta = ar.coefficient(zeta, p.dtype)
+        p, q = p - zeta * p_i, q - zeta * q_i
+    raw_norm, norm = ar.sqrt(ar.dot(raw_p, raw_p)), ar.sqrt(ar.dot(p, p))
+    unit = torch.finfo(p.dtype).eps
+    error = ar.div(unit * raw_norm + error, norm)
+    # The raw pair when the conjugate one has drifted (or is not finite): a window of one.
+    fresh = ar.negate(error <= drift_tol)
+    p, q = ar.where(fresh, raw_p, p), ar.where(fresh, raw_q, q)
+    norm, error = ar.where(fresh, raw_norm, norm), ar.where(fresh, unit, error)
+    pq, qq = ar.dot(p, q), ar.dot(q, q)
+    good = (ar.read(state.count) > 0) & ar.finite(pq) & ar.finite(norm) & ar.finite(qq)
+    good = good & (pq < -eps * norm * ar.sqrt(qq))
+    # Unit steps keep the 2 x 2 system's scale near the residual's; a rejected pair is
+    # replaced by zeros, so that no branch of a `where` carries a non-finite number.
+    scale = ar.coefficient(ar.ratio(1.0, norm, good), p.dtype)
+    p, q = (
+        ar.where(good, p * scale, torch.zeros_like(p)),
+        ar.where(good, q * scale, torch.zeros_like(q)),
+    )
+    directions = torch.stack([state.directions[1], p])
+    residual_changes = torch.stack([state.residual_changes[1], q])
+    grown = ar.where(fresh, 1, _at_most_two(num_pairs + 1))
+    return _Window(
+        directions,
+        residual_changes,
+        [errors[1], ar.where(good, error, 0.0)],
+        ar.where(good, grown, 0),
+        ar.negate(good),
+    )
+
+
+def _at_most_two(n: Any) -> Any:
+    return min(n, 2) if isinstance(n, int) else torch.clamp(n, max=2)
+
+
+def _galerkin_mix(ar: _Arith, window: _Window, x: Tensor, r: Tensor, relaxation: float) -> Tensor:
+    r"""$x + \beta r - (P + \beta Q)\Gamma$ with $P^\top Q \Gamma = P^\top r$, by forward
+    substitution: $P^\top Q$ is lower triangular (the newest $q$ is orthogonal to both $p$)."""
+    (p0, p1), (q0, q1) = window.directions, window.residual_changes
+    valid0, valid1 = window.num_pairs >= 2, window.num_pairs >= 1
+    plain = x + relaxation * r
+    if ar.eager and not valid1:
+        return plain
+    gamma0 = ar.ratio(ar.dot(p0, r), ar.dot(p0, q0), valid0)
+    gamma1 = ar.ratio(ar.dot(p1, r) - ar.dot(p1, q0) * gamma0, ar.dot(p1, q1), valid1)
+    g0, g1 = ar.coefficient(gamma0, x.dtype), ar.coefficient(gamma1, x.dtype)
+    return plain - (p0 + relaxation * q0) * g0 - (p1 + relaxation * q1) * g1
+
+
+def _update(
+    inner: Any,
+    relaxation: float,
+    eps: float,
+    drift_tol: float,
+    state: ShortRecurrenceState,
+    params: PyTree,
+    grads: PyTree,
+    loss: Any,
+    inplace: bool,
+) -> tuple[PyTree, ShortRecurrenceState]:
+    """One call; the numbered steps are those of `short_recurrence`'s docstring."""
+    # 0. Everything is checked before anything is computed or written.
+    check_state_type(_OWNER, state, ShortRecurrenceState, "state", "short_recurrence.update")
+    p_leaves, spec = tree.flatten(params, "params", owner="short_recurrence.update")
+    g_leaves = flatten_like("short_recurrence.update", "grads", grads, spec)
+    _check_state(state, p_leaves)
+    loss_given = loss is not None
+    loss = _checked_loss(loss, state.pending_loss)
+    dtype = state.params.dtype
+    # Eagerly the scalars are read (`_Arith`); under vmap or torch.compile they are masks.
+    traced = tree.tracing() or any(tree.is_transformed(t) for t in (state.params, *g_leaves))
+    ar = _Arith(not traced and not any(tree.is_transformed(t) for t in (*p_leaves, loss)))
+    # 1. The deferred verdict on the previous call's mix (none without a loss); eagerly, a
+    # rejection skips the rest (step 4).
+    pending, loss = ar.read(state.pending_loss), ar.read(loss)
+    rejected = loss_given & accept.rejects_pending(pending, loss)
+    if ar.eager and rejected:
+        return _returned(*_went_back(state, relaxation), p_leaves, spec, inplace)
+    # 2. The inner step r_k = u(x_k), out of place: a rejected point's update is discarded.
+    updates, inner_state = inner.update(grads, state.inner, params=params, inplace=False)
+    x, r = _flat(p_leaves, dtype), _flat(list(optree.tree_leaves(updates)), dtype)
+    # 3. The pair, the window and the mix; a mix that is not finite gives way to the plain step.
+    window = _conjugate_pair(ar, state, x, r, eps, drift_tol)
+    mix = _galerkin_mix(ar, window, x, r, relaxation)
+    finite = ar.all_finite(mix)
+    out = ar.where(finite, mix, x + relaxation * r)
+    restarted = window.restarted | ar.negate(finite)
+    mixed = finite & (window.num_pairs > 0)
+    store = ar.all_finite(r)  # a step that is not finite is not a secant end
+    new_state = ShortRecurrenceState(
+        count=state.count + 1,
+        num_pairs=ar.tensor(ar.where(restarted, 0, window.num_pairs), state.num_pairs),
+        num_restarts=state.num_restarts + ar.count(restarted),
+        num_rejected=state.num_rejected,
+        pending_loss=ar.tensor(
+            ar.where(mixed, accept.judged_loss(loss), accept.INF), state.pending_loss
+        ),
+        pair_errors=ar.tensor(window.pair_errors, state.pair_errors)
+        if ar.eager
+        else torch.stack(window.pair_errors),
+        inner=inner_state,
+        directions=window.directions,
+        residual_changes=window.residual_changes,
+        params=ar.where(store, x, state.params),
+        residual=ar.where(store, r, state.residual),
+    )
+    if not ar.eager:  # 4. A rejected mix, as a mask.
+        back, kept = _went_back(state, relaxation)
+        out = torch.where(rejected, back, out)
+        new_state = optree.tree_map(
+            lambda old, new: torch.where(rejected, old, new), kept, new_state
+        )
+    return _returned(out, new_state, p_leaves, spec, inplace)
+
+
+def _went_back(state: ShortRecurrenceState, relaxation: float) -> tuple[Tensor, Any]:
+    """Step 4: the plain step $x_{k-1} + \beta r_{k-1}$ a rejected mix replaced, and the
+    state as it was before that mix, with an empty window and the rejection counted."""
+    one = state.num_rejected.new_ones(())
+    kept = state._replace(
+        count=state.count + 1,
+        num_pairs=torch.zeros_like(state.num_pairs),
+        num_restarts=state.num_restarts + one,
+        num_rejected=state.num_rejected + one,
+        pending_loss=torch.full_like(state.pending_loss, accept.INF),
+    )
+    return state.params + relaxation * state.residual, kept
+
+
+def _returned(
+    out: Tensor, new_state: ShortRecurrenceState, p_leaves: list[Tensor], spec: Any, inplace: bool
+) -> tuple[PyTree, ShortRecurrenceState]:
+    """The flat point as the params' pytree (written into them in place), and the state."""
+    new_leaves = _unflat(out, p_leaves)
+    if inplace:
+        new_leaves = [leaf.copy_(new) for leaf, new in zip(p_leaves, new_leaves)]
+    return optree.tree_unflatten(spec, new_leaves), new_state
+
+
+def _checked_loss(loss: Any, like: Tensor) -> Tensor:
+    """`loss` as a 0-d float64 tensor on the state's device; None (no safeguard): NaN, which
+    beats nothing and is judged by nothing."""
+    if loss is None:
+        return torch.full_like(like, float("nan"))
+    if isinstance(loss, bool) or not isinstance(loss, (Tensor, int, float)):
+        raise TypeError(
+            f"short_recurrence.update: `loss` must be a number or a 0-d real tensor, got "
+            f"{type(loss).__name__}"
+        )
+    if isinstance(loss, Tensor):
+        if loss.numel() != 1 or loss.is_complex():
+            raise ValueError(
+                f"short_recurrence.update: `loss` must be one real value, got a {loss.dtype} "
+                f"tensor of shape {tuple(loss.shape)}"
+            )
+        return loss.detach().reshape(()).to(like)
+    return torch.full_like(like, float(loss))
+
+
+def _init(inner: Any, params: PyTree) -> ShortRecurrenceState:
+    """The state before any update: an empty window, zero vectors like the flat params."""
+    leaves, _ = tree.flatten(params, "params", owner="short_recurrence.init")
+    x = _flat(leaves, _compute_dtype("short_recurrence.init", leaves))
+    if leaves:
+        x = x.to(leaves[0].device)
+    count = x.new_zeros((), dtype=torch.int64)
+    rows = x.new_zeros((2, x.shape[0]))
+    return ShortRecurrenceState(
+        count=count,
+        num_pairs=count.clone(),
+        num_restarts=count.clone(),
+        num_rejected=count.clone(),
+        pending_loss=x.new_full((), accept.INF, dtype=torch.float64),
+        pair_errors=x.new_zeros((2,), dtype=torch.float64),
+        inner=inner.init(params),
+        directions=rows,
+        residual_changes=rows.clone(),
+        params=torch.zeros_like(x),
+        residual=torch.zeros_like(x),
+    )
+
+
+def _check_state(state: ShortRecurrenceState, leaves: list[Tensor]) -> None:
+    """The state's vectors fit the params `leaves` (their number and promoted dtype)."""
+    owner = "short_recurrence.update"
+    n, dtype = sum(leaf.numel() for leaf in leaves), _compute_dtype(owner, leaves)
+    shapes = {"directions": (2, n), "residual_changes": (2, n), "params": (n,), "residual": (n,)}
+    check_field_shapes(owner, state, "state", shapes, dtype, "was it made for other params?")
+
+
+def short_recurrence(
+    inner: Any,
+    *,
+    relaxation: float = 1.0,
+    curvature_eps: float = 1e-10,
+    drift_tol: float = 1e-3,
+) -> ShortRecurrence:
+    r"""Short-term recurrence Anderson mixing (ST-AM) around the inner optimizer `inner`.
+
+    Each `update(state, params, grads, loss=None, inplace=False)`:
+
+    1. takes the inner step $r_k = u(x_k)$ from `grads` (the residual of the map
+       $x \mapsto x + u(x)$);
+    2. with `loss`, the loss at `params` computed with `grads`, judges the previous call's
+       mix (the deferred safeguard): rejected when `loss` is not below the loss at the
+       point it was made from;
+    3. makes the secant pair $(x_k - x_{k-1}, r_k - r_{k-1})$ conjugate to the two kept
+       pairs and appends it (or restarts the window: a first call, a pair that is not
+       finite or along which the residual does not decrease), then returns the type-I mix
+       $x_k + \beta r_k - (P + \beta Q)\Gamma$, $P^\top Q\Gamma = P^\top r_k$ (the plain
+       step $x_k + \beta r_k$ with an empty window or a mix that is not finite);
+    4. a rejected mix returns instead the plain step $x_{k-1} + \beta r_{k-1}$ it replaced,
+       with an empty window, and keeps the state as it was before the rejected point.
+
+    On gradient descent over a strictly convex quadratic ($u = -\mathrm{lr}\, \nabla f$), the
+    mix before relaxation is conjugate gradients' iterate: $x_{k+1} = c_k + \beta r(c_k)$.
+    See the module docstring (`aadl_func._src.short_recurrence`) for the recurrence and
+    its safeguards.
+
+    Args:
+        inner: an inner optimizer in the torchopt protocol (`aa.sgd`, `aa.adam`, ...).
+        relaxation: $\beta > 0$, the step along the mixed residual (1: the plain step
+            is the inner optimizer's own).
+        curvature_eps: $\epsilon \ge 0$ of the test $p^\top q < -\epsilon \|p\| \|q\|$.
+
+    Returns:
+        A `ShortRecurrence` of `init(params)` and `update(state, params, grads, *,
+        loss=None, inplace=False) -> (params, state)`; `inplace=True` writes the new
+        params into the `params` tensors as well.
+
+    Raises:
+        TypeError: `inner` lacks `init`/`update`, or an argument has the wrong type.
+        ValueError: `relaxation <= 0` or `curvature_eps < 0` (or not finite).
+    """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise TypeError(
+            f"{_OWNER}: `inner` must be an inner optimizer with `init` and `update` "
+            f"(aa.sgd, aa.adam, ...), got {type(inner).__name__}"
+        )
+    beta = check_float(_OWNER, "relaxation", relaxation, minimum=0.0, strict=True)
+    eps = check_float(_OWNER, "curvature_eps", curvature_eps, minimum=0.0)
+    drift_tol = check_float(_OWNER, "drift_tol", drift_tol, minimum=0.0, strict=True)
+
+    def update(
+        state: ShortRecurrenceState,
+        params: PyTree,
+        grads: PyTree,
+        *,
+        loss: Any = None,
+        inplace: bool = False,
+    ) -> tuple[PyTree, ShortRecurrenceState]:
+        return _update(inner, beta, eps, drift_tol, state, params, grads, loss, inplace)
+
+    return ShortRecurrence(functools.partial(_init, inner), update)

@@ -1,0 +1,422 @@
+"""Tests of `aa.short_recurrence` (ST-AM): conjugate gradients on a quadratic (float64 NumPy
+CG), a float64 NumPy reference of the recurrence with its safeguards on a nonconvex problem,
+float32, vmap, in place, saving, and bad input."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from torch.func import vmap
+
+import aadl_func as aa
+
+
+def spd_problem(n, condition, seed):
+    """A, b, x0 of f(x) = x.A.x / 2 - b.x, A symmetric positive definite with eigenvalues
+    spread geometrically over [1, condition]."""
+    rng = np.random.default_rng(seed)
+    basis, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    a = basis @ np.diag(np.geomspace(1.0, condition, n)) @ basis.T
+    return a, rng.standard_normal(n), rng.standard_normal(n)
+
+
+def conjugate_gradients(a, b, x0, steps):
+    """The textbook CG iterates c_0 = x0, ..., c_steps on a x = b (Hestenes-Stiefel)."""
+    x, r = x0.copy(), b - a @ x0
+    p, iterates = r.copy(), [x0.copy()]
+    for _ in range(steps):
+        ap = a @ p
+        alpha = (r @ r) / (p @ ap)
+        x, r_new = x + alpha * p, r - alpha * ap
+        p, r = r_new + (r_new @ r_new) / (r @ r) * p, r_new
+        iterates.append(x.copy())
+    return iterates
+
+
+def run_quadratic(opt, a, b, x0, calls, dtype=torch.float64):
+    """The params after each call of `opt` on the quadratic's gradients (float64 NumPy)."""
+    at, bt = torch.tensor(a, dtype=dtype), torch.tensor(b, dtype=dtype)
+    x = torch.tensor(x0, dtype=dtype)
+    state, out = opt.init(x), []
+    for _ in range(calls):
+        x, state = opt.update(state, x, at @ x - bt)
+        out.append(x.double().numpy())
+    return out, state
+
+
+@pytest.mark.parametrize("relaxation", [1.0, 0.5])
+def test_gradient_descent_on_a_quadratic_follows_conjugate_gradients(relaxation):
+    """x_{k+1} = c_k + beta r(c_k), r = -lr (A x - b): the mix before relaxation is CG's
+    iterate (type-I Anderson mixing with a full window is CG on an SPD problem; two
+    conjugate pairs do the same). Plain gradient descent is far from it, so the test has
+    teeth."""
+    a, b, x0 = spd_problem(30, 100.0, seed=0)
+    lr, calls = 1e-2, 10
+    outs, state = run_quadratic(
+        aa.short_recurrence(aa.sgd(lr), relaxation=relaxation), a, b, x0, calls
+    )
+    cg = conjugate_gradients(a, b, x0, calls)
+    for k in range(calls):
+        expected = cg[k] - relaxation * lr * (a @ cg[k] - b)
+        np.testing.assert_allclose(outs[k], expected, rtol=0, atol=1e-8 * np.abs(expected).max())
+    assert int(state.num_restarts) == 1  # the first call only
+    descent = x0.copy()
+    for _ in range(calls):
+        descent = descent - lr * (a @ descent - b)
+    assert np.linalg.norm(outs[-1] - descent) > 1e4 * 1e-8 * np.abs(descent).max()
+
+
+def test_float32_gets_far_closer_than_a_long_window():
+    """float32, n = 200, condition 1e3: in 300 calls two conjugate pairs reach a residual
+    below 1e-7 of the first (2e-8 here), and classic AA with 20 pairs stays 5x above that
+    (5e-7 here: its window is not a Krylov basis)."""
+    a, b, x0 = spd_problem(200, 1e3, seed=1)
+    r0 = np.linalg.norm(a @ x0 - b)
+    short, _ = run_quadratic(aa.short_recurrence(aa.sgd(1e-3)), a, b, x0, 300, torch.float32)
+    window = aa.anderson(aa.sgd(1e-3), mode="classic", history_depth=20)
+    long, _ = run_quadratic(window, a, b, x0, 300, torch.float32)
+    residual = [np.linalg.norm(a @ x - b) / r0 for x in (short[-1], long[-1])]
+    assert residual[0] < 1e-7 and residual[1] > 5 * residual[0], residual
+
+
+# --------------------------------------------------------------------------------------------
+# The reference: the recurrence written plainly, with a full 2 x 2 solve, in float64 NumPy.
+# --------------------------------------------------------------------------------------------
+
+
+class NumpyShortRecurrence:
+    """ST-AM around gradient descent (step `lr`) as the module docstring states it: pairs as
+    a list (oldest first, at most two), Gram-Schmidt against them, the drift estimate, the
+    curvature test, `np.linalg.solve` of P^T Q Gamma = P^T r, and the deferred safeguard."""
+
+    def __init__(self, lr, relaxation=1.0, eps=1e-10, drift_tol=1e-3):
+        self.lr, self.beta, self.eps, self.tol = lr, relaxation, eps, drift_tol
+        self.pairs, self.prev, self.pending = [], None, np.inf
+        self.counts = {"restarts": 0, "rejected": 0, "drift": 0, "mixes": 0}
+
+    def step(self, x, grad, loss):
+        r = -self.lr * grad
+        if loss is not None and np.isfinite(self.pending) and not loss < self.pending:
+            self.counts["rejected"] += 1
+            self.counts["restarts"] += 1
+            self.pairs, self.pending = [], np.inf
+            x_prev, r_prev = self.prev
+            return x_prev + self.beta * r_prev
+        pair = None
+        if self.prev is not None:
+            p_raw, q_raw = x - self.prev[0], r - self.prev[1]
+            p, q, error = p_raw.copy(), q_raw.copy(), 0.0
+            for p_i, q_i, e_i in self.pairs:
+                zeta = (p_i @ q) / (p_i @ q_i)
+                p, q, error = p - zeta * p_i, q - zeta * q_i, error + abs(zeta) * e_i
+            error = (np.finfo(np.float64).eps * np.linalg.norm(p_raw) + error) / np.linalg.norm(p)
+            if not error <= self.tol:
+                self.counts["drift"] += 1
+                p, q, error, self.pairs = p_raw, q_raw, np.finfo(np.float64).eps, []
+            norm = np.linalg.norm(p)
+            if p @ q < -self.eps * norm * np.linalg.norm(q):
+                pair = (p / norm, q / norm, error)
+        self.prev = (x.copy(), r.copy())
+        if pair is None:
+            self.counts["restarts"] += 1
+            self.pairs, self.pending = [], np.inf
+            return x + self.beta * r
+        self.pairs = [*self.pairs, pair][-2:]
+        p_mat = np.stack([p for p, _, _ in self.pairs], axis=1)
+        q_mat = np.stack([q for _, q, _ in self.pairs], axis=1)
+        gamma = np.linalg.solve(p_mat.T @ q_mat, p_mat.T @ r)
+        self.counts["mixes"] += 1
+        self.pending = np.inf if loss is None or not np.isfinite(loss) else loss
+        return x + self.beta * r - (p_mat + self.beta * q_mat) @ gamma
+
+
+def rosenbrock(x):
+    """The extended Rosenbrock function and its gradient, float64 NumPy."""
+    a, b = x[0::2], x[1::2]
+    f = np.sum(100.0 * (b - a**2) ** 2 + (1.0 - a) ** 2)
+    g = np.empty_like(x)
+    g[0::2] = -400.0 * a * (b - a**2) - 2.0 * (1.0 - a)
+    g[1::2] = 200.0 * (b - a**2)
+    return f, g
+
+
+def test_matches_the_numpy_recurrence_on_rosenbrock_with_the_deferred_safeguard():
+    """60 calls on extended Rosenbrock (nonconvex: curvature restarts and rejected mixes
+    happen, which the reference counts), float64, to rounding."""
+    x0 = np.tile([-1.2, 1.0], 5) + 0.1 * np.random.default_rng(3).standard_normal(10)
+    reference = NumpyShortRecurrence(2e-3)
+    opt = aa.short_recurrence(aa.sgd(2e-3))
+    x_ref, x = x0.copy(), torch.tensor(x0)
+    state = opt.init(x)
+    for call in range(60):
+        f, g = rosenbrock(x_ref)
+        x_ref = reference.step(x_ref, g, f)
+        f_t, g_t = rosenbrock(x.numpy())
+        x, state = opt.update(state, x, torch.tensor(g_t), loss=torch.tensor(f_t))
+        np.testing.assert_allclose(x.numpy(), x_ref, rtol=1e-9, atol=1e-12, err_msg=f"call {call}")
+    counts = reference.counts
+    assert counts["rejected"] >= 5 and counts["restarts"] >= 10 and counts["mixes"] >= 30, counts
+    assert int(state.num_rejected) == counts["rejected"]
+    assert int(state.num_restarts) == counts["restarts"]
+
+
+def test_drift_estimates_and_resets_match_the_reference():
+    """At relaxation 0.5 on a quadratic the conjugate pairs' errors grow about tenfold per
+    call: both implementations estimate the same errors and reset at the same calls. (The
+    two trajectories differ by about the estimate, so they are compared by their decisions.)"""
+    a, b, x0 = spd_problem(30, 100.0, seed=0)
+    reference = NumpyShortRecurrence(1e-2, 0.5)
+    opt = aa.short_recurrence(aa.sgd(1e-2), relaxation=0.5)
+    x_ref, x = x0.copy(), torch.tensor(x0)
+    state, resets, eps = opt.init(x), [], np.finfo(np.float64).eps
+    for call in range(30):
+        x_ref = reference.step(x_ref, a @ x_ref - b, None)
+        x, state = opt.update(state, x, torch.tensor(a) @ x - torch.tensor(b))
+        expected = reference.pairs[-1][2] if reference.pairs else 0.0
+        estimate = float(state.pair_errors[1])
+        assert (expected == eps) == (estimate == eps), call
+        resets += [call] if expected == eps and call > 1 else []
+        assert estimate == pytest.approx(expected, rel=0.5), call
+    assert resets == [14, 28]
+
+
+def test_drift_control_keeps_the_run_stable():
+    """With no drift control (an infinite tolerance) the recurrence diverges on this
+    quadratic at relaxation 0.5; the default tolerance converges."""
+    a, b, x0 = spd_problem(30, 100.0, seed=0)
+    r0 = np.linalg.norm(a @ x0 - b)
+    outs, _ = run_quadratic(aa.short_recurrence(aa.sgd(1e-2), relaxation=0.5), a, b, x0, 100)
+    assert min(np.linalg.norm(a @ x - b) for x in outs[80:]) < 1e-7 * r0
+    free = aa.short_recurrence(aa.sgd(1e-2), relaxation=0.5, drift_tol=1e300)
+    outs, _ = run_quadratic(free, a, b, x0, 100)
+    assert not np.linalg.norm(a @ outs[-1] - b) < r0
+
+
+# --------------------------------------------------------------------------------------------
+# Execution: vmap, in place, pytrees, saving; bad input; non-finite values.
+# --------------------------------------------------------------------------------------------
+
+
+def tree_problem(seed):
+    """A two-leaf pytree of params and a smooth convex loss with its gradient."""
+    g = torch.Generator().manual_seed(seed)
+    target = {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
+
+    def loss_and_grad(params):
+        diff = {k: params[k] - target[k] for k in params}
+        loss = sum((d**2).sum() + 0.1 * (d**4).sum() for d in diff.values())
+        grads = {k: 2 * d + 0.4 * d**3 for k, d in diff.items()}
+        return loss, grads
+
+    return {"w": torch.zeros(3, 4), "b": torch.zeros(4)}, loss_and_grad
+
+
+def test_vmap_ensemble_equals_member_by_member():
+    opt = aa.short_recurrence(aa.adam(0.05, betas=(0.0, 0.999)))
+    members = [tree_problem(seed) for seed in range(3)]
+    loops = []
+    for params, loss_and_grad in members:
+        state = opt.init(params)
+        for _ in range(15):
+            loss, grads = loss_and_grad(params)
+            params, state = opt.update(state, params, grads, loss=loss)
+        loops.append(params)
+    stacked = {k: torch.stack([m[0][k] for m in members]) for k in ("w", "b")}
+    state = vmap(opt.init)(stacked)
+
+    params = stacked
+    for _ in range(15):
+        losses, grads = zip(*[members[i][1]({k: params[k][i] for k in params}) for i in range(3)])
+        grads = {k: torch.stack([g[k] for g in grads]) for k in params}
+        params, state = vmap(lambda s, p, g, value: opt.update(s, p, g, loss=value))(
+            state, params, grads, torch.stack(list(losses))
+        )
+    for i, loop in enumerate(loops):
+        for k in loop:
+            torch.testing.assert_close(params[k][i], loop[k], rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_takes_the_masked_path_with_the_same_decisions_as_eager():
+    """Under vmap every choice is a mask (eagerly they are Python branches): three
+    Rosenbrock members whose runs restart and reject mixes at different calls give the
+    eager runs' iterates to rounding (float64)."""
+    rng = np.random.default_rng(5)
+    starts = [np.tile([-1.2, 1.0], 5) + 0.1 * rng.standard_normal(10) for _ in range(3)]
+    opt = aa.short_recurrence(aa.sgd(2e-3))
+    eager, rejected = [], []
+    for x0 in starts:
+        x = torch.tensor(x0)
+        state = opt.init(x)
+        for _ in range(40):
+            f, g = rosenbrock(x.numpy())
+            x, state = opt.update(state, x, torch.tensor(g), loss=torch.tensor(f))
+        eager.append(x)
+        rejected.append(int(state.num_rejected))
+    assert len(set(rejected)) > 1 and min(rejected) > 0, rejected
+
+    def batched_rosenbrock(x):
+        f, g = zip(*[rosenbrock(row) for row in x.numpy()])
+        return torch.tensor(np.array(f)), torch.tensor(np.array(g))
+
+    x = torch.tensor(np.array(starts))
+    state = vmap(opt.init)(x)
+    step = vmap(lambda s, p, g, f: opt.update(s, p, g, loss=f))
+    for _ in range(40):
+        f, g = batched_rosenbrock(x)
+        x, state = step(state, x, g, f)
+    torch.testing.assert_close(x, torch.stack(eager), rtol=1e-9, atol=1e-12)
+    assert state.num_rejected.tolist() == rejected
+
+
+@pytest.mark.skipif(torch.__version__ < (2, 12), reason="torch.compile of update needs 2.12+")
+def test_compiled_update_is_one_graph_and_takes_the_eager_decisions():
+    """`torch.compile(update, fullgraph=True)` traces the masked route in one graph; from the
+    same state and params each call equals the eager one (float64, Rosenbrock: restarts and
+    rejected mixes included) and threads the same counters."""
+    torch._dynamo.reset()
+    opt = aa.short_recurrence(aa.sgd(2e-3))
+
+    def step(state, params, grads, loss):
+        return opt.update(state, params, grads, loss=loss)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    x0 = np.tile([-1.2, 1.0], 5) + 0.1 * np.random.default_rng(3).standard_normal(10)
+    x = torch.tensor(x0)
+    state = opt.init(x)
+    for call in range(40):
+        f, g = (torch.tensor(v) for v in rosenbrock(x.numpy()))
+        out, compiled_state = compiled(state, x.clone(), g, f)
+        x, state = step(state, x, g, f)
+        torch.testing.assert_close(out, x, rtol=1e-12, atol=1e-14, msg=f"call {call}")
+        for name in ("count", "num_pairs", "num_restarts", "num_rejected"):
+            assert int(getattr(compiled_state, name)) == int(getattr(state, name)), (call, name)
+    assert int(state.num_rejected) >= 3 and int(state.num_restarts) >= 5
+    torch._dynamo.reset()
+
+
+def test_in_place_writes_the_same_values_into_the_params():
+    opt = aa.short_recurrence(aa.sgd(0.1))
+    params, loss_and_grad = tree_problem(0)
+    copy = {k: v.clone() for k, v in params.items()}
+    s1, s2 = opt.init(params), opt.init(copy)
+    for _ in range(8):
+        loss, grads = loss_and_grad(params)
+        out, s1 = opt.update(s1, params, grads, loss=loss, inplace=True)
+        assert all(out[k].data_ptr() == params[k].data_ptr() for k in params)
+        loss, grads = loss_and_grad(copy)
+        copy, s2 = opt.update(s2, copy, grads, loss=loss)
+        assert all(torch.equal(params[k], copy[k]) for k in params)
+
+
+def test_state_saves_and_resumes_bit_for_bit():
+    opt = aa.short_recurrence(aa.adam(0.05))
+    params, loss_and_grad = tree_problem(1)
+    state = opt.init(params)
+    for _ in range(5):
+        loss, grads = loss_and_grad(params)
+        params, state = opt.update(state, params, grads, loss=loss)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert isinstance(loaded, aa.ShortRecurrenceState)
+    a, b = params, {k: v.clone() for k, v in params.items()}
+    for _ in range(5):
+        loss, grads = loss_and_grad(a)
+        a, state = opt.update(state, a, grads, loss=loss)
+        loss, grads = loss_and_grad(b)
+        b, loaded = opt.update(loaded, b, grads, loss=loss)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_non_finite_gradient_never_enters_the_window():
+    """NaN gradients without a loss give the plain step (NaN, as the inner optimizer alone
+    would) and leave the window finite; from finite params again the run goes on and
+    converges. With the loss (NaN too) the pending mix is rejected instead, and the call
+    returns the finite plain step that mix replaced."""
+    opt = aa.short_recurrence(aa.sgd(0.1))
+    params, loss_and_grad = tree_problem(2)
+    state = opt.init(params)
+    for _ in range(4):
+        loss, grads = loss_and_grad(params)
+        params, state = opt.update(state, params, grads, loss=loss)
+    assert int(state.num_pairs) > 0 and torch.isfinite(state.pending_loss)
+    bad = {k: torch.full_like(v, float("nan")) for k, v in params.items()}
+    out, judged = opt.update(state, params, bad, loss=torch.tensor(float("nan")))
+    back = {k: state.params[i] + state.residual[i] for k, i in (("b", slice(0, 4)),)}
+    torch.testing.assert_close(out["b"], back["b"], rtol=0, atol=0)
+    assert int(judged.num_rejected) == int(state.num_rejected) + 1
+    out, state = opt.update(state, params, bad)
+    assert all(torch.isnan(v).all() for v in out.values())
+    for field in ("directions", "residual_changes", "params", "residual", "pair_errors"):
+        assert torch.isfinite(getattr(state, field)).all(), field
+    for _ in range(40):
+        loss, grads = loss_and_grad(params)
+        params, state = opt.update(state, params, grads, loss=loss)
+    assert float(loss_and_grad(params)[0]) < 1e-8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"relaxation": 0.0}, ValueError, "`relaxation` must be finite and > 0"),
+        ({"relaxation": float("nan")}, ValueError, "`relaxation`"),
+        ({"curvature_eps": -1.0}, ValueError, "`curvature_eps` must be finite and >= 0"),
+        ({"drift_tol": 0.0}, ValueError, "`drift_tol` must be finite and > 0"),
+        ({"relaxation": "1"}, TypeError, "`relaxation` must be a real number"),
+    ],
+)
+def test_bad_options_are_refused_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        aa.short_recurrence(aa.sgd(0.1), **kwargs)
+
+
+def test_bad_inner_is_refused():
+    with pytest.raises(TypeError, match="`inner` must be an inner optimizer"):
+        aa.short_recurrence(torch.optim.SGD)
+
+
+def test_bad_calls_are_refused_before_anything_is_written():
+    opt = aa.short_recurrence(aa.sgd(0.1))
+    params = {"w": torch.ones(3), "b": torch.ones(2)}
+    state = opt.init(params)
+    grads = {"w": torch.ones(3), "b": torch.ones(2)}
+    with pytest.raises(ValueError, match="`loss` must be one real value"):
+        opt.update(state, params, grads, loss=torch.ones(2), inplace=True)
+    with pytest.raises(ValueError, match="different pytree structure"):
+        opt.update(state, params, {"w": torch.ones(3)}, inplace=True)
+    with pytest.raises(ValueError, match=r"`state.directions` is .*was it made for other params"):
+        opt.update(opt.init({"w": torch.ones(4), "b": torch.ones(2)}), params, grads, inplace=True)
+    with pytest.raises(TypeError, match="must be an ShortRecurrenceState"):
+        opt.update(aa.sgd(0.1).init(params), params, grads, inplace=True)
+    assert all(torch.equal(v, torch.ones_like(v)) for v in params.values())
+    assert int(state.count) == 0
+
+
+def test_an_eager_call_stays_within_its_operation_budget():
+    """Eagerly the scalar work is Python arithmetic: a call with a full window dispatches 102
+    torch operations (the inner Adam's and the flattening included); the all-mask route that
+    vmap takes, run eagerly, dispatches 230. Wall-clock time is not asserted; the budget,
+    115, fails if the eager route is lost, which changes no result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountOps.count += 1
+            return func(*args, **(kwargs or {}))
+
+    opt = aa.short_recurrence(aa.adam(1e-3))
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(0))
+    state = opt.init(x)
+    for k in range(5):  # a falling loss: every mix is kept
+        x, state = opt.update(state, x, 0.01 * x + 0.001, loss=torch.tensor(10.0 - k))
+    assert int(state.num_pairs) == 2 and int(state.num_rejected) == 0
+    grads, loss = 0.01 * x + 0.001, torch.tensor(1.0)
+    with CountOps():
+        opt.update(state, x, grads, loss=loss)
+    assert CountOps.count <= 115, CountOps.count
