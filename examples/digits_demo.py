@@ -46,6 +46,7 @@ Usage::
     python examples/digits_demo.py --quick    # 1 seed, 30 gradient-equivalents: smoke test
     python examples/digits_demo.py --tune     # the tuning sweeps (15-30 minutes)
     python examples/digits_demo.py --guard    # failing AA settings, unguarded and guarded
+    python examples/digits_demo.py --short    # the short recurrence beside AA and L-BFGS
 
 Writes ``<out-dir>/<run>/summary.json`` (``config``, ``methods``, per-seed ``runs`` with their
 loss curves, ``stats`` over seeds, ``verdict``) and ``<out-dir>/<run>/loss_curves.png``;
@@ -127,6 +128,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="instead: the AA settings that fail unguarded, without and with the deferred "
         "safeguard",
+    )
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help="instead: the short recurrence (aa.short_recurrence, the full-batch suite's "
+        "default) beside the chosen deferred AA row and L-BFGS",
     )
     parser.add_argument(
         "--tail",
@@ -324,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return guard(args, data, dtype, out)
     if args.tail:
         return tail(args, data, dtype, out)
+    if args.short:
+        return short(args, data, dtype, out)
 
     problems = {seed: make_problem(seed, data, dtype, args.wall_clock) for seed in args.seeds}
     forward_ratio = measure_forward_ratio(next(iter(problems.values())))
@@ -430,6 +439,33 @@ def tail(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[s
             f"{r['final_loss']:.1e} (lowest {min(r['curve']['loss']):.1e})" for r in per_seed
         )
         print(f"{rows[key].label}: final loss per seed {ends}")
+    return summary
+
+
+# The full-batch suite's ST-AM default (benchmarks/fullbatch/methods.py, DEFAULT_ST_AM).
+ST_AM_LR = 0.03
+
+
+def short(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[str, Any]:
+    """``--short``: the short recurrence (``aa.short_recurrence`` around Adam without
+    momentum, lr 0.03, the deferred safeguard: the full-batch suite's ST-AM default, not
+    tuned here) beside the chosen deferred AA row and L-BFGS; writes ``short.json`` and
+    prints their table."""
+    inner = f"aa.adam({ST_AM_LR:g}, betas=(0.0, 0.999))"
+    rows = {
+        "lbfgs": lbfgs_method(**LBFGS),
+        "aa_deferred": aa_method(**AA_DEFERRED, safeguard="deferred"),
+        "st_am": Method(
+            "ST-AM + deferred safeguard",
+            "functional",
+            make=lambda: aa.short_recurrence(aa.adam(ST_AM_LR, betas=(0.0, 0.999))),
+            deferred=True,
+            description=f"aa.short_recurrence({inner}), update(..., loss=train_loss)",
+        ),
+    }
+    summary = side_runs(args, data, dtype, rows, os.path.join(out, "short.json"))
+    stats, _ = summarize_runs(summary["runs"], SIDE_COMPARISON)
+    print(markdown({"stats": stats}, rows, SIDE_COMPARISON))
     return summary
 
 

@@ -615,6 +615,17 @@ def test_digits_demo_tail(examples, tmp_path, capsys):
         assert abs(low["final_loss"] - high["final_loss"]) < 1e-3 * max(low["final_loss"], 1e-3)
 
 
+def test_digits_demo_short(examples, tmp_path, capsys):
+    """``--short``: the short recurrence beside the chosen deferred AA row and L-BFGS."""
+    demo = examples["digits_demo"]
+    summary = demo.main(["--short", "--quick", "--no-progress", "--out-dir", str(tmp_path)])
+    assert json.loads((tmp_path / "digits" / "short.json").read_text()) == summary
+    assert sorted(summary["runs"]) == ["aa_deferred", "lbfgs", "st_am"]
+    assert "ST-AM + deferred safeguard" in capsys.readouterr().out
+    (run,) = summary["runs"]["st_am"]
+    assert run["forwards"] == 0 and run["grads"] >= 30
+
+
 def test_digits_demo_guard(examples, tmp_path, capsys):
     """``--guard``: each failing AA setting without and with the deferred safeguard."""
     demo = examples["digits_demo"]

@@ -1,59 +1,74 @@
 r"""Short-term recurrence Anderson mixing (ST-AM; Wei, Bao and Liu, ICLR 2022): type-I
-Anderson mixing whose window is two conjugate pairs, which on a symmetric positive-definite
-linear problem does what full-memory type-I mixing does, and so follows conjugate gradients.
+Anderson mixing whose window is two conjugate pairs, which on a strictly convex quadratic does
+what full-memory type-I mixing does, and so follows (preconditioned) conjugate gradients.
 
-The map is one step of the inner optimizer, $r_k = u(x_k)$, $x \mapsto x + r(x)$. Call $k$
-turns the newest secant pair $p = x_k - x_{k-1}$, $q = r_k - r_{k-1}$ into a conjugate one
-by one modified Gram-Schmidt sweep against the two kept pairs $(p_i, q_i)$ (older first):
+The map is one step of the inner optimizer, $r_k = u(x_k)$, $x \mapsto x + r(x)$, taken
+from the gradient $g_k$. Call $k$ turns the newest secant triple $p = x_k - x_{k-1}$,
+$q = r_k - r_{k-1}$, $y = g_k - g_{k-1}$ into a conjugate one by one modified Gram-Schmidt
+sweep against the two kept ones $(p_i, q_i, y_i)$ (older first):
 
 $$
-\zeta_i = \frac{p_i^\top q}{p_i^\top q_i}, \qquad p \leftarrow p - \zeta_i p_i, \qquad
-q \leftarrow q - \zeta_i q_i ,
+\zeta_i = \frac{p_i^\top y}{p_i^\top y_i}, \qquad
+(p, q, y) \leftarrow (p, q, y) - \zeta_i (p_i, q_i, y_i),
 $$
 
-so that $p_i^\top q = 0$ for both; it scales the pair to $\|p\| = 1$ and drops the older
-one. With $P = [p_{k-1}, p_k]$ and $Q = [q_{k-1}, q_k]$ the type-I (Galerkin) condition
-$P^\top (r_k - Q\Gamma) = 0$ makes $P^\top Q$ lower triangular, solved by substitution, and
+so that $p_i^\top y = 0$ for both; it scales the triple to $\|p\| = 1$ and drops the older
+one. With $P = [p_{k-1}, p_k]$ and likewise $Q$, $Y$, the Galerkin condition on the
+gradient's secant model, $P^\top (g_k - Y\Gamma) = 0$, makes $P^\top Y$ lower triangular,
+solved by substitution, and
 
 $$
 \bar x_k = x_k - P\Gamma, \qquad \bar r_k = r_k - Q\Gamma, \qquad
 x_{k+1} = \bar x_k + \beta \bar r_k ,
 $$
 
-$\beta$ the relaxation. Why two pairs are enough: for $r(x) = b - Ax$, $A$ symmetric
-positive definite (gradient descent on a quadratic, $A$ the Hessian times the learning
-rate), $\bar x_k$ is the Galerkin point of $x_0 + \mathcal K_k(A, r_0)$, which is conjugate
-gradients' $k$-th iterate $c_k$; the proof that $r_k$ and the next $\Delta x$ are conjugate to
-every pair but the last two is the Lanczos argument (the module's tests hold
-$x_{k+1} = c_k + \beta\, r(c_k)$ to a float64 NumPy CG).
+$\beta$ the relaxation: $\bar x_k$ minimizes the quadratic model of the loss over
+$x_k - \mathrm{span}\, P$, and $\bar r_k$ is the inner step's model there. Why two pairs are
+enough: for a quadratic with Hessian $A$ and an inner step $u = -D g$, $D$ fixed and
+symmetric positive definite (gradient descent: $D = \mathrm{lr}\, I$), $\bar x_k$ is the
+minimizer over $x_0 + \mathcal K_k(DA, D g_0)$, which is preconditioned conjugate gradients'
+$k$-th iterate $c_k$; that $g_k$ and the next $\Delta x$ are conjugate to every pair but the
+last two is the Lanczos argument (the module's tests hold $x_{k+1} = c_k - \beta D\,g(c_k)$
+to a float64 NumPy PCG). The published ST-AM makes the residual $r$ play the gradient's part
+($P^\top(r_k - Q\Gamma) = 0$); the two coincide for gradient descent, and with another inner
+step (Adam's changing diagonal) the gradient's condition is the one that minimizes the model,
+which did better on the full-batch suite's convex and smooth problems.
 
 What keeps it safe away from that case:
 
-* a pair is kept only if it is finite and $p^\top q < -\epsilon \|p\| \|q\|$ (the residual
-  decreases along $p$, as it does for a contraction or a descent step on a convex region);
-  any other pair restarts the window, and the call takes the plain step $x_k + \beta r_k$;
+* a triple is kept only if it is finite and $p^\top y > \epsilon \|p\| \|y\|$ (positive
+  curvature along $p$); any other restarts the window, and the call takes the plain step
+  $x_k + \beta r_k$;
 * a mix that is not finite is replaced by the plain step, with a restart;
-* the pairs are combinations of earlier pairs, so their rounding errors compound (CG resets
-  its own with a fresh product $Ap$ every step; a short recurrence has none): each pair
-  carries an estimate of its error, and above `drift_tol` the window starts again from the
-  raw secant pair (without this, gradient descent at relaxation 0.5 on a quadratic of
-  condition 100 diverges after about 25 calls);
+* the triples are combinations of earlier ones, so their rounding errors compound (CG resets
+  its own with a fresh product $Ap$ every step; a short recurrence has none): each carries
+  an estimate of its error, and above `drift_tol` the window starts again from the raw
+  secant triple (without this, gradient descent at relaxation 0.5 on a quadratic of
+  condition 100 diverges after about 35 calls);
 * with `loss=` the deferred safeguard of [`anderson()`][aadl_func.anderson]: a returned mix
   whose loss (passed with the next call's gradient) is not below the loss at the point it was
   made from is rejected: that call returns the plain step $x_{k-1} + \beta r_{k-1}$ it
   replaced, restarts the window and discards the rejected point's gradient (the inner
   optimizer's state is kept as it was before it).
 
+Without a loss nothing judges a mix, and type-I mixing does not minimize a residual as a
+windowed type-II one does: near and past convergence, where the secant triples are mostly
+the rounding of the gradients, it can diverge. On the tests' quadratic (condition 100,
+float64) at relaxation 1 it reaches the rounding floor in about 200 calls and leaves it 70
+calls later; at relaxation 0.5 it jumps above its first residual at call 87, from 3e-8 of
+it, and converges again. With `loss=` the rejected mixes restart it there (300 calls, both
+relaxations, no rise).
+
 A step that is not finite (the inner update of a NaN gradient) is returned as the inner
 optimizer alone would return it, but it is never stored: the window and the previous point
-stay finite, and the next pair starts before it.
+stay finite, and the next triple starts before it.
 
 The vectors are flat, as in [`lbfgs()`][aadl_func.lbfgs]: the leaves are concatenated into
 one vector of their promoted dtype and the inner products are taken over every leaf at once
 (in that dtype, then float64). Eagerly the scalar work is Python arithmetic and the choices
 are branches (`_Arith`); under `torch.func.vmap()` (an ensemble, each member with its own
 window) and `torch.compile` every choice is a `torch.where` on 0-d tensors, which round
-alike. The state holds six parameter-sized vectors besides the inner optimizer's.
+alike. The state holds nine parameter-sized vectors besides the inner optimizer's.
 """
 
 from __future__ import annotations
@@ -101,9 +116,11 @@ class ShortRecurrenceState(NamedTuple):
             pairs (see `drift_tol`).
         inner: the inner optimizer's state.
         directions: `(2, N)` tensor, the conjugate steps $p_i$.
-        residual_changes: `(2, N)` tensor, the matching residual changes $q_i$.
+        residual_changes: `(2, N)` tensor, the matching changes $q_i$ of the inner update.
+        grad_changes: `(2, N)` tensor, the matching gradient changes $y_i$.
         params: `(N,)` tensor, $x_{k-1}$: the params of the previous update, flattened.
         residual: `(N,)` tensor, $r_{k-1}$: the inner optimizer's update there.
+        grads: `(N,)` tensor, $g_{k-1}$: the gradient there.
     """
 
     count: Tensor
@@ -115,8 +132,10 @@ class ShortRecurrenceState(NamedTuple):
     inner: Any
     directions: Tensor
     residual_changes: Tensor
+    grad_changes: Tensor
     params: Tensor
     residual: Tensor
+    grads: Tensor
 
 
 allow_weights_only(ShortRecurrenceState)
@@ -197,60 +216,63 @@ class _Window(NamedTuple):
 
     directions: Tensor
     residual_changes: Tensor
+    grad_changes: Tensor
     pair_errors: list[Any]
     num_pairs: Any
     restarted: Any
 
 
 def _conjugate_pair(
-    ar: _Arith, state: ShortRecurrenceState, x: Tensor, r: Tensor, eps: float, drift_tol: float
+    ar: _Arith,
+    state: ShortRecurrenceState,
+    x: Tensor,
+    r: Tensor,
+    g: Tensor,
+    eps: float,
+    drift_tol: float,
 ) -> _Window:
-    r"""The window with this call's secant pair made conjugate to the kept ones and appended,
-    or emptied (`restarted`) when there is no previous update or the pair fails the test
-    $p^\top q < -\epsilon \|p\| \|q\|$ (finite, residual decreasing along $p$).
+    r"""The window with this call's secant triple made conjugate to the kept ones and
+    appended, or emptied (`restarted`) when there is no previous update or the triple fails
+    the test $p^\top y > \epsilon \|p\| \|y\|$ (finite, positive curvature along $p$).
 
-    The sweep subtracts the kept pairs' errors along with them, and divides by how much of
-    the pair survives it: the newest pair's error is estimated as
+    The sweep subtracts the kept triples' errors along with them, and divides by how much of
+    the triple survives it: the newest one's error is estimated as
     $e = (u \|\Delta x\| + |\zeta_0| e_0 + |\zeta_1| e_1) / \|p\|$ ($u$ the dtype's
-    epsilon, $e_i$ the kept pairs' estimates; every pair has $\|p\| = 1$). Left alone it
-    grows geometrically (the short recurrence has no fresh Jacobian product to reset it, as
-    CG has), so above `drift_tol` the window restarts from the raw pair instead."""
-    raw_p, raw_q = x - state.params, r - state.residual
-    p, q, error = raw_p, raw_q, 0.0
+    epsilon, $e_i$ the kept triples' estimates; every kept $\|p\| = 1$). Left alone it grows
+    geometrically (the short recurrence has no fresh Jacobian product to reset it, as CG
+    has), so above `drift_tol` the window restarts from the raw triple instead."""
+    raw = (x - state.params, r - state.residual, g - state.grads)
+    (p, q, y), error = raw, 0.0
     num_pairs, errors = ar.read(state.num_pairs), state.pair_errors
     errors = errors.tolist() if ar.eager else list(errors.unbind())
     for row, valid in enumerate((num_pairs >= 2, num_pairs >= 1)):  # older, newer
         if ar.eager and not valid:
             continue
-        p_i, q_i = state.directions[row], state.residual_changes[row]
-        # A row that holds no pair is finite (zeros or an old pair): zeta = 0 leaves p, q.
-        zeta = ar.ratio(ar.dot(p_i, q), ar.dot(p_i, q_i), valid)
+        p_i, q_i, y_i = state.directions[row], state.residual_changes[row], state.grad_changes[row]
+        # A row that holds no pair is finite (zeros or an old pair): zeta = 0 leaves it.
+        zeta = ar.ratio(ar.dot(p_i, y), ar.dot(p_i, y_i), valid)
         error = error + abs(zeta) * errors[row]
         zeta = ar.coefficient(zeta, p.dtype)
-        p, q = p - zeta * p_i, q - zeta * q_i
-    raw_norm, norm = ar.sqrt(ar.dot(raw_p, raw_p)), ar.sqrt(ar.dot(p, p))
+        p, q, y = p - zeta * p_i, q - zeta * q_i, y - zeta * y_i
+    raw_norm, norm = ar.sqrt(ar.dot(raw[0], raw[0])), ar.sqrt(ar.dot(p, p))
     unit = torch.finfo(p.dtype).eps
     error = ar.div(unit * raw_norm + error, norm)
-    # The raw pair when the conjugate one has drifted (or is not finite): a window of one.
+    # The raw triple when the conjugate one has drifted (or is not finite): a window of one.
     fresh = ar.negate(error <= drift_tol)
-    p, q = ar.where(fresh, raw_p, p), ar.where(fresh, raw_q, q)
+    p, q, y = (ar.where(fresh, a, b) for a, b in zip(raw, (p, q, y)))
     norm, error = ar.where(fresh, raw_norm, norm), ar.where(fresh, unit, error)
-    pq, qq = ar.dot(p, q), ar.dot(q, q)
-    good = (ar.read(state.count) > 0) & ar.finite(pq) & ar.finite(norm) & ar.finite(qq)
-    good = good & (pq < -eps * norm * ar.sqrt(qq))
-    # Unit steps keep the 2 x 2 system's scale near the residual's; a rejected pair is
+    py, yy = ar.dot(p, y), ar.dot(y, y)
+    good = (ar.read(state.count) > 0) & ar.finite(py) & ar.finite(norm) & ar.finite(yy)
+    good = good & (py > eps * norm * ar.sqrt(yy))
+    # Unit steps keep the 2 x 2 system's scale near the gradient's; a rejected triple is
     # replaced by zeros, so that no branch of a `where` carries a non-finite number.
     scale = ar.coefficient(ar.ratio(1.0, norm, good), p.dtype)
-    p, q = (
-        ar.where(good, p * scale, torch.zeros_like(p)),
-        ar.where(good, q * scale, torch.zeros_like(q)),
-    )
-    directions = torch.stack([state.directions[1], p])
-    residual_changes = torch.stack([state.residual_changes[1], q])
+    p, q, y = (ar.where(good, v * scale, torch.zeros_like(v)) for v in (p, q, y))
     grown = ar.where(fresh, 1, _at_most_two(num_pairs + 1))
     return _Window(
-        directions,
-        residual_changes,
+        torch.stack([state.directions[1], p]),
+        torch.stack([state.residual_changes[1], q]),
+        torch.stack([state.grad_changes[1], y]),
         [errors[1], ar.where(good, error, 0.0)],
         ar.where(good, grown, 0),
         ar.negate(good),
@@ -261,16 +283,18 @@ def _at_most_two(n: Any) -> Any:
     return min(n, 2) if isinstance(n, int) else torch.clamp(n, max=2)
 
 
-def _galerkin_mix(ar: _Arith, window: _Window, x: Tensor, r: Tensor, relaxation: float) -> Tensor:
-    r"""$x + \beta r - (P + \beta Q)\Gamma$ with $P^\top Q \Gamma = P^\top r$, by forward
-    substitution: $P^\top Q$ is lower triangular (the newest $q$ is orthogonal to both $p$)."""
-    (p0, p1), (q0, q1) = window.directions, window.residual_changes
+def _galerkin_mix(
+    ar: _Arith, window: _Window, x: Tensor, r: Tensor, g: Tensor, relaxation: float
+) -> Tensor:
+    r"""$x + \beta r - (P + \beta Q)\Gamma$ with $P^\top Y \Gamma = P^\top g$, by forward
+    substitution: $P^\top Y$ is lower triangular (the newest $y$ is orthogonal to both $p$)."""
+    (p0, p1), (q0, q1), (y0, y1) = window.directions, window.residual_changes, window.grad_changes
     valid0, valid1 = window.num_pairs >= 2, window.num_pairs >= 1
     plain = x + relaxation * r
     if ar.eager and not valid1:
         return plain
-    gamma0 = ar.ratio(ar.dot(p0, r), ar.dot(p0, q0), valid0)
-    gamma1 = ar.ratio(ar.dot(p1, r) - ar.dot(p1, q0) * gamma0, ar.dot(p1, q1), valid1)
+    gamma0 = ar.ratio(ar.dot(p0, g), ar.dot(p0, y0), valid0)
+    gamma1 = ar.ratio(ar.dot(p1, g) - ar.dot(p1, y0) * gamma0, ar.dot(p1, y1), valid1)
     g0, g1 = ar.coefficient(gamma0, x.dtype), ar.coefficient(gamma1, x.dtype)
     return plain - (p0 + relaxation * q0) * g0 - (p1 + relaxation * q1) * g1
 
@@ -307,14 +331,16 @@ def _update(
     # 2. The inner step r_k = u(x_k), out of place: a rejected point's update is discarded.
     updates, inner_state = inner.update(grads, state.inner, params=params, inplace=False)
     x, r = _flat(p_leaves, dtype), _flat(list(optree.tree_leaves(updates)), dtype)
-    # 3. The pair, the window and the mix; a mix that is not finite gives way to the plain step.
-    window = _conjugate_pair(ar, state, x, r, eps, drift_tol)
-    mix = _galerkin_mix(ar, window, x, r, relaxation)
+    g = _flat(g_leaves, dtype)
+    # 3. The triple, the window and the mix; a mix that is not finite gives way to the plain
+    # step.
+    window = _conjugate_pair(ar, state, x, r, g, eps, drift_tol)
+    mix = _galerkin_mix(ar, window, x, r, g, relaxation)
     finite = ar.all_finite(mix)
     out = ar.where(finite, mix, x + relaxation * r)
     restarted = window.restarted | ar.negate(finite)
     mixed = finite & (window.num_pairs > 0)
-    store = ar.all_finite(r)  # a step that is not finite is not a secant end
+    store = ar.all_finite(r) & ar.all_finite(g)  # no secant ends at a non-finite step
     new_state = ShortRecurrenceState(
         count=state.count + 1,
         num_pairs=ar.tensor(ar.where(restarted, 0, window.num_pairs), state.num_pairs),
@@ -329,8 +355,10 @@ def _update(
         inner=inner_state,
         directions=window.directions,
         residual_changes=window.residual_changes,
+        grad_changes=window.grad_changes,
         params=ar.where(store, x, state.params),
         residual=ar.where(store, r, state.residual),
+        grads=ar.where(store, g, state.grads),
     )
     if not ar.eager:  # 4. A rejected mix, as a mask.
         back, kept = _went_back(state, relaxation)
@@ -403,8 +431,10 @@ def _init(inner: Any, params: PyTree) -> ShortRecurrenceState:
         inner=inner.init(params),
         directions=rows,
         residual_changes=rows.clone(),
+        grad_changes=rows.clone(),
         params=torch.zeros_like(x),
         residual=torch.zeros_like(x),
+        grads=torch.zeros_like(x),
     )
 
 
@@ -412,7 +442,8 @@ def _check_state(state: ShortRecurrenceState, leaves: list[Tensor]) -> None:
     """The state's vectors fit the params `leaves` (their number and promoted dtype)."""
     owner = "short_recurrence.update"
     n, dtype = sum(leaf.numel() for leaf in leaves), _compute_dtype(owner, leaves)
-    shapes = {"directions": (2, n), "residual_changes": (2, n), "params": (n,), "residual": (n,)}
+    rows = {name: (2, n) for name in ("directions", "residual_changes", "grad_changes")}
+    shapes = {**rows, "params": (n,), "residual": (n,), "grads": (n,)}
     check_field_shapes(owner, state, "state", shapes, dtype, "was it made for other params?")
 
 
@@ -432,24 +463,26 @@ def short_recurrence(
     2. with `loss`, the loss at `params` computed with `grads`, judges the previous call's
        mix (the deferred safeguard): rejected when `loss` is not below the loss at the
        point it was made from;
-    3. makes the secant pair $(x_k - x_{k-1}, r_k - r_{k-1})$ conjugate to the two kept
-       pairs and appends it (or restarts the window: a first call, a pair that is not
-       finite or along which the residual does not decrease), then returns the type-I mix
-       $x_k + \beta r_k - (P + \beta Q)\Gamma$, $P^\top Q\Gamma = P^\top r_k$ (the plain
-       step $x_k + \beta r_k$ with an empty window or a mix that is not finite);
+    3. makes the secant triple $(x_k - x_{k-1}, r_k - r_{k-1}, g_k - g_{k-1})$ conjugate
+       to the two kept ones and appends it (or restarts the window: a first call, a triple
+       that is not finite or without positive curvature along its step), then returns the
+       type-I mix $x_k + \beta r_k - (P + \beta Q)\Gamma$, $P^\top Y\Gamma = P^\top g_k$ (the
+       plain step $x_k + \beta r_k$ with an empty window or a mix that is not finite);
     4. a rejected mix returns instead the plain step $x_{k-1} + \beta r_{k-1}$ it replaced,
        with an empty window, and keeps the state as it was before the rejected point.
 
-    On gradient descent over a strictly convex quadratic ($u = -\mathrm{lr}\, \nabla f$), the
-    mix before relaxation is conjugate gradients' iterate: $x_{k+1} = c_k + \beta r(c_k)$.
-    See the module docstring (`aadl_func._src.short_recurrence`) for the recurrence and
-    its safeguards.
+    On a strictly convex quadratic with an inner step $u = -D\nabla f$, $D$ fixed ($D =
+    \mathrm{lr}\, I$: `aa.sgd(lr)`), the mix before relaxation is preconditioned conjugate
+    gradients' iterate: $x_{k+1} = c_k - \beta D \nabla f(c_k)$. See the module docstring
+    (`aadl_func._src.short_recurrence`) for the recurrence and its safeguards.
 
     Args:
         inner: an inner optimizer in the torchopt protocol (`aa.sgd`, `aa.adam`, ...).
         relaxation: $\beta > 0$, the step along the mixed residual (1: the plain step
             is the inner optimizer's own).
-        curvature_eps: $\epsilon \ge 0$ of the test $p^\top q < -\epsilon \|p\| \|q\|$.
+        curvature_eps: $\epsilon \ge 0$ of the test $p^\top y > \epsilon \|p\| \|y\|$.
+        drift_tol: the estimated error of the newest conjugate triple above which the
+            window restarts from the raw secant triple ($> 0$).
 
     Returns:
         A `ShortRecurrence` of `init(params)` and `update(state, params, grads, *,
