@@ -284,18 +284,18 @@ def _at_most_two(n: Any) -> Any:
 
 
 def _galerkin_mix(
-    ar: _Arith, window: _Window, x: Tensor, r: Tensor, g: Tensor, relaxation: float
+    ar: _Arith, window: _Window, plain: Tensor, g: Tensor, relaxation: float
 ) -> Tensor:
     r"""$x + \beta r - (P + \beta Q)\Gamma$ with $P^\top Y \Gamma = P^\top g$, by forward
-    substitution: $P^\top Y$ is lower triangular (the newest $y$ is orthogonal to both $p$)."""
+    substitution: $P^\top Y$ is lower triangular (the newest $y$ is orthogonal to both $p$).
+    `plain` is the plain step $x + \beta r$."""
     (p0, p1), (q0, q1), (y0, y1) = window.directions, window.residual_changes, window.grad_changes
     valid0, valid1 = window.num_pairs >= 2, window.num_pairs >= 1
-    plain = x + relaxation * r
     if ar.eager and not valid1:
         return plain
     gamma0 = ar.ratio(ar.dot(p0, g), ar.dot(p0, y0), valid0)
     gamma1 = ar.ratio(ar.dot(p1, g) - ar.dot(p1, y0) * gamma0, ar.dot(p1, y1), valid1)
-    g0, g1 = ar.coefficient(gamma0, x.dtype), ar.coefficient(gamma1, x.dtype)
+    g0, g1 = ar.coefficient(gamma0, plain.dtype), ar.coefficient(gamma1, plain.dtype)
     return plain - (p0 + relaxation * q0) * g0 - (p1 + relaxation * q1) * g1
 
 
@@ -319,9 +319,10 @@ def _update(
     loss_given = loss is not None
     loss = _checked_loss(loss, state.pending_loss)
     dtype = state.params.dtype
-    # Eagerly the scalars are read (`_Arith`); under vmap or torch.compile they are masks.
-    traced = tree.tracing() or any(tree.is_transformed(t) for t in (state.params, *g_leaves))
-    ar = _Arith(not traced and not any(tree.is_transformed(t) for t in (*p_leaves, loss)))
+    # Eagerly the scalars are read (`_Arith`); under vmap or torch.compile (where every
+    # tensor counts as transformed) they are masks.
+    inputs = (state.params, *p_leaves, *g_leaves, loss)
+    ar = _Arith(not any(tree.is_transformed(t) for t in inputs))
     # 1. The deferred verdict on the previous call's mix (none without a loss); eagerly, a
     # rejection skips the rest (step 4).
     pending, loss = ar.read(state.pending_loss), ar.read(loss)
@@ -335,9 +336,10 @@ def _update(
     # 3. The triple, the window and the mix; a mix that is not finite gives way to the plain
     # step.
     window = _conjugate_pair(ar, state, x, r, g, eps, drift_tol)
-    mix = _galerkin_mix(ar, window, x, r, g, relaxation)
+    plain = x + relaxation * r
+    mix = _galerkin_mix(ar, window, plain, g, relaxation)
     finite = ar.all_finite(mix)
-    out = ar.where(finite, mix, x + relaxation * r)
+    out = ar.where(finite, mix, plain)
     restarted = window.restarted | ar.negate(finite)
     mixed = finite & (window.num_pairs > 0)
     store = ar.all_finite(r) & ar.all_finite(g)  # no secant ends at a non-finite step
