@@ -147,6 +147,32 @@ def lbfgs_method(lr: float, history_size: int) -> Method:
     )
 
 
+# The short recurrence's one setting for every full-batch problem: around Adam without
+# momentum at this lr, chosen on the full-batch suite's tuning seeds
+# (benchmarks/fullbatch/methods.py); the demo's ``--short`` runs it untuned.
+ST_AM_LR = 0.03
+
+
+def st_am_method(lr: float, label: str, inner: str = "adam") -> Method:
+    """``aa.short_recurrence`` around ``aa.adam(lr, betas=(0.0, 0.999))`` (or, with
+    ``inner="sgd"``, ``aa.sgd(lr)``), judged by the deferred safeguard
+    (``update(..., loss=train_loss)``)."""
+    text = f"aa.adam({lr:g}, betas=(0.0, 0.999))" if inner == "adam" else f"aa.sgd({lr:g})"
+
+    def make():
+        step = aa.adam(lr, betas=(0.0, 0.999)) if inner == "adam" else aa.sgd(lr)
+        return aa.short_recurrence(step)
+
+    return Method(
+        label,
+        "functional",
+        make=make,
+        deferred=True,
+        options={"inner": text, "safeguard": "deferred"},
+        description=f"aa.short_recurrence({text}), update(..., loss=train_loss)",
+    )
+
+
 # The safeguards of the AA rows: none, the deferred one (``update(..., loss=value)``, the
 # loss computed with the gradient) and the ``loss_fn`` one (two forward passes per mix).
 SAFEGUARDS = {

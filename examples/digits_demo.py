@@ -81,6 +81,7 @@ from _common import (  # noqa: E402
     write_json,
 )
 from _compare import (  # noqa: E402
+    ST_AM_LR,
     Comparison,
     Method,
     Problem,
@@ -92,6 +93,7 @@ from _compare import (  # noqa: E402
     plot,
     report,
     run_all,
+    st_am_method,
     summarize_runs,
 )
 from _compare import tune as run_tuning  # noqa: E402
@@ -375,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return summary
 
 
-# The side comparisons (--guard, --tail): rows against each other, no baselines or verdict.
+# The side comparisons (--guard, --tail, --short): rows against each other, no baselines or verdict.
 SIDE_COMPARISON = dataclasses.replace(COMPARISON, baselines=(), accelerated=())
 
 
@@ -442,26 +444,15 @@ def tail(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[s
     return summary
 
 
-# The full-batch suite's ST-AM default (benchmarks/fullbatch/methods.py, DEFAULT_ST_AM).
-ST_AM_LR = 0.03
-
-
 def short(args: argparse.Namespace, data, dtype: torch.dtype, out: str) -> dict[str, Any]:
     """``--short``: the short recurrence (``aa.short_recurrence`` around Adam without
     momentum, lr 0.03, the deferred safeguard: the full-batch suite's ST-AM default, not
     tuned here) beside the chosen deferred AA row and L-BFGS; writes ``short.json`` and
     prints their table."""
-    inner = f"aa.adam({ST_AM_LR:g}, betas=(0.0, 0.999))"
     rows = {
         "lbfgs": lbfgs_method(**LBFGS),
         "aa_deferred": aa_method(**AA_DEFERRED, safeguard="deferred"),
-        "st_am": Method(
-            "ST-AM + deferred safeguard",
-            "functional",
-            make=lambda: aa.short_recurrence(aa.adam(ST_AM_LR, betas=(0.0, 0.999))),
-            deferred=True,
-            description=f"aa.short_recurrence({inner}), update(..., loss=train_loss)",
-        ),
+        "st_am": st_am_method(ST_AM_LR, "ST-AM + deferred safeguard"),
     }
     summary = side_runs(args, data, dtype, rows, os.path.join(out, "short.json"))
     stats, _ = summarize_runs(summary["runs"], SIDE_COMPARISON)

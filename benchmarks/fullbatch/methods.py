@@ -20,7 +20,7 @@ import dataclasses
 import digits_demo
 import pinn
 from _common import PlainOptimizer
-from _compare import Method, adam_method, lbfgs_method
+from _compare import ST_AM_LR, Method, adam_method, lbfgs_method, st_am_method
 
 import aadl_func as aa
 
@@ -50,7 +50,7 @@ SUFFICIENT_DECREASE = 0.5
 # seeds (100, 101) against 0.003, 0.01, 0.05 and 0.1 on the softmax, Rosenbrock and Poisson
 # problems, and tuned on the AA grid; around gradient descent (a fixed metric, where its
 # iterates are CG's on a quadratic) tuned on a grid of its own, as GD's lr has no default.
-DEFAULT_ST_AM = {"lr": 0.03}
+DEFAULT_ST_AM = {"lr": ST_AM_LR}
 ST_AM_GD_LRS = (1e-3, 4e-3, 0.016, 0.063, 0.25, 1.0)
 ACCELERATED = (
     "aa_default", "aa_tuned", "aa_sufficient", "aa_lbfgs_default", "aa_lbfgs_tuned",
@@ -132,31 +132,6 @@ def aa_lbfgs_method(lr: float, label: str) -> Method:
 
 def aa_lbfgs_default() -> Method:
     return aa_lbfgs_method(DEFAULT_AA_LBFGS["lr"], "AA-L-BFGS default")
-
-
-def st_am_method(lr: float, label: str, inner: str = "adam") -> Method:
-    """``aa.short_recurrence`` around ``aa.adam(lr, betas=(0.0, 0.999))`` (or ``aa.sgd(lr)``),
-    judged by the deferred safeguard (``update(..., loss=value)``)."""
-    if inner == "adam":
-        text = f"aa.adam({lr:g}, betas=(0.0, 0.999))"
-
-        def make():
-            return aa.short_recurrence(aa.adam(lr, betas=(0.0, 0.999)))
-
-    else:
-        text = f"aa.sgd({lr:g})"
-
-        def make():
-            return aa.short_recurrence(aa.sgd(lr))
-
-    return Method(
-        label,
-        "functional",
-        make=make,
-        deferred=True,
-        options={"inner": text, "safeguard": "deferred"},
-        description=f"aa.short_recurrence({text}), update(..., loss=train_loss)",
-    )
 
 
 def st_am_default() -> Method:

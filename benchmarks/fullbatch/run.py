@@ -410,7 +410,8 @@ def markdown_page(payload: dict[str, Any]) -> str:
         + "`; **AA-L-BFGS tuned** the same with its lr tuned, and **L-BFGS inner alone** "
         "the transformation without AA, its lr tuned. "
         "**ST-AM default** is short-term recurrence Anderson mixing (`aa.short_recurrence`: "
-        "two conjugate pairs, CG's iterates on a quadratic) around Adam, the same on every "
+        "two conjugate pairs, preconditioned CG's iterates on a quadratic) around Adam, the "
+        "same on every "
         "problem: `" + methods.st_am_default().description + "`; **ST-AM tuned** the same "
         "with its lr tuned on AA's grid, and **ST-AM-GD tuned** around gradient descent "
         "(`aa.sgd(lr)`), its lr tuned on a grid of its own.",
