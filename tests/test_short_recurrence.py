@@ -283,6 +283,14 @@ def tree_problem(seed, dtype=torch.float32):
     return {"w": torch.zeros(3, 4, dtype=dtype), "b": torch.zeros(4, dtype=dtype)}, loss_and_grad
 
 
+def train(opt, state, params, loss_and_grad, calls):
+    """`calls` updates of `opt` on `loss_and_grad`'s gradients, judged by its loss."""
+    for _ in range(calls):
+        loss, grads = loss_and_grad(params)
+        params, state = opt.update(state, params, grads, loss=loss)
+    return params, state
+
+
 def test_vmap_ensemble_equals_member_by_member():
     """Adam inside, a two-leaf tree, float64 (in float32 a decision near its threshold can
     go the other way under vmap's other summation order, and the runs part)."""
@@ -291,9 +299,7 @@ def test_vmap_ensemble_equals_member_by_member():
     loops = []
     for params, loss_and_grad in members:
         state = opt.init(params)
-        for _ in range(15):
-            loss, grads = loss_and_grad(params)
-            params, state = opt.update(state, params, grads, loss=loss)
+        params, state = train(opt, state, params, loss_and_grad, 15)
         loops.append(params)
     stacked = {k: torch.stack([m[0][k] for m in members]) for k in ("w", "b")}
     state = vmap(opt.init)(stacked)
@@ -405,9 +411,7 @@ def test_state_saves_and_resumes_bit_for_bit():
     opt = aa.short_recurrence(aa.adam(0.05))
     params, loss_and_grad = tree_problem(1)
     state = opt.init(params)
-    for _ in range(5):
-        loss, grads = loss_and_grad(params)
-        params, state = opt.update(state, params, grads, loss=loss)
+    params, state = train(opt, state, params, loss_and_grad, 5)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
@@ -430,9 +434,7 @@ def test_a_non_finite_gradient_never_enters_the_window():
     opt = aa.short_recurrence(aa.sgd(0.1))
     params, loss_and_grad = tree_problem(2)
     state = opt.init(params)
-    for _ in range(4):
-        loss, grads = loss_and_grad(params)
-        params, state = opt.update(state, params, grads, loss=loss)
+    params, state = train(opt, state, params, loss_and_grad, 4)
     assert int(state.num_pairs) > 0 and torch.isfinite(state.pending_loss)
     bad = {k: torch.full_like(v, float("nan")) for k, v in params.items()}
     out, judged = opt.update(state, params, bad, loss=torch.tensor(float("nan")))
@@ -443,9 +445,7 @@ def test_a_non_finite_gradient_never_enters_the_window():
     assert all(torch.isnan(v).all() for v in out.values())
     for field in ("directions", "residual_changes", "params", "residual", "pair_errors"):
         assert torch.isfinite(getattr(state, field)).all(), field
-    for _ in range(40):
-        loss, grads = loss_and_grad(params)
-        params, state = opt.update(state, params, grads, loss=loss)
+    params, state = train(opt, state, params, loss_and_grad, 40)
     assert float(loss_and_grad(params)[0]) < 1e-8
 
 
