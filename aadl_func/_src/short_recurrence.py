@@ -206,8 +206,10 @@ class _Arith:
         return int(flag) if self.eager else flag.to(torch.int64)
 
     def tensor(self, v: Any, like: Tensor) -> Tensor:
-        """A state field's new value as a tensor like `like`."""
-        return torch.tensor(v, dtype=like.dtype, device=like.device) if self.eager else v
+        """A state field's new value (a number, or a list of them) as a tensor like `like`."""
+        if self.eager:
+            return torch.tensor(v, dtype=like.dtype, device=like.device)
+        return torch.stack(v) if isinstance(v, list) else v
 
 
 class _Window(NamedTuple):
@@ -351,9 +353,7 @@ def _update(
         pending_loss=ar.tensor(
             ar.where(mixed, accept.judged_loss(loss), accept.INF), state.pending_loss
         ),
-        pair_errors=ar.tensor(window.pair_errors, state.pair_errors)
-        if ar.eager
-        else torch.stack(window.pair_errors),
+        pair_errors=ar.tensor(window.pair_errors, state.pair_errors),
         inner=inner_state,
         directions=window.directions,
         residual_changes=window.residual_changes,
