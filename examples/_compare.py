@@ -153,23 +153,24 @@ def lbfgs_method(lr: float, history_size: int) -> Method:
 ST_AM_LR = 0.03
 
 
-def st_am_method(lr: float, label: str, inner: str = "adam") -> Method:
+def st_am_method(lr: float, label: str, inner: str = "adam", max_wait: int = 0) -> Method:
     """``aa.short_recurrence`` around ``aa.adam(lr, betas=(0.0, 0.999))`` (or, with
     ``inner="sgd"``, ``aa.sgd(lr)``), judged by the deferred safeguard
-    (``update(..., loss=train_loss)``)."""
+    (``update(..., loss=train_loss)``), with the waits after rejections of ``max_wait``."""
     text = f"aa.adam({lr:g}, betas=(0.0, 0.999))" if inner == "adam" else f"aa.sgd({lr:g})"
+    waits = f", max_wait={max_wait}" if max_wait else ""
 
     def make():
         step = aa.adam(lr, betas=(0.0, 0.999)) if inner == "adam" else aa.sgd(lr)
-        return aa.short_recurrence(step)
+        return aa.short_recurrence(step, max_wait=max_wait)
 
     return Method(
         label,
         "functional",
         make=make,
         deferred=True,
-        options={"inner": text, "safeguard": "deferred"},
-        description=f"aa.short_recurrence({text}), update(..., loss=train_loss)",
+        options={"inner": text, "safeguard": "deferred", "max_wait": max_wait},
+        description=f"aa.short_recurrence({text}{waits}), update(..., loss=train_loss)",
     )
 
 

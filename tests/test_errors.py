@@ -496,6 +496,8 @@ CASES: dict[str, Callable[[], Any] | Update] = {
         sgd(0.1), curvature_eps=math.nan
     ),
     "short_recurrence-drift_tol-range": lambda: aa.short_recurrence(sgd(0.1), drift_tol=0.0),
+    "short_recurrence-max_wait-type": lambda: aa.short_recurrence(sgd(0.1), max_wait=1.5),
+    "short_recurrence-max_wait-range": lambda: aa.short_recurrence(sgd(0.1), max_wait=-1),
     "short_recurrence-update-state-type": lambda: aa.short_recurrence(sgd(0.1)).update(
         sgd(0.1).init(_params()), _params(), _grads_of(_params())
     ),

@@ -49,7 +49,13 @@ What keeps it safe away from that case:
   whose loss (passed with the next call's gradient) is not below the loss at the point it was
   made from is rejected: that call returns the plain step $x_{k-1} + \beta r_{k-1}$ it
   replaced, restarts the window and discards the rejected point's gradient (the inner
-  optimizer's state is kept as it was before it).
+  optimizer's state is kept as it was before it);
+* with `max_wait > 0`, after a rejection the next mixes wait: the following call takes the
+  plain step (the window grows as usual), after a second rejection in a row the next two
+  calls, then four, up to `max_wait`; a kept mix starts the count again. Each rejection
+  spends a gradient at a point that is thrown away. The waits trust the inner step alone
+  meanwhile, which is what the mixes made safe where it is unstable (gradient descent at a
+  large step), so they are off by default; docs/fullbatch.md measures both.
 
 Without a loss nothing judges a mix, and type-I mixing does not minimize a residual as a
 windowed type-II one does: near and past convergence, where the secant triples are mostly
@@ -57,7 +63,7 @@ the rounding of the gradients, it can diverge. On the tests' quadratic (conditio
 float64) at relaxation 1 it reaches the rounding floor in about 200 calls and leaves it 70
 calls later; at relaxation 0.5 it jumps above its first residual at call 87, from 3e-8 of
 it, and converges again. With `loss=` the rejected mixes restart it there (300 calls, both
-relaxations, no rise).
+relaxations, no rise of a point the run keeps).
 
 A step that is not finite (the inner update of a NaN gradient) is returned as the inner
 optimizer alone would return it, but it is never stored: the window and the previous point
@@ -89,6 +95,7 @@ from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import (
     check_field_shapes,
     check_float,
+    check_int,
     check_state_type,
     flatten_like,
 )
@@ -110,6 +117,9 @@ class ShortRecurrenceState(NamedTuple):
         num_restarts: 0-d `int64` tensor, the updates that emptied the window (a rejected
             pair, a mix that was not finite, or a rejected mix).
         num_rejected: 0-d `int64` tensor, the mixes the deferred safeguard rejected.
+        cooldown: 0-d `int64` tensor, the calls left that return the plain step after a
+            rejected mix (see `max_wait`).
+        backoff: 0-d `int64` tensor, the cooldown the next rejection starts.
         pending_loss: 0-d `float64` tensor, the loss at the point the returned mix was made
             from, which the next call's loss must beat; $+\infty$ when no mix is pending.
         pair_errors: `float64` tensor of shape `(2,)`, the estimated errors of the rows'
@@ -127,6 +137,8 @@ class ShortRecurrenceState(NamedTuple):
     num_pairs: Tensor
     num_restarts: Tensor
     num_rejected: Tensor
+    cooldown: Tensor
+    backoff: Tensor
     pending_loss: Tensor
     pair_errors: Tensor
     inner: Any
@@ -168,9 +180,10 @@ class _Arith:
         return d.item() if self.eager else d.to(torch.float64)
 
     def ratio(self, num: Any, den: Any, valid: Any) -> Any:
-        """`num / den` where `valid`, else 0 (`den` is nonzero where `valid`)."""
+        """`num / den` where `valid`, else 0; a zero `den` where `valid` (a pair whose
+        curvature underflowed on a diverging run) gives Inf or NaN, as the masks do."""
         if self.eager:
-            return num / den if valid else 0.0
+            return self.div(num, den) if valid else 0.0
         return torch.where(valid, num / torch.where(valid, den, 1.0), 0.0)
 
     def div(self, num: Any, den: Any) -> Any:
@@ -281,6 +294,19 @@ def _conjugate_pair(
     )
 
 
+def _waits(ar: _Arith, state: Any, cooldown: Any, kept: Any, max_wait: int) -> dict[str, Any]:
+    """The `cooldown` and `backoff` after a call that rejected nothing: one call less to
+    wait, and after a kept mix (`kept`) the shortest wait again. Eagerly a field that keeps
+    its value is the state's own tensor (no operation)."""
+    if not ar.eager:
+        backoff = torch.where(kept, min(1, max_wait), state.backoff)
+        return {"cooldown": torch.clamp(state.cooldown - 1, min=0), "backoff": backoff}
+    return {
+        "cooldown": state.cooldown if cooldown <= 0 else ar.tensor(cooldown - 1, state.cooldown),
+        "backoff": ar.tensor(min(1, max_wait), state.backoff) if kept else state.backoff,
+    }
+
+
 def _at_most_two(n: Any) -> Any:
     return min(n, 2) if isinstance(n, int) else torch.clamp(n, max=2)
 
@@ -301,11 +327,18 @@ def _galerkin_mix(
     return plain - (p0 + relaxation * q0) * g0 - (p1 + relaxation * q1) * g1
 
 
+class _Config(NamedTuple):
+    """`short_recurrence`'s options, checked."""
+
+    relaxation: float
+    eps: float
+    drift_tol: float
+    max_wait: int
+
+
 def _update(
     inner: Any,
-    relaxation: float,
-    eps: float,
-    drift_tol: float,
+    config: _Config,
     state: ShortRecurrenceState,
     params: PyTree,
     grads: PyTree,
@@ -330,26 +363,29 @@ def _update(
     pending, loss = ar.read(state.pending_loss), ar.read(loss)
     rejected = loss_given & accept.rejects_pending(pending, loss)
     if ar.eager and rejected:
-        return _returned(*_went_back(state, relaxation), p_leaves, spec, inplace)
+        return _returned(*_went_back(state, config), p_leaves, spec, inplace)
     # 2. The inner step r_k = u(x_k), out of place: a rejected point's update is discarded.
     updates, inner_state = inner.update(grads, state.inner, params=params, inplace=False)
     x, r = _flat(p_leaves, dtype), _flat(list(optree.tree_leaves(updates)), dtype)
     g = _flat(g_leaves, dtype)
     # 3. The triple, the window and the mix; a mix that is not finite gives way to the plain
     # step.
-    window = _conjugate_pair(ar, state, x, r, g, eps, drift_tol)
-    plain = x + relaxation * r
-    mix = _galerkin_mix(ar, window, plain, g, relaxation)
+    window = _conjugate_pair(ar, state, x, r, g, config.eps, config.drift_tol)
+    plain = x + config.relaxation * r
+    mix = _galerkin_mix(ar, window, plain, g, config.relaxation)
     finite = ar.all_finite(mix)
-    out = ar.where(finite, mix, plain)
+    cooldown = ar.read(state.cooldown)  # > 0: a recent rejection, the plain step (step 4)
+    out = ar.where(finite & (cooldown <= 0), mix, plain)
     restarted = window.restarted | ar.negate(finite)
-    mixed = finite & (window.num_pairs > 0)
+    mixed = finite & (cooldown <= 0) & (window.num_pairs > 0)
+    kept = loss_given & (pending < accept.INF)  # the previous call's mix, judged and kept
     store = ar.all_finite(r) & ar.all_finite(g)  # no secant ends at a non-finite step
     new_state = ShortRecurrenceState(
         count=state.count + 1,
         num_pairs=ar.tensor(ar.where(restarted, 0, window.num_pairs), state.num_pairs),
         num_restarts=state.num_restarts + ar.count(restarted),
         num_rejected=state.num_rejected,
+        **_waits(ar, state, cooldown, kept, config.max_wait),
         pending_loss=ar.tensor(
             ar.where(mixed, accept.judged_loss(loss), accept.INF), state.pending_loss
         ),
@@ -363,7 +399,7 @@ def _update(
         grads=ar.where(store, g, state.grads),
     )
     if not ar.eager:  # 4. A rejected mix, as a mask.
-        back, kept = _went_back(state, relaxation)
+        back, kept = _went_back(state, config)
         out = torch.where(rejected, back, out)
         new_state = optree.tree_map(
             lambda old, new: torch.where(rejected, old, new), kept, new_state
@@ -371,18 +407,21 @@ def _update(
     return _returned(out, new_state, p_leaves, spec, inplace)
 
 
-def _went_back(state: ShortRecurrenceState, relaxation: float) -> tuple[Tensor, Any]:
+def _went_back(state: ShortRecurrenceState, config: _Config) -> tuple[Tensor, Any]:
     """Step 4: the plain step $x_{k-1} + \beta r_{k-1}$ a rejected mix replaced, and the
-    state as it was before that mix, with an empty window and the rejection counted."""
+    state as it was before that mix, with an empty window, the rejection counted and the
+    next `backoff` calls returning the plain step (the one after, twice as many)."""
     one = state.num_rejected.new_ones(())
     kept = state._replace(
         count=state.count + 1,
+        cooldown=state.backoff.clone(),
+        backoff=torch.clamp(2 * state.backoff, max=config.max_wait),
         num_pairs=torch.zeros_like(state.num_pairs),
         num_restarts=state.num_restarts + one,
         num_rejected=state.num_rejected + one,
         pending_loss=torch.full_like(state.pending_loss, accept.INF),
     )
-    return state.params + relaxation * state.residual, kept
+    return state.params + config.relaxation * state.residual, kept
 
 
 def _returned(
@@ -415,7 +454,7 @@ def _checked_loss(loss: Any, like: Tensor) -> Tensor:
     return torch.full_like(like, float(loss))
 
 
-def _init(inner: Any, params: PyTree) -> ShortRecurrenceState:
+def _init(inner: Any, max_wait: int, params: PyTree) -> ShortRecurrenceState:
     """The state before any update: an empty window, zero vectors like the flat params."""
     leaves, _ = tree.flatten(params, "params", owner="short_recurrence.init")
     x = _flat(leaves, _compute_dtype("short_recurrence.init", leaves))
@@ -428,6 +467,8 @@ def _init(inner: Any, params: PyTree) -> ShortRecurrenceState:
         num_pairs=count.clone(),
         num_restarts=count.clone(),
         num_rejected=count.clone(),
+        cooldown=count.clone(),
+        backoff=torch.full_like(count, min(1, max_wait)),
         pending_loss=x.new_full((), accept.INF, dtype=torch.float64),
         pair_errors=x.new_zeros((2,), dtype=torch.float64),
         inner=inner.init(params),
@@ -455,6 +496,7 @@ def short_recurrence(
     relaxation: float = 1.0,
     curvature_eps: float = 1e-10,
     drift_tol: float = 1e-3,
+    max_wait: int = 0,
 ) -> ShortRecurrence:
     r"""Short-term recurrence Anderson mixing (ST-AM) around the inner optimizer `inner`.
 
@@ -471,7 +513,10 @@ def short_recurrence(
        type-I mix $x_k + \beta r_k - (P + \beta Q)\Gamma$, $P^\top Y\Gamma = P^\top g_k$ (the
        plain step $x_k + \beta r_k$ with an empty window or a mix that is not finite);
     4. a rejected mix returns instead the plain step $x_{k-1} + \beta r_{k-1}$ it replaced,
-       with an empty window, and keeps the state as it was before the rejected point.
+       with an empty window, and keeps the state as it was before the rejected point; with
+       `max_wait > 0` the next call then returns the plain step, after a second rejection
+       in a row the next two, then four, ..., at most `max_wait` (a kept mix starts again
+       at one).
 
     On a strictly convex quadratic with an inner step $u = -D\nabla f$, $D$ fixed ($D =
     \mathrm{lr}\, I$: `aa.sgd(lr)`), the mix before relaxation is preconditioned conjugate
@@ -485,6 +530,8 @@ def short_recurrence(
         curvature_eps: $\epsilon \ge 0$ of the test $p^\top y > \epsilon \|p\| \|y\|$.
         drift_tol: the estimated error of the newest conjugate triple above which the
             window restarts from the raw secant triple ($> 0$).
+        max_wait: the most calls that return the plain step after a rejected mix (an int
+            $\ge 0$; 0, the default: the next call mixes at once).
 
     Returns:
         A `ShortRecurrence` of `init(params)` and `update(state, params, grads, *,
@@ -493,7 +540,8 @@ def short_recurrence(
 
     Raises:
         TypeError: `inner` lacks `init`/`update`, or an argument has the wrong type.
-        ValueError: `relaxation <= 0` or `curvature_eps < 0` (or not finite).
+        ValueError: `relaxation <= 0`, `curvature_eps < 0` (or not finite), or
+            `max_wait < 0`.
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(
@@ -503,6 +551,7 @@ def short_recurrence(
     beta = check_float(_OWNER, "relaxation", relaxation, minimum=0.0, strict=True)
     eps = check_float(_OWNER, "curvature_eps", curvature_eps, minimum=0.0)
     drift_tol = check_float(_OWNER, "drift_tol", drift_tol, minimum=0.0, strict=True)
+    config = _Config(beta, eps, drift_tol, check_int(_OWNER, "max_wait", max_wait, minimum=0))
 
     def update(
         state: ShortRecurrenceState,
@@ -512,6 +561,6 @@ def short_recurrence(
         loss: Any = None,
         inplace: bool = False,
     ) -> tuple[PyTree, ShortRecurrenceState]:
-        return _update(inner, beta, eps, drift_tol, state, params, grads, loss, inplace)
+        return _update(inner, config, state, params, grads, loss, inplace)
 
-    return ShortRecurrence(functools.partial(_init, inner), update)
+    return ShortRecurrence(functools.partial(_init, inner, max_wait), update)

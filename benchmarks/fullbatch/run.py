@@ -207,6 +207,7 @@ DEFAULTS = {
     "aa_sufficient": methods.aa_sufficient,
     "aa_lbfgs_default": methods.aa_lbfgs_default,
     "st_am_default": methods.st_am_default,
+    "st_am_waits": methods.st_am_waits,
 }
 
 
@@ -412,7 +413,10 @@ def markdown_page(payload: dict[str, Any]) -> str:
         "**ST-AM default** is short-term recurrence Anderson mixing (`aa.short_recurrence`: "
         "two conjugate pairs, preconditioned CG's iterates on a quadratic) around Adam, the "
         "same on every "
-        "problem: `" + methods.st_am_default().description + "`; **ST-AM tuned** the same "
+        "problem: `" + methods.st_am_default().description + "`; **ST-AM default, waits** "
+        "the same with waits after rejected mixes (`max_wait`): `"
+        + methods.st_am_waits().description
+        + "`; **ST-AM tuned** the same as ST-AM default "
         "with its lr tuned on AA's grid, and **ST-AM-GD tuned** around gradient descent "
         "(`aa.sgd(lr)`), its lr tuned on a grid of its own.",
         "",
