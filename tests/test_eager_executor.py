@@ -67,6 +67,13 @@ def _run(
     return history
 
 
+def _general_only(monkeypatch) -> None:
+    """Every call the general way: neither the executor nor the steady call
+    (`aadl_func._src.exec.steady`, which runs the executor's operations on a kept plan)."""
+    monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
+    monkeypatch.setattr(anderson_module.steady, "run", lambda *a, **k: None)
+
+
 CASES = [
     ("classic", {}),
     ("aadl", {}),
@@ -97,19 +104,23 @@ def test_executor_matches_the_general_path(
         pytest.skip("the deferred safeguard needs store_each_nth=1")
     options = {"mode": mode, **options}
     runs = []
-    original = anderson_module.eager.run
     taken = [0]
 
-    def counted(*args, **kwargs):
-        result = original(*args, **kwargs)
-        taken[0] += result is not None
-        return result
+    def counting(original):
+        def counted(*args, **kwargs):
+            result = original(*args, **kwargs)
+            taken[0] += result is not None
+            return result
 
-    monkeypatch.setattr(anderson_module.eager, "run", counted)
+        return counted
+
+    # The executor's calls, and the steady calls (the same operations on a kept plan).
+    monkeypatch.setattr(anderson_module.eager, "run", counting(anderson_module.eager.run))
+    monkeypatch.setattr(anderson_module.steady, "run", counting(anderson_module.steady.run))
     kwargs = {"deferred": deferred, "poison_at": 17, "inplace": inplace}
     runs.append(_run(options, make_inner[inner_name](), dtype, **kwargs))
     executor_calls = taken[0]
-    monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
+    _general_only(monkeypatch)
     runs.append(_run(options, make_inner[inner_name](), dtype, **kwargs))
     # The executor ran on most calls (a deferred rejection goes the general way).
     assert executor_calls >= 20
@@ -125,7 +136,7 @@ def test_executor_takes_float64_params_and_sgd_without_buffers(monkeypatch, inpl
     runs = []
     for general in (False, True):
         if general:
-            monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
+            _general_only(monkeypatch)
         runs.append(
             _run(
                 {"mode": "classic"},
@@ -187,7 +198,7 @@ def test_executor_matches_on_strided_leaves(monkeypatch, mode, history_dtype, in
         return out
 
     fast = run()
-    monkeypatch.setattr(anderson_module.eager, "applies", lambda *a, **k: False)
+    _general_only(monkeypatch)
     assert fast == run()
 
 

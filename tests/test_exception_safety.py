@@ -23,13 +23,13 @@ import aadl_func as aa
 STEPS = 9
 
 
-def _problem():
+def _problem(dtype=torch.float64):
     gen = torch.Generator().manual_seed(0)
-    data = torch.randn(40, 4, generator=gen, dtype=torch.float64)
-    target = torch.randn(40, 2, generator=gen, dtype=torch.float64)
+    data = torch.randn(40, 4, generator=gen, dtype=dtype)
+    target = torch.randn(40, 2, generator=gen, dtype=dtype)
     params = {
-        "w": 0.3 * torch.randn(4, 6, generator=gen, dtype=torch.float64),
-        "v": 0.3 * torch.randn(6, 2, generator=gen, dtype=torch.float64),
+        "w": 0.3 * torch.randn(4, 6, generator=gen, dtype=dtype),
+        "v": 0.3 * torch.randn(6, 2, generator=gen, dtype=dtype),
     }
 
     def loss(p):

@@ -68,6 +68,18 @@ CONFIGS = {
     ),
     # Mode "classic" without a safeguard: the eager executor's in-place classic step.
     "classic-executor": dict(inner=lambda: aa.adam(0.05), mode="classic", guard=False),
+    # Float32 params, mode "aadl", a full window, no loss, each leaf's ring slots rows of one
+    # buffer as `init` lays them out: the steady call (aadl_func._src.exec.steady).
+    "aadl-steady": dict(
+        inner=lambda: aa.adam(0.05), guard=False, dtype=torch.float32, init_layout=True
+    ),
+    "classic-steady": dict(
+        inner=lambda: aa.adam(0.05),
+        mode="classic",
+        guard=False,
+        dtype=torch.float32,
+        init_layout=True,
+    ),
 }
 ERRORS = [RuntimeError, SystemExit, KeyboardInterrupt]
 
@@ -97,10 +109,12 @@ class Setup:
         self.deferred = config.pop("deferred", False)
         keep = config.pop("keep", False)
         make_inner = config.pop("inner")
+        dtype = config.pop("dtype", torch.float64)
+        self.init_layout = config.pop("init_layout", False)
         self.options = dict(history_depth=4, **config)
         self.opt = aa.anderson(make_inner(), **self.options)
         self.core = AndersonOptions(make_inner(), **self.options)
-        params, self.loss = _problem()
+        params, self.loss = _problem(dtype)
         state = self.opt.init(params)
         for _ in range(WARM):
             params, state = self.opt.update(
@@ -136,8 +150,16 @@ class Setup:
         return torch.func.grad(self.loss)(params)
 
     def _call(self, fn):
-        params, state = _clone(self.start)
+        params, state = self.clone_start()
         return fn(state, params, _clone(self.grads))
+
+    def clone_start(self):
+        """A copy of the faulted call's params and state; with `init_layout`, the state's
+        tensors laid out as `init` lays them out (a leaf's ring slots rows of one buffer)."""
+        params, state = _clone(self.start)
+        if self.init_layout:
+            state = optree.tree_map(lambda new, old: new.copy_(old), self.opt.init(params), state)
+        return params, state
 
     def _restarted(self, plain):
         params, state = _clone(plain)
@@ -185,7 +207,7 @@ def _in_package(code) -> bool:
 
 
 def _run_traced(setup, faults):
-    params, state = _clone(setup.start)
+    params, state = setup.clone_start()
     grads = _clone(setup.grads)
     faults.run(lambda: setup.opt.update(state, params, grads, inplace=True, **setup.faulted_kw))
     return params, state

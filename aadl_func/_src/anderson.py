@@ -41,7 +41,7 @@ from aadl_func._src.checks import (
 )
 from aadl_func._src.core import accept
 from aadl_func._src.core.scalars import wide
-from aadl_func._src.exec import eager
+from aadl_func._src.exec import eager, steady
 from aadl_func._src.exec.inplace import commit, recover
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
@@ -395,6 +395,11 @@ def step(
     mix the previous call returned, the call goes back to that call's plain step
     (`aadl_func._src.stages.revert()`) and runs no inner step.
     """
+    if inplace is True and loss is None and loss_fn is None and mix:
+        # The steady call of a training loop, on the plan the previous call left.
+        done = steady.run(options, state, params, grads)
+        if done is not None:
+            return done
     if loss is not None:
         loss = deferred.check_loss(options, loss, loss_fn)
     if isinstance(state, AndersonState) and state.pending_loss is None:

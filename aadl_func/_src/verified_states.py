@@ -23,16 +23,18 @@ from torch import Tensor
 from aadl_func._src import tree
 from aadl_func._src.state import AndersonState
 
-__all__ = ["checked_layout", "mark_verified", "remember_layout", "verified"]
+__all__ = ["checked_layout", "mark_verified", "memo", "remember_layout", "set_memo", "verified"]
 
 KEEP = 64  # states listed at most (optimizers stepping in turn, each with its newest state)
 
 
 class _Entry(weakref.ref):
-    """A weak reference to a verified state's `count`, with the state's other fields (held)
-    and whether its tensors are inference tensors (valid only in inference mode)."""
+    """A weak reference to a verified state's `count`, with the state's other fields (held),
+    whether its tensors are inference tensors (valid only in inference mode), the layout it
+    was checked for and `memo`, what an executor keeps of it between calls
+    (`aadl_func._src.exec.steady`)."""
 
-    __slots__ = ("key", "fields", "inference", "layout")
+    __slots__ = ("key", "fields", "inference", "layout", "memo")
 
 
 class _Verified:
@@ -70,12 +72,14 @@ class _Verified:
         # A state made in inference mode holds inference tensors, which only that mode may write.
         inference = count.is_inference()
         if entry is not None and entry() is count:
+            if not all(map(operator.is_, entry.fields, state[1:])):
+                entry.memo = None  # kept of other tensors
             entry.fields, entry.inference = state[1:], inference
             if new_layout:
                 entry.layout = layout
             return
         entry = _Entry(count, self._forget)
-        entry.key, entry.layout = key, layout
+        entry.key, entry.layout, entry.memo = key, layout, None
         entry.fields, entry.inference = state[1:], inference
         # Listed once complete: an exception raised before this line leaves no half-made entry.
         self._entries[key] = entry
@@ -127,6 +131,19 @@ def remember_layout(state: AndersonState, layout: tuple | None) -> None:
     entry = _find(state)
     if entry is not None:
         entry.layout = layout
+
+
+def memo(state: AndersonState) -> Any:
+    """What was kept with the verified state `state` (`set_memo()`), else None."""
+    entry = _find(state)
+    return None if entry is None else entry.memo
+
+
+def set_memo(state: AndersonState, value: Any) -> None:
+    """Keeps `value` with `state`, if it is verified (until its fields change)."""
+    entry = _find(state)
+    if entry is not None:
+        entry.memo = value
 
 
 def _layout_of(state: AndersonState) -> tuple | None:

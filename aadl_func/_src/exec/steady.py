@@ -1,0 +1,455 @@
+r"""The steady in-place call of mode "aadl": a full window, every gate open, a plan per state.
+
+Most calls of a training loop look alike: eager and in place, on the same params tensors,
+with the window full, storing and mixing. The eager executor (`aadl_func._src.exec.eager`)
+reads each of them from the state and checks every input again. Here what cannot have
+changed since the previous call is kept with the state in a `Plan`
+(`aadl_func._src.verified_states.set_memo()`): the params' leaves, each leaf's window
+slots as one matrix, the native kernel's pointers and output buffers, and the counters and
+Grams as Python values. A plan holds while every tensor it copies keeps the version counter
+the previous call left it with: whatever wrote one since (the caller, the executor, a
+recovery, a `load_state_dict`) moved it, and the next call builds the plan again from the
+tensors. Only the grads, new each call, are checked each call (against the params, as
+`aadl_func._src.checks.check_update_inputs()` would, which handles any mismatch).
+
+The call is the executor's, operation for operation, so it gives its bits
+(tests/test_steady_step.py holds every byte of params and state to it): the inner update,
+`y = x + u` into the params, the fused append (the newest difference into its slot, the
+anchor, the Gram row), the Grams as Python floats, the commit point, the small solve
+(`aadl_func._src.core.lstsq.solve_known()`), `x^+ = y - sum_j c_j \Delta x_j` accumulated
+in the params, the finiteness test and the final commit. Its `Progress` record is the
+executor's, so an exception anywhere ends as there (`aadl_func._src.exec.inplace.recover()`).
+A poisoned append (a non-finite Gram row) or a small solve that fails goes on as the
+executor does.
+
+Which calls `run()` takes (else it returns None, having written nothing): an eager in-place
+`update` without `loss` or `loss_fn` and outside any torch.func transform, in mode "aadl"
+without the moving average, `skip_nonfinite`, `line_search` or a relative or per-column
+ridge; float32 CPU params and windows laid out as `anderson.init` lays them out, with the
+native kernel; past `wait_iterations`, on the `frequency` and `store_each_nth`, with a full
+window and nothing pending.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._C import _functorch
+
+from aadl_func._src import kernels, native, protocols, tree, update_call
+from aadl_func._src.atomic import InterruptGuard, Progress, guarded
+from aadl_func._src.checks import check_update_inputs
+from aadl_func._src.core.grams import Grams
+from aadl_func._src.core.lstsq import solve_known
+from aadl_func._src.core.scalars import float64_tensor
+from aadl_func._src.core.variants.aadl import aadl_coefficients
+from aadl_func._src.core.variants.classic import classic_coefficients
+from aadl_func._src.exec import inplace, passes
+from aadl_func._src.options import AndersonOptions
+from aadl_func._src.state import AndersonState
+from aadl_func._src.verified_states import memo, set_memo
+from aadl_func._src.window import known_rows
+
+__all__ = ["run"]
+
+_FLOAT32 = torch.float32
+_INF = math.inf
+
+
+class Plan:
+    """What a steady call needs of its state, kept from the previous call."""
+
+    __slots__ = (
+        "options", "params", "shapes", "spec", "anchor", "slots", "columns", "pointers", "outputs",
+        "count", "head", "mixed", "gram", "dr_gram", "tracked", "versions", "keeps", "adopts",
+        "classic", "iterates", "runs",
+    )  # fmt: skip
+
+    def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
+        self.options, self.params, self.spec = options, leaves, spec
+        self.shapes = [p.shape for p in leaves]
+        self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
+        ring = [tree.flatten(r, "state.residuals")[0] for r in state.residuals]
+        self.slots = [[entry[i] for entry in ring] for i in range(len(leaves))]
+        # Each leaf's slots as the (Q, n) matrix `anderson.init` lays them out as, transposed
+        # for the mix (`kernels.combine_leaf` with the params as base and result).
+        matrices = [passes._rows_of_one_buffer(s) for s in self.slots]
+        self.columns = [None if m is None else m.mT for m in matrices]
+        # Mode "classic": the steps' ring too, and each leaf's two matrices as
+        # `kernels.combine_leaf()`'s runs (the steps' weights first, as `passes.combine()`).
+        self.classic = options.rules.keeps_iterates
+        its = [tree.flatten(r, "state.iterates")[0] for r in state.iterates]
+        self.iterates = [[entry[i] for entry in its] for i in range(len(leaves))]
+        self.runs = [
+            [(0, passes._rows_of_one_buffer(i)), (len(ring), m)] if self.classic else None
+            for i, m in zip(self.iterates, matrices)
+        ]
+        self.pointers = [native._pointers(s) for s in self.slots]
+        q = len(ring)
+        self.outputs = [
+            (torch.empty(-(-p.numel() // native.BLOCK), q, dtype=torch.float64),
+             torch.empty(q, dtype=torch.float64)) for p in leaves
+        ]  # fmt: skip
+        self.count, self.head, self.mixed = (
+            int(t) for t in (state.count, state.head, state.num_mixed)
+        )
+        self.gram, self.dr_gram = state.gram.tolist(), state.dr_gram.tolist()
+        # Every tensor the plan copies or writes behind torch's back (a leaf's slots share
+        # one buffer's version counter), and their version counters as the last call left them.
+        self.tracked = [
+            state.count, state.head, state.window_size, state.skip_streak, state.num_mixed,
+            state.num_nonfinite, state.pending_loss, state.gram, state.dr_gram, state.dr_rhs,
+            *self.anchor, *[s[0] for s in self.slots], *[s[0] for s in self.iterates if s],
+        ]  # fmt: skip
+        self.versions = _versions(self)
+        self.keeps = protocols.keeps_buffers(options.inner)
+        self.adopts = protocols.adopts_buffers(options.inner)
+
+
+def _versions(plan: Plan) -> list[int]:
+    return [t._version for t in plan.tracked]
+
+
+def run(
+    options: AndersonOptions, state: Any, params: Any, grads: Any
+) -> tuple[Any, AndersonState] | None:
+    """The steady call (see the module docstring), or None, having written nothing."""
+    if _functorch.maybe_current_level() is not None or tree.tracing():
+        return None
+    if not isinstance(state, AndersonState):
+        return None
+    plan = memo(state)
+    if plan is None or plan.options is not options or plan.versions != _versions(plan):
+        # A new plan is made from inputs that pass every check of the executor's call (which
+        # raise here as they would there, before anything is written).
+        check_update_inputs(options, state, params, grads, None, True)
+        plan = _new_plan(options, state, params)
+        if plan is None:
+            return None
+        set_memo(state, plan)
+    leaves = tree.flatten(params, "params")[0]
+    if not _same_params(leaves, plan.params, plan.shapes):
+        return None
+    g_leaves, g_spec = tree.flatten(grads, "grads")
+    if not (g_spec == plan.spec and _grads_fit(g_leaves, leaves)):
+        return None
+    count = plan.count + 1
+    if not (
+        count > options.wait_iterations
+        and count % options.frequency == 0
+        and count % options.store_each_nth == 0
+    ):
+        return None
+    guard = InterruptGuard()
+    call = _Call(plan, state, params, grads, guard)
+    out = guarded(guard, call.run)
+    if call.steady:
+        plan.versions = _versions(plan)
+    else:  # the window restarted: the next calls are not steady
+        set_memo(state, None)
+    return tree.unflatten(plan.spec, out), state
+
+
+def _new_plan(options: AndersonOptions, state: AndersonState, params: Any) -> Plan | None:
+    """A plan for `state` if its next call can be a steady one, else None."""
+    if options.average or options.skip_nonfinite:
+        return None
+    if options.line_search or options.reg_relative or options.reg_column:
+        return None
+    if state.pending_loss is None or not native.available():
+        return None
+    leaves, spec = tree.flatten(params, "params")
+    q = options.num_slots
+    small = (state.count, state.head, state.window_size, state.skip_streak, state.num_mixed)
+    if not (state.gram.is_cpu and state.gram.dtype == torch.float64 and q >= 2):
+        return None
+    if any(t.is_inference() or not t.is_cpu or t.ndim for t in small):
+        return None
+    full = q if options.rules.keeps_iterates else q + 1  # pairs; iterates
+    if int(state.window_size) != full or int(state.skip_streak) != 0:
+        return None
+    if float(state.pending_loss) != _INF:
+        return None
+    plan = Plan(options, state, leaves, spec)
+    for p, a, slots, column in zip(leaves, plan.anchor, plan.slots, plan.columns):
+        plain = type(p) is Tensor and not p.is_inference() and p.is_contiguous()
+        if not (plain and p.dtype == _FLOAT32 and p.numel() > 0):
+            return None
+        if not (p.requires_grad is False or p.is_leaf):
+            return None  # a view of a leaf that requires grad: checks.check_writable's
+        if not native.can_append(slots, 0, p, a) or column is None:
+            return None
+        if a.dtype != _FLOAT32 or a.stride() != p.stride():
+            return None
+    if plan.classic and not all(
+        run[0][1] is not None and run[0][1].dtype == _FLOAT32 for run in plan.runs
+    ):
+        return None
+    return plan
+
+
+def _same_params(leaves: list, planned: list, shapes: list) -> bool:
+    """The plan's params tensors, with the shape, dtype and layout it was made for (a
+    `set_` or `resize_` since would change them)."""
+    if len(leaves) != len(planned):
+        return False
+    for p, planned_p, shape in zip(leaves, planned, shapes):
+        if p is not planned_p or p.shape != shape or p.dtype != _FLOAT32:
+            return False
+        if not p.is_contiguous():
+            return False
+    return True
+
+
+def _grads_fit(grads: list, params: list) -> bool:
+    """Grads the executor would take as they are: plain tensors of the params' shapes,
+    dtypes and devices, sharing no memory with any params leaf."""
+    for g, p in zip(grads, params):
+        if type(g) is not Tensor or g.shape != p.shape or g.dtype != p.dtype:
+            return False
+        if g.device != p.device or g.layout != torch.strided:
+            return False
+    # Separate storages cannot overlap; grads in a params leaf's storage go the checked way.
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    return not any(g.untyped_storage().data_ptr() in storages for g in grads)
+
+
+class _Call:
+    """One steady call: the executor's stages (`aadl_func._src.exec.eager._Step.aadl()`)
+    over the plan's tensors and values."""
+
+    def __init__(
+        self, plan: Plan, state: AndersonState, params: Any, grads: Any, guard: InterruptGuard
+    ) -> None:
+        self.plan, self.state, self.guard = plan, state, guard
+        self.params, self.grads = params, grads
+        self.count = plan.count + 1  # this call's number
+        self.progress = Progress()
+        self.updates: list[Tensor] = []
+        self.inner_state: Any = state.inner_state
+        self.steady = True  # the plan still describes the state after the call
+
+    def run(self) -> list[Tensor]:
+        plan, state, options = self.plan, self.state, self.plan.options
+        inner = options.inner
+        # The inner update out of place when it keeps buffers (committed with the plain step).
+        updates, self.inner_state = inner.update(
+            self.grads, state.inner_state, params=self.params, inplace=not plan.keeps,
+        )  # fmt: skip
+        u_leaves, u_spec = tree.flatten(updates, "inner updates")
+        tree.check_like("inner updates", u_leaves, u_spec, plan.params, plan.spec,
+                        owner="anderson.update")  # fmt: skip
+        self.updates = u_leaves
+        try:
+            return self._steps()
+        except BaseException:
+            self._recover()
+            raise
+
+    def _steps(self) -> list[Tensor]:
+        self.progress.param_versions = [p._version for p in self.plan.params]
+        return self._classic() if self.plan.classic else self._aadl()
+
+    def _aadl(self) -> list[Tensor]:
+        """Mode "aadl" (`_Step.aadl()`)."""
+        plan, progress = self.plan, self.progress
+        params, q = plan.params, len(plan.gram)
+        for p, u in zip(params, self.updates):  # 1. y = x + u, in the params
+            progress.stepped.append(p.add_(u))
+        head = (plan.head + 1) % q  # 2. y - anchor joins the window, y is the anchor
+        rows = known_rows(self._append(head), plan.gram[(head - 1) % q], head)
+        if not all(map(math.isfinite, chain(*rows))):
+            return self._poisoned(head, 1)
+        alpha, solved = self._commit_plain(head, *rows)  # 3. the commit point, 4. the weights
+        minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
+        weights = passes.ring_order(head, minus_c).to(_FLOAT32)
+        progress.undo.append((params, plan.anchor))
+        try:  # 5. the mix, accumulated in the params (which hold y, the anchor)
+            for p, columns in zip(params, plan.columns):
+                p.view(-1).addmv_(columns, weights)
+            ok = passes.finite(params, params, solved)
+        except BaseException:
+            _write(params, plan.anchor)
+            raise
+        if not ok:
+            _write(params, plan.anchor)
+        return self._finish(ok, params)
+
+    def _classic(self) -> list[Tensor]:
+        """Mode "classic" (`_Step.classic()`)."""
+        plan, progress = self.plan, self.progress
+        params, q = plan.params, len(plan.gram)
+        head = (plan.head + 1) % q
+        # 1. The pair (x_k, u_k) joins the window before the step overwrites x_k.
+        for iterates, x, a in zip(plan.iterates, params, plan.anchor):
+            iterates[head].copy_(x - a)
+        for slots, u in zip(plan.slots, self.updates):
+            slots[head].copy_(u)
+        rows = known_rows(self._dots(head), plan.gram[(head - 1) % q], head)
+        finite = all(map(math.isfinite, chain(*rows)))
+        if not finite:  # the slot zeroed, as the append does before the anchor is written
+            for slots in plan.slots:
+                slots[head].copy_(torch.zeros_like(slots[head]))
+        _write(plan.anchor, params)
+        for p, u in zip(params, self.updates):  # 2. y = x + u, in the params
+            progress.stepped.append(p.add_(u))
+        if not finite:
+            return self._poisoned(head, 0)
+        alpha, solved = self._commit_plain(head, *rows)  # 3. the commit point, 4. the weights
+        relaxation = plan.options.relaxation
+        coefficients = passes.ring_order(
+            head, classic_coefficients(alpha), [relaxation * a for a in alpha]
+        ).to(_FLOAT32)
+        x_hist = []
+        for a, iterates, slots, runs in zip(plan.anchor, plan.iterates, plan.slots, plan.runs):
+            result = torch.empty_like(a, dtype=_FLOAT32)
+            kernels.combine_leaf(None, [*iterates, *slots], coefficients, result.view(-1), runs)
+            x_hist.append(result.add_(a))
+        ok = passes.finite(x_hist, params, solved)
+        return self._finish(ok, x_hist if ok else params)
+
+    def _commit_plain(self, head: int, g: list, h: list, c: list) -> tuple[Any, Any]:
+        """The commit point (`_Step.commit_plain()`): the plain step's state, with the
+        Grams the append made, becomes the caller's; then the window's weights."""
+        plan, state = self.plan, self.state
+        gram, dr_gram = [list(r) for r in plan.gram], [list(r) for r in plan.dr_gram]
+        plain = state._replace(
+            count=self.count,
+            inner_state=self.inner_state,
+            head=head,
+            gram=passes._with_row(gram, head, g),
+            dr_gram=passes._with_row(dr_gram, head, h),
+            dr_rhs=float64_tensor(c),
+        )
+        inplace.commit_to(state, self.progress, plain, self.inner_state, plan.adopts, plain=True)
+        self.guard.checkpoint()
+        plan.count, plan.head, plan.gram, plan.dr_gram = self.count, head, gram, dr_gram
+        return self._weights(head, gram, dr_gram, c)
+
+    def _finish(self, ok: bool, x: list[Tensor]) -> list[Tensor]:
+        """The final state (`_Step.finish()`): the mix counted, or the failed one; `x`
+        written into the params where it is not them."""
+        plan, state, progress = self.plan, self.state, self.progress
+        plan.mixed += 1 if ok else 0
+        final = state._replace(
+            num_mixed=plan.mixed if ok else state.num_mixed,
+            num_nonfinite=state.num_nonfinite if ok else state.num_nonfinite + 1,
+        )
+        writes = [(p, v) for p, v in zip(plan.params, x) if v is not p]
+        progress.writes, progress.pending = writes, final
+        for p, v in writes:
+            p.copy_(v)
+        inplace.commit_to(state, progress, final, None, False)
+        return plan.params
+
+    def _weights(
+        self, head: int, gram: list, dr_gram: list, dr_rhs: list
+    ) -> tuple[list[float] | Tensor, Any]:
+        """The affine weights of the full window whose newest residual is in slot `head`
+        (`passes.mixing_weights()`, whose Python-float route this is: the Grams' values
+        are the lists the append made), and whether the solve succeeded."""
+        plan = self.plan
+        q = len(gram)
+        slots = [(head + 1 + j) % q for j in range(q)]  # oldest first
+        later = slots[1:]  # the newer ends of the differences (the columns of gamma)
+        known = solve_known(
+            [[dr_gram[i][j] for j in later] for i in later],
+            [dr_rhs[i] for i in later],
+            [gram[s][s] for s in slots],
+            plan.options.reg,
+        )
+        if known is not None:
+            return known[1], True
+        # A value that is not finite: the tensor route decides, as in the executor.
+        ring = tuple([[leaf[s] for leaf in plan.slots] for s in range(q)])
+        return passes.mixing_weights(plan.options, ring, Grams.of(self.state), head, q)
+
+    def _poisoned(self, head: int, window_size: int) -> list[Tensor]:
+        """A Gram row that is not finite (`_Step.append()`'s poisoned append): the slot and
+        the Grams are zeroed and the window restarts (`window_size` entries: the anchor `y`
+        in mode "aadl", no pair in "classic"); no mix."""
+        plan, state, progress = self.plan, self.state, self.progress
+        if not plan.classic:  # (classic zeroed its slot before the anchor was written)
+            for slots in plan.slots:
+                slots[head].copy_(torch.zeros_like(slots[head]))
+        grams = Grams(*map(torch.zeros_like, Grams.of(state)))
+        plain = state._replace(
+            count=self.count,
+            inner_state=self.inner_state,
+            head=head,
+            window_size=window_size,
+            num_nonfinite=state.num_nonfinite + 1,
+            gram=grams.gram,
+            dr_gram=grams.dr_gram,
+            dr_rhs=grams.dr_rhs,
+        )
+        inplace.commit_to(state, progress, plain, self.inner_state, plan.adopts, plain=True)
+        self.guard.checkpoint()
+        progress.writes, progress.pending = [], state
+        inplace.commit_to(state, progress, state, None, False)
+        self.steady = False
+        return plan.params
+
+    def _recover(self) -> None:
+        """An exception anywhere: one complete outcome, as the executor's
+        (`_Step.recover()`)."""
+        if self.progress.param_versions is None:
+            return  # nothing written
+        plan = self.plan
+        call = update_call.Call(
+            plan.options, self.state, plan.params, plan.spec, self.updates, self.inner_state,
+            inplace=True, loss_fn=None, loss=None, guard=self.guard,
+        )  # fmt: skip
+        call.count, call.count_value = (
+            torch.scalar_tensor(self.count, dtype=torch.int64),
+            self.count,
+        )
+        call.progress = self.progress
+        inplace.recover(call)
+
+    def _dots(self, head: int) -> list[float]:
+        """Mode "classic": the Gram row of the residual in slot `head`, summed over the
+        leaves from 0.0 (`passes._known_dots_row()`, on the plan's pointers)."""
+        plan = self.plan
+        kernel = native._load()[0].aadl_dots_f32
+        q = len(plan.gram)
+        row = [0.0] * q
+        for slots, pointers, (partial, out) in zip(plan.slots, plan.pointers, plan.outputs):
+            n = slots[head].numel()
+            threads = native._threads(q, n, partial.shape[0])
+            code = kernel(pointers, q, slots[head].data_ptr(), n, native.BLOCK, threads,
+                          partial.data_ptr(), out.data_ptr())  # fmt: skip
+            if code != 0:
+                raise RuntimeError(f"aadl_func native kernel failed with code {code}")
+            row = [a + b for a, b in zip(row, out.tolist())]
+        return row
+
+    def _append(self, head: int) -> list[float]:
+        """The fused append of every leaf (`native.append_differences()` on the plan's
+        pointers): the Gram row of the new difference, summed over the leaves."""
+        plan = self.plan
+        kernel = native._load()[0].aadl_append_f32
+        q, row = len(plan.gram), None
+        for p, a, slots, pointers, (partial, out) in zip(
+            plan.params, plan.anchor, plan.slots, plan.pointers, plan.outputs
+        ):
+            torch.autograd.graph.increment_version([slots[head], a])
+            n = p.numel()
+            threads = native._threads(q, n, partial.shape[0])
+            code = kernel(pointers, q, head, p.data_ptr(), a.data_ptr(), n, native.BLOCK,
+                          threads, partial.data_ptr(), out.data_ptr())  # fmt: skip
+            if code != 0:
+                raise RuntimeError(f"aadl_func native kernel failed with code {code}")
+            part = out.tolist()
+            row = part if row is None else [x + y for x, y in zip(row, part)]
+        return row
+
+
+def _write(targets: list[Tensor], sources: list[Tensor]) -> None:
+    for dst, src in zip(targets, sources):
+        if src is not dst:
+            dst.copy_(src)

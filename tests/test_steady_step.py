@@ -1,0 +1,198 @@
+"""The steady in-place call (`aadl_func._src.exec.steady`) against the eager executor.
+
+A steady call runs the executor's operations on a plan kept with the state: it must give the
+executor's bits, params and every byte of the state, call by call; notice whatever wrote the
+state between calls; leave the calls it does not fit to the executor (which checks them); and
+end an exception raised inside it as the executor does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eager_executor import _bytes, _problem
+
+import aadl_func as aa
+from aadl_func._src import anderson as anderson_module
+from aadl_func._src.core import weights
+from aadl_func._src.exec import passes, steady
+
+
+def _counted(monkeypatch) -> list[int]:
+    """Counts the calls the steady path takes."""
+    taken, original = [0], anderson_module.steady.run
+
+    def counted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        taken[0] += result is not None
+        return result
+
+    monkeypatch.setattr(anderson_module.steady, "run", counted)
+    return taken
+
+
+def _run(monkeypatch, options, make_inner, *, steady_on, steps=40, between=None, grads_at=None):
+    """Every call's params and state bytes, with the steady path on or off."""
+    if not steady_on:
+        monkeypatch.setattr(anderson_module.steady, "run", lambda *a, **k: None)
+    opt = aa.anderson(make_inner(), **options)
+    params, loss = _problem(torch.float32)
+    state = opt.init(params)
+    grad = torch.func.grad(loss)
+    history = []
+    for k in range(steps):
+        grads = grad(params) if grads_at is None else grads_at(k, params, grad)
+        out, state = opt.update(state, params, grads, inplace=True)
+        assert all(out[n] is params[n] for n in params)  # in place: the tensors passed
+        params = out
+        history.append(_bytes((params, state)))
+        if between is not None:
+            params = between(k, params, state)
+    monkeypatch.undo()
+    return history
+
+
+INNERS = {
+    "adam": lambda: aa.adam(0.01),
+    "sgd-momentum": lambda: aa.sgd(2e-3, 0.5),
+    "sgd": lambda: aa.sgd(2e-3),  # no buffers: updated in place into the grads
+}
+CASES = [
+    {},
+    {"history_depth": 3},
+    {"history_depth": 6, "relaxation": 0.5, "reg": 1e-6},
+    {"wait_iterations": 7, "store_each_nth": 2, "frequency": 3},
+]
+
+
+def _compare(monkeypatch, options, inner, **kwargs) -> int:
+    taken = _counted(monkeypatch)
+    fast = _run(monkeypatch, options, INNERS[inner], steady_on=True, **kwargs)
+    calls = taken[0]
+    executor = _run(monkeypatch, options, INNERS[inner], steady_on=False, **kwargs)
+    for k, (a, b) in enumerate(zip(fast, executor)):
+        assert a == b, f"call {k + 1} differs"
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+@pytest.mark.parametrize("inner", list(INNERS))
+@pytest.mark.parametrize("options", CASES, ids=[str(o) for o in CASES])
+def test_steady_calls_give_the_executor_bits(monkeypatch, options, inner, mode):
+    options = {"mode": mode, **options}
+    calls = _compare(monkeypatch, options, inner)
+    # Most calls are steady: every one from the first full window on (on the gates' calls).
+    nth = options.get("store_each_nth", 1)
+    full = nth * (options.get("history_depth", 10) + 1)  # calls to fill the window, about
+    assert calls >= (40 - full) // (options.get("frequency", 1) * nth) - 1, calls
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+def test_a_write_between_calls_is_noticed(monkeypatch, mode):
+    """The caller writes the state between calls (the Grams, a counter, the anchor): the next
+    call reads the tensors again, as the executor does (a plan kept across such a write would
+    solve the wrong problem)."""
+
+    def between(k, params, state):
+        if k == 20:
+            state.gram.mul_(2.0)
+        if k == 25:
+            state.num_mixed.zero_()
+        if k == 30:
+            state.anchor["w"].add_(1e-3)
+        return params
+
+    calls = _compare(monkeypatch, {"mode": mode, "history_depth": 5}, "adam", between=between)
+    assert calls >= 25
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+def test_new_params_tensors_and_a_poisoned_append(monkeypatch, mode):
+    """New params tensors (a copy of the params dict's leaves) take the executor's call, then
+    a plan of their own; an Inf gradient (a non-finite Gram row) restarts the window in the
+    steady call as in the executor."""
+
+    def between(k, params, state):
+        return {n: p.clone() for n, p in params.items()} if k == 15 else params
+
+    def grads_at(k, params, grad):
+        grads = grad(params)
+        return {**grads, "b": torch.full_like(grads["b"], float("inf"))} if k == 30 else grads
+
+    options = {"mode": mode, "history_depth": 4}
+    calls = _compare(monkeypatch, options, "sgd", between=between, grads_at=grads_at)
+    assert calls >= 15
+
+
+def test_grads_the_steady_call_does_not_fit_go_the_checked_way(monkeypatch):
+    """Grads in a params leaf's memory, or of another dtype: the steady call declines (no
+    write) and the checked path raises or casts as it always did."""
+    opt = aa.anderson(aa.adam(0.01), history_depth=3)
+    params, loss = _problem(torch.float32)
+    state = opt.init(params)
+    for _ in range(6):
+        params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
+    taken = _counted(monkeypatch)
+    params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
+    assert taken[0] == 1
+    before = _bytes((params, state))
+    with pytest.raises(ValueError, match="shares memory with"):
+        opt.update(state, params, {"w": params["w"], "b": params["b"] * 0}, inplace=True)
+    assert _bytes((params, state)) == before
+    grads = {k: v.double() for k, v in torch.func.grad(loss)(params).items()}
+    opt.update(state, params, grads, inplace=True)  # cast, by the executor
+    assert taken[0] == 1
+
+
+# Where a fault is injected (the function raises once, in call 15; the steady call and the
+# executor call the same one): after the commit point, during the mix, before the commit point
+# (the window written, not yet committed: the plain step with the window restarted).
+FAULTS = {
+    "solve": lambda: [(steady, "solve_known"), (weights, "solve_known")],
+    "mix": lambda: [(passes, "finite")],
+    "append": lambda: [(steady, "known_rows"), (passes, "known_rows")],
+}
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("where", list(FAULTS))
+def test_an_exception_inside_ends_as_in_the_executor(monkeypatch, where, error, mode):
+    """An exception raised inside a steady call leaves the caller what the executor leaves
+    (the same bytes), and the runs go on alike."""
+    armed = [False]
+
+    def failing(original):
+        def fail_once(*args):
+            if armed[0]:
+                armed[0] = False
+                raise error("injected")
+            return original(*args)
+
+        return fail_once
+
+    def run(steady_on):
+        taken = _counted(monkeypatch) if steady_on else [0]
+        if not steady_on:
+            monkeypatch.setattr(anderson_module.steady, "run", lambda *a, **k: None)
+        for module, name in FAULTS[where]():
+            monkeypatch.setattr(module, name, failing(getattr(module, name)))
+        opt = aa.anderson(aa.adam(0.01), history_depth=4, mode=mode)
+        params, loss = _problem(torch.float32)
+        state = opt.init(params)
+        history, raised = [], 0
+        for k in range(25):
+            armed[0] = k == 15
+            grads = torch.func.grad(loss)(params)
+            try:
+                params, state = opt.update(state, params, grads, inplace=True)
+            except error:
+                raised += 1
+            history.append(_bytes((params, state)))
+        monkeypatch.undo()
+        assert raised == 1
+        return history, taken[0]
+
+    (fast, steady_calls), (executor, _) = run(True), run(False)
+    assert steady_calls >= 15
+    assert fast == executor
