@@ -196,3 +196,35 @@ def test_an_exception_inside_ends_as_in_the_executor(monkeypatch, where, error, 
     (fast, steady_calls), (executor, _) = run(True), run(False)
     assert steady_calls >= 15
     assert fast == executor
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+def test_the_wrappers_steps_give_the_executor_bits(monkeypatch, mode):
+    """`AcceleratedOptimizer` passes fresh copies of the params each call: steady calls take
+    them (checked as the executor checks them), with the executor's bits for the model and
+    the optimizer's state."""
+
+    def run(steady_on):
+        taken = _counted(monkeypatch) if steady_on else [0]
+        if not steady_on:
+            monkeypatch.setattr(anderson_module.steady, "run", lambda *a, **k: None)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+        data, target = torch.randn(32, 8), torch.randn(32, 2)
+        opt = aa.AcceleratedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.0, 0.999)),
+            mode=mode,
+            history_depth=4,
+        )
+        history = []
+        for _ in range(30):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(data), target).backward()
+            opt.step()
+            history.append(_bytes((list(model.parameters()), opt.state_dict())))
+        monkeypatch.undo()
+        return history, taken[0]
+
+    (fast, steady_calls), (executor, _) = run(True), run(False)
+    assert steady_calls >= 20
+    assert fast == executor

@@ -66,7 +66,7 @@ class Plan:
     __slots__ = (
         "options", "params", "shapes", "spec", "anchor", "slots", "columns", "pointers", "outputs",
         "count", "head", "mixed", "gram", "dr_gram", "tracked", "versions", "keeps", "adopts",
-        "classic", "iterates", "runs",
+        "classic", "iterates", "runs", "storages",
     )  # fmt: skip
 
     def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
@@ -106,6 +106,8 @@ class Plan:
             *self.anchor, *[s[0] for s in self.slots], *[s[0] for s in self.iterates if s],
         ]  # fmt: skip
         self.versions = _versions(self)
+        # The window's memory, which no params leaf may share.
+        self.storages = {t.untyped_storage().data_ptr() for t in self.tracked}
         self.keeps = protocols.keeps_buffers(options.inner)
         self.adopts = protocols.adopts_buffers(options.inner)
 
@@ -131,11 +133,11 @@ def run(
         if plan is None:
             return None
         set_memo(state, plan)
-    leaves = tree.flatten(params, "params")[0]
-    if not _same_params(leaves, plan.params, plan.shapes):
-        return None
+    leaves, spec = tree.flatten(params, "params")
     g_leaves, g_spec = tree.flatten(grads, "grads")
-    if not (g_spec == plan.spec and _grads_fit(g_leaves, leaves)):
+    if not (spec == plan.spec == g_spec and _params_fit(leaves, plan)):
+        return None
+    if not _grads_fit(g_leaves, leaves):
         return None
     count = plan.count + 1
     if not (
@@ -145,7 +147,7 @@ def run(
     ):
         return None
     guard = InterruptGuard()
-    call = _Call(plan, state, params, grads, guard)
+    call = _Call(plan, state, params, leaves, grads, guard)
     out = guarded(guard, call.run)
     if call.steady:
         plan.versions = _versions(plan)
@@ -192,17 +194,25 @@ def _new_plan(options: AndersonOptions, state: AndersonState, params: Any) -> Pl
     return plan
 
 
-def _same_params(leaves: list, planned: list, shapes: list) -> bool:
-    """The plan's params tensors, with the shape, dtype and layout it was made for (a
-    `set_` or `resize_` since would change them)."""
-    if len(leaves) != len(planned):
-        return False
-    for p, planned_p, shape in zip(leaves, planned, shapes):
-        if p is not planned_p or p.shape != shape or p.dtype != _FLOAT32:
+def _params_fit(leaves: list, plan: Plan) -> bool:
+    """Params the plan was made for: its own tensors, or others (the wrapper passes fresh
+    copies each call) that pass the executor's in-place checks the same way: plain float32
+    CPU tensors of the planned shapes, C-contiguous and writable, no two sharing memory and
+    none sharing the window's. A `set_` or `resize_` since would change a shape or layout."""
+    fresh = False
+    for p, planned, shape in zip(leaves, plan.params, plan.shapes):
+        if p.shape != shape or p.dtype != _FLOAT32 or not p.is_contiguous():
             return False
-        if not p.is_contiguous():
-            return False
-    return True
+        if p is not planned:
+            if type(p) is not Tensor or p.is_inference() or not p.is_cpu:
+                return False
+            if p.requires_grad and not p.is_leaf:
+                return False  # a view of a leaf that requires grad: checks.check_writable's
+            fresh = True
+    if not fresh:
+        return True
+    storages = [p.untyped_storage().data_ptr() for p in leaves]
+    return len(set(storages)) == len(storages) and not plan.storages.intersection(storages)
 
 
 def _grads_fit(grads: list, params: list) -> bool:
@@ -223,10 +233,16 @@ class _Call:
     over the plan's tensors and values."""
 
     def __init__(
-        self, plan: Plan, state: AndersonState, params: Any, grads: Any, guard: InterruptGuard
+        self,
+        plan: Plan,
+        state: AndersonState,
+        params: Any,
+        leaves: list[Tensor],
+        grads: Any,
+        guard: InterruptGuard,
     ) -> None:
         self.plan, self.state, self.guard = plan, state, guard
-        self.params, self.grads = params, grads
+        self.params, self.leaves, self.grads = params, leaves, grads
         self.count = plan.count + 1  # this call's number
         self.progress = Progress()
         self.updates: list[Tensor] = []
@@ -241,7 +257,7 @@ class _Call:
             self.grads, state.inner_state, params=self.params, inplace=not plan.keeps,
         )  # fmt: skip
         u_leaves, u_spec = tree.flatten(updates, "inner updates")
-        tree.check_like("inner updates", u_leaves, u_spec, plan.params, plan.spec,
+        tree.check_like("inner updates", u_leaves, u_spec, self.leaves, plan.spec,
                         owner="anderson.update")  # fmt: skip
         self.updates = u_leaves
         try:
@@ -251,13 +267,13 @@ class _Call:
             raise
 
     def _steps(self) -> list[Tensor]:
-        self.progress.param_versions = [p._version for p in self.plan.params]
+        self.progress.param_versions = [p._version for p in self.leaves]
         return self._classic() if self.plan.classic else self._aadl()
 
     def _aadl(self) -> list[Tensor]:
         """Mode "aadl" (`_Step.aadl()`)."""
         plan, progress = self.plan, self.progress
-        params, q = plan.params, len(plan.gram)
+        params, q = self.leaves, len(plan.gram)
         for p, u in zip(params, self.updates):  # 1. y = x + u, in the params
             progress.stepped.append(p.add_(u))
         head = (plan.head + 1) % q  # 2. y - anchor joins the window, y is the anchor
@@ -282,7 +298,7 @@ class _Call:
     def _classic(self) -> list[Tensor]:
         """Mode "classic" (`_Step.classic()`)."""
         plan, progress = self.plan, self.progress
-        params, q = plan.params, len(plan.gram)
+        params, q = self.leaves, len(plan.gram)
         head = (plan.head + 1) % q
         # 1. The pair (x_k, u_k) joins the window before the step overwrites x_k.
         for iterates, x, a in zip(plan.iterates, params, plan.anchor):
@@ -339,12 +355,12 @@ class _Call:
             num_mixed=plan.mixed if ok else state.num_mixed,
             num_nonfinite=state.num_nonfinite if ok else state.num_nonfinite + 1,
         )
-        writes = [(p, v) for p, v in zip(plan.params, x) if v is not p]
+        writes = [(p, v) for p, v in zip(self.leaves, x) if v is not p]
         progress.writes, progress.pending = writes, final
         for p, v in writes:
             p.copy_(v)
         inplace.commit_to(state, progress, final, None, False)
-        return plan.params
+        return self.leaves
 
     def _weights(
         self, head: int, gram: list, dr_gram: list, dr_rhs: list
@@ -392,7 +408,7 @@ class _Call:
         progress.writes, progress.pending = [], state
         inplace.commit_to(state, progress, state, None, False)
         self.steady = False
-        return plan.params
+        return self.leaves
 
     def _recover(self) -> None:
         """An exception anywhere: one complete outcome, as the executor's
@@ -401,7 +417,7 @@ class _Call:
             return  # nothing written
         plan = self.plan
         call = update_call.Call(
-            plan.options, self.state, plan.params, plan.spec, self.updates, self.inner_state,
+            plan.options, self.state, self.leaves, plan.spec, self.updates, self.inner_state,
             inplace=True, loss_fn=None, loss=None, guard=self.guard,
         )  # fmt: skip
         call.count, call.count_value = (
@@ -435,7 +451,7 @@ class _Call:
         kernel = native._load()[0].aadl_append_f32
         q, row = len(plan.gram), None
         for p, a, slots, pointers, (partial, out) in zip(
-            plan.params, plan.anchor, plan.slots, plan.pointers, plan.outputs
+            self.leaves, plan.anchor, plan.slots, plan.pointers, plan.outputs
         ):
             torch.autograd.graph.increment_version([slots[head], a])
             n = p.numel()
