@@ -228,3 +228,41 @@ def test_the_wrappers_steps_give_the_executor_bits(monkeypatch, mode):
     (fast, steady_calls), (executor, _) = run(True), run(False)
     assert steady_calls >= 20
     assert fast == executor
+
+
+def test_a_state_whose_calls_cannot_be_steady_is_not_checked_twice(monkeypatch):
+    """Float64 params (the native kernel takes float32): past the first full window the
+    steady path declines at once, so each call runs the checks once (the executor's), and
+    turning the kernel off and on again takes it out of and back into the steady path."""
+    from aadl_func._src import checks, native
+
+    counted = [0]
+    original = checks.check_update_inputs
+
+    def counting(*args, **kwargs):
+        counted[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(anderson_module, "check_update_inputs", counting)
+    monkeypatch.setattr(steady, "check_update_inputs", counting)
+    opt = aa.anderson(aa.adam(0.01), history_depth=3)
+    params, loss = _problem(torch.float64)
+    state = opt.init(params)
+    for _ in range(10):
+        params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
+    counted[0] = 0
+    for _ in range(5):
+        params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
+    assert counted[0] == 5
+    taken = _counted(monkeypatch)
+    params, loss = _problem(torch.float32)
+    state = opt.init(params)
+    previous = native.set_enabled(False)
+    try:
+        for _ in range(8):
+            params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
+        assert taken[0] == 0
+    finally:
+        native.set_enabled(previous)
+    params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
+    assert taken[0] == 1

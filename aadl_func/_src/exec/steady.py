@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -122,19 +122,30 @@ def run(
     """The steady call (see the module docstring), or None, having written nothing."""
     if _functorch.maybe_current_level() is not None or tree.tracing():
         return None
-    if not isinstance(state, AndersonState):
+    if not isinstance(state, AndersonState) or state.pending_loss is None:
         return None
+    try:
+        leaves, spec = tree.flatten(params, "params")
+        g_leaves, g_spec = tree.flatten(grads, "grads")
+    except Exception:  # noqa: BLE001 (the checked path says what is wrong, as always)
+        return None
+    if any(type(t) is not Tensor for t in (*leaves, *g_leaves)):
+        return None  # sharded (DTensor) params, grads that are not tensors, ...
     plan = memo(state)
+    if type(plan) is _Unplannable:
+        if plan.options is options and plan.native == native.available():
+            return None
+        plan = None
     if plan is None or plan.options is not options or plan.versions != _versions(plan):
+        if not _steady_window(options, state):
+            return None
         # A new plan is made from inputs that pass every check of the executor's call (which
         # raise here as they would there, before anything is written).
         check_update_inputs(options, state, params, grads, None, True)
-        plan = _new_plan(options, state, params)
+        plan = _new_plan(options, state, leaves, spec)
+        set_memo(state, plan or _Unplannable(options, native.available()))
         if plan is None:
             return None
-        set_memo(state, plan)
-    leaves, spec = tree.flatten(params, "params")
-    g_leaves, g_spec = tree.flatten(grads, "grads")
     if not (spec == plan.spec == g_spec and _params_fit(leaves, plan)):
         return None
     if not _grads_fit(g_leaves, leaves):
@@ -156,25 +167,42 @@ def run(
     return tree.unflatten(plan.spec, out), state
 
 
-def _new_plan(options: AndersonOptions, state: AndersonState, params: Any) -> Plan | None:
-    """A plan for `state` if its next call can be a steady one, else None."""
+class _Unplannable(NamedTuple):
+    """Kept with a state none of whose calls can be steady for `options` (its options, the
+    params' kinds, the window's layout, the native kernel `native` off), so that they do not
+    try again; a state the caller rebuilds loses it (`verified_states`)."""
+
+    options: Any
+    native: bool
+
+
+def _steady_window(options: AndersonOptions, state: AndersonState) -> bool:
+    """Whether the window is in the steady state now: full, nothing pending, no skip streak
+    (plain CPU counters, read once each)."""
+    small = (state.count, state.head, state.window_size, state.skip_streak, state.num_mixed)
+    if any(t.is_inference() or not t.is_cpu or t.ndim for t in small):
+        return False
+    q = options.num_slots
+    full = q if options.rules.keeps_iterates else q + 1  # pairs; iterates
+    if int(state.window_size) != full or int(state.skip_streak) != 0:
+        return False
+    return state.pending_loss.is_cpu and float(state.pending_loss) == _INF
+
+
+def _new_plan(
+    options: AndersonOptions, state: AndersonState, leaves: list[Tensor], spec: Any
+) -> Plan | None:
+    """A plan for `state` (in the steady state) if its calls can be steady ones, else
+    None: that is a matter of the options, the params' kinds and the window's layout."""
     if options.average or options.skip_nonfinite:
         return None
     if options.line_search or options.reg_relative or options.reg_column:
         return None
-    if state.pending_loss is None or not native.available():
+    if not native.available() or options.num_slots < 2:
         return None
-    leaves, spec = tree.flatten(params, "params")
-    q = options.num_slots
-    small = (state.count, state.head, state.window_size, state.skip_streak, state.num_mixed)
-    if not (state.gram.is_cpu and state.gram.dtype == torch.float64 and q >= 2):
+    if not (state.gram.is_cpu and state.gram.dtype == torch.float64):
         return None
-    if any(t.is_inference() or not t.is_cpu or t.ndim for t in small):
-        return None
-    full = q if options.rules.keeps_iterates else q + 1  # pairs; iterates
-    if int(state.window_size) != full or int(state.skip_streak) != 0:
-        return None
-    if float(state.pending_loss) != _INF:
+    if any(type(p) is not Tensor or p.dtype != _FLOAT32 for p in leaves):
         return None
     plan = Plan(options, state, leaves, spec)
     for p, a, slots, column in zip(leaves, plan.anchor, plan.slots, plan.columns):
