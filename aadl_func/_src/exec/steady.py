@@ -180,13 +180,16 @@ def _steady_window(options: AndersonOptions, state: AndersonState) -> bool:
     """Whether the window is in the steady state now: full, nothing pending, no skip streak
     (plain CPU counters, read once each)."""
     small = (state.count, state.head, state.window_size, state.skip_streak, state.num_mixed)
-    if any(t.is_inference() or not t.is_cpu or t.ndim for t in small):
+    for t in (*small, state.pending_loss):
+        if type(t) is not Tensor or t.is_inference() or not t.is_cpu or t.ndim:
+            return False  # not a state `update` made: the checked path says what is wrong
+    if any(t.dtype != torch.int64 for t in small) or state.pending_loss.dtype != torch.float64:
         return False
     q = options.num_slots
     full = q if options.rules.keeps_iterates else q + 1  # pairs; iterates
     if int(state.window_size) != full or int(state.skip_streak) != 0:
         return False
-    return state.pending_loss.is_cpu and float(state.pending_loss) == _INF
+    return float(state.pending_loss) == _INF
 
 
 def _new_plan(
