@@ -251,14 +251,21 @@ def _pointers(rows: Sequence[Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(rows))(*[r.data_ptr() for r in rows])
 
 
-def _call(kernel: Callable, q: int, n: int, *leading: Any) -> Tensor:
+def _call(
+    kernel: Callable, q: int, n: int, *leading: Any, buffers: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
     """Runs a kernel whose arguments end in `(n, block, threads, partial, out)`; returns
-    `out`, the `(q,)` float64 sums."""
+    `out`, the `(q,)` float64 sums. `buffers`: the `(partial, out)` tensors to write, of
+    shapes `(ceil(n / BLOCK), q)` and `(q,)`, for a caller that keeps them between calls
+    (`aadl_func._src.exec.steady`); else new ones."""
     if n == 0:
         return torch.zeros(q, dtype=torch.float64)
-    out = torch.empty(q, dtype=torch.float64)  # every entry written by the kernel
     num_blocks = -(-n // BLOCK)
-    partial = torch.empty(num_blocks, q, dtype=torch.float64)
+    if buffers is None:
+        partial = torch.empty(num_blocks, q, dtype=torch.float64)
+        out = torch.empty(q, dtype=torch.float64)  # every entry written by the kernel
+    else:
+        partial, out = buffers
     threads = _threads(q, n, num_blocks)
     code = kernel(*leading, n, BLOCK, threads, partial.data_ptr(), out.data_ptr())
     if code != 0:

@@ -1,4 +1,4 @@
-r"""The steady in-place call of mode "aadl": a full window, every gate open, a plan per state.
+r"""The steady in-place call: a full window, every gate open, a plan kept with the state.
 
 Most calls of a training loop look alike: eager and in place, on the same params tensors,
 with the window full, storing and mixing. The eager executor (`aadl_func._src.exec.eager`)
@@ -9,21 +9,25 @@ slots as one matrix, the native kernel's pointers and output buffers, and the co
 Grams as Python values. A plan holds while every tensor it copies keeps the version counter
 the previous call left it with: whatever wrote one since (the caller, the executor, a
 recovery, a `load_state_dict`) moved it, and the next call builds the plan again from the
-tensors. Only the grads, new each call, are checked each call (against the params, as
-`aadl_func._src.checks.check_update_inputs()` would, which handles any mismatch).
+tensors. What can change between calls is checked each call as
+`aadl_func._src.checks.check_update_inputs()` would check it (any mismatch goes to the
+checked path): the grads against the params, and params tensors other than the plan's (the
+wrapper passes fresh copies) for their shapes, layout and memory.
 
 The call is the executor's, operation for operation, so it gives its bits
-(tests/test_steady_step.py holds every byte of params and state to it): the inner update,
-`y = x + u` into the params, the fused append (the newest difference into its slot, the
-anchor, the Gram row), the Grams as Python floats, the commit point, the small solve
-(`aadl_func._src.core.lstsq.solve_known()`), `x^+ = y - sum_j c_j \Delta x_j` accumulated
-in the params, the finiteness test and the final commit. Its `Progress` record is the
+(tests/test_steady_step.py holds every byte of params and state to it). Mode "aadl": the
+inner update, `y = x + u` into the params, the fused append (the newest difference into its
+slot, the anchor, the Gram row), the Grams as Python floats, the commit point, the small
+solve (`aadl_func._src.core.lstsq.solve_known()`), `x^+ = y - sum_j c_j \Delta x_j`
+accumulated in the params, the finiteness test and the final commit. Mode "classic": the
+pair `(x_k - anchor, u_k)` into its slots and its Gram row first, then the anchor and the
+plain step, and the mix over both rings. Its `Progress` record is the
 executor's, so an exception anywhere ends as there (`aadl_func._src.exec.inplace.recover()`).
 A poisoned append (a non-finite Gram row) or a small solve that fails goes on as the
 executor does.
 
 Which calls `run()` takes (else it returns None, having written nothing): an eager in-place
-`update` without `loss` or `loss_fn` and outside any torch.func transform, in mode "aadl"
+`update` without `loss` or `loss_fn` and outside any torch.func transform, in either mode,
 without the moving average, `skip_nonfinite`, `line_search` or a relative or per-column
 ridge; float32 CPU params and windows laid out as `anderson.init` lays them out, with the
 native kernel; past `wait_iterations`, on the `frequency` and `store_each_nth`, with a full
@@ -49,6 +53,7 @@ from aadl_func._src.core.scalars import float64_tensor
 from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.exec import inplace, passes
+from aadl_func._src.exec.eager import _write
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 from aadl_func._src.verified_states import memo, set_memo
@@ -209,8 +214,7 @@ def _new_plan(
         return None
     plan = Plan(options, state, leaves, spec)
     for p, a, slots, column in zip(leaves, plan.anchor, plan.slots, plan.columns):
-        plain = type(p) is Tensor and not p.is_inference() and p.is_contiguous()
-        if not (plain and p.dtype == _FLOAT32 and p.numel() > 0):
+        if p.is_inference() or not p.is_contiguous() or p.numel() == 0:
             return None
         if not (p.requires_grad is False or p.is_leaf):
             return None  # a view of a leaf that requires grad: checks.check_writable's
@@ -260,8 +264,8 @@ def _grads_fit(grads: list, params: list) -> bool:
 
 
 class _Call:
-    """One steady call: the executor's stages (`aadl_func._src.exec.eager._Step.aadl()`)
-    over the plan's tensors and values."""
+    """One steady call: the executor's stages (`aadl_func._src.exec.eager._Step`'s `aadl()`
+    and `classic()`) over the plan's tensors and values."""
 
     def __init__(
         self,
@@ -460,19 +464,16 @@ class _Call:
 
     def _dots(self, head: int) -> list[float]:
         """Mode "classic": the Gram row of the residual in slot `head`, summed over the
-        leaves from 0.0 (`passes._known_dots_row()`, on the plan's pointers)."""
+        leaves from 0.0 (`passes._known_dots_row()`, on the plan's pointers and buffers)."""
         plan = self.plan
         kernel = native._load()[0].aadl_dots_f32
         q = len(plan.gram)
         row = [0.0] * q
-        for slots, pointers, (partial, out) in zip(plan.slots, plan.pointers, plan.outputs):
-            n = slots[head].numel()
-            threads = native._threads(q, n, partial.shape[0])
-            code = kernel(pointers, q, slots[head].data_ptr(), n, native.BLOCK, threads,
-                          partial.data_ptr(), out.data_ptr())  # fmt: skip
-            if code != 0:
-                raise RuntimeError(f"aadl_func native kernel failed with code {code}")
-            row = [a + b for a, b in zip(row, out.tolist())]
+        for slots, pointers, buffers in zip(plan.slots, plan.pointers, plan.outputs):
+            newest = slots[head]
+            part = native._call(kernel, q, newest.numel(), pointers, q, newest.data_ptr(),
+                                buffers=buffers)  # fmt: skip
+            row = [a + b for a, b in zip(row, part.tolist())]
         return row
 
     def _append(self, head: int) -> list[float]:
@@ -481,22 +482,12 @@ class _Call:
         plan = self.plan
         kernel = native._load()[0].aadl_append_f32
         q, row = len(plan.gram), None
-        for p, a, slots, pointers, (partial, out) in zip(
+        for p, a, slots, pointers, buffers in zip(
             self.leaves, plan.anchor, plan.slots, plan.pointers, plan.outputs
         ):
+            # Written behind torch's back: bump the version counters as an in-place op would.
             torch.autograd.graph.increment_version([slots[head], a])
-            n = p.numel()
-            threads = native._threads(q, n, partial.shape[0])
-            code = kernel(pointers, q, head, p.data_ptr(), a.data_ptr(), n, native.BLOCK,
-                          threads, partial.data_ptr(), out.data_ptr())  # fmt: skip
-            if code != 0:
-                raise RuntimeError(f"aadl_func native kernel failed with code {code}")
-            part = out.tolist()
+            part = native._call(kernel, q, p.numel(), pointers, q, head, p.data_ptr(),
+                                a.data_ptr(), buffers=buffers).tolist()  # fmt: skip
             row = part if row is None else [x + y for x, y in zip(row, part)]
         return row
-
-
-def _write(targets: list[Tensor], sources: list[Tensor]) -> None:
-    for dst, src in zip(targets, sources):
-        if src is not dst:
-            dst.copy_(src)
