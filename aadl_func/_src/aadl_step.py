@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import distributed, flags, mix_search, tree
+from aadl_func._src import distributed, flags, tree
 from aadl_func._src.average import window_average
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.ring import to_ring_order
@@ -40,7 +40,6 @@ from aadl_func._src.stages import (
     plain_step,
     read_slot,
     replace_newest,
-    safeguard,
     solve,
     store_anchor,
     stores,
@@ -98,10 +97,7 @@ def aadl_step(call: Call) -> tuple[Any, AndersonState]:
     )
     mixable = flags.both(mixes, ok)
     x = call.blend.select(mixable, lambda: to_params(call, x_hist), y, blend=False)
-    if options.line_search:  # step 4, searching along the mix
-        use_mix, x, x_hist = mix_search.search(call, mixable, x, x_hist, y)
-    else:
-        use_mix = safeguard(call, mixable, x, y)  # step 4
+    use_mix, x, x_hist = options.acceptance.choose(call, mixable, x, x_hist, y)  # step 4
     if call.loss_fn is not None:
         # A kept mix replaces the newest entry, so that the next residual starts from it.
         window = call.blend.select(use_mix, lambda: move_newest(call, window, x_hist, x), window)

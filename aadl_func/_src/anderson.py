@@ -23,7 +23,6 @@ from aadl_func._src import (
     distributed,
     flags,
     grad_mode,
-    mix_search,
     native,
     protocols,
     tree,
@@ -412,8 +411,7 @@ def step(
     # `grads` come back cast to the params' dtypes where they differ (as torch.optim does).
     p_leaves, spec, grads = check_update_inputs(options, state, params, grads, loss_fn, inplace)
     transformed = tree.any_transformed(p_leaves)  # vmap, or torch.compile
-    if options.line_search:
-        mix_search.check_call(loss_fn, shards, transformed)
+    options.acceptance.check_call(loss_fn, shards, transformed)
     if options.sufficient_decrease and shards is not None:
         raise ValueError(
             "anderson.update: `sufficient_decrease` is not available with sharded params (its "

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import distributed, flags, mix_search, tree
+from aadl_func._src import distributed, flags, tree
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.ring import to_ring_order
 from aadl_func._src.core.variants.classic import classic_coefficients
@@ -40,7 +40,6 @@ from aadl_func._src.stages import (
     owned,
     plain_step,
     read_slot,
-    safeguard,
     solve,
     store_anchor,
     stores,
@@ -104,10 +103,7 @@ def classic_step(call: Call) -> tuple[Any, AndersonState]:
     )
     mixable = flags.both(mixes, ok)
     x = call.blend.select(mixable, lambda: to_params(call, x_hist), y, blend=False)
-    if call.options.line_search:
-        use_mix, x, _ = mix_search.search(call, mixable, x, x_hist, y)
-    else:
-        use_mix = safeguard(call, mixable, x, y)
+    use_mix, x, _ = call.options.acceptance.choose(call, mixable, x, x_hist, y)
     final = count_outcome(call, plain, gate=mixes, ok=ok, use_mix=use_mix, poisoned=window.poisoned)
     out = output(call, use_mix, x, y, final)
     return tree.unflatten(call.spec, out), commit(call, final)

@@ -1,6 +1,6 @@
 r"""The deferred safeguard: a mix judged by the loss the next call brings.
 
-The `loss_fn` safeguard (`aadl_func._src.stages.safeguard()`) judges a mix before it is
+The `loss_fn` safeguard (`aadl_func._src.acceptance.SAFEGUARD`) judges a mix before it is
 returned, at the price of two forward passes per mixing call. A training loop computes the
 loss at its params anyway, with the gradient it passes to `update`; the deferred safeguard
 uses that value instead, one call later. With `update(state, x_k, grads_k, loss=L(x_k))`:

@@ -6,6 +6,9 @@ $\phi(s) = \ell(y + s d)$, $\ell$ = `loss_fn`, with $\phi'(0) = \nabla\ell(y)^\t
 from one forward-mode derivative. A direction that does not descend, or a search that finds
 no step length, keeps $y$, and the window restarts (`aadl_func._src.stages.restarted()`).
 The search is a Python loop on loss values: eager calls only (`check_call()`).
+
+The rule is `LINE_SEARCH`, the acceptance rule that `anderson(..., line_search=True)`
+chooses (`aadl_func._src.acceptance`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from torch import Tensor
 
 from aadl_func._src import flags, tree
 from aadl_func._src.core import linesearch
+from aadl_func._src.core.accept import Acceptance
 from aadl_func._src.exec.inplace import callbacks
 from aadl_func._src.update_call import Call
 from aadl_func._src.validation import scalar_loss
 
-__all__ = ["check_call", "search"]
+__all__ = ["LINE_SEARCH", "check_call", "search"]
 
 OWNER = "anderson.update"
 
@@ -82,3 +86,17 @@ def search(
         return flags.TRUE, x, x_hist
     point = linesearch.along(y, x, s)
     return flags.TRUE, point, point
+
+
+LINE_SEARCH = Acceptance(
+    name="the line search",
+    choose=search,
+    check_call=check_call,
+    # N-GMRES restarts when the direction does not descend or no step length qualifies.
+    restarts=True,
+    torch_optim_refusal=(
+        "(aa.anderson(..., line_search=True) with update(..., loss_fn=...)): a closure "
+        "writes the candidate into the module's parameters, through which no "
+        "forward-mode derivative flows"
+    ),
+)

@@ -37,6 +37,10 @@ class Mode:
       last_plain_step: `last_plain_step(call)`, the previous call's plain step read from
         the window (history device), where a rejected mix goes back to
         (`aadl_func._src.deferred`).
+      eager_steps: which of the fast paths' straight-line sequences
+        (`aadl_func._src.exec.eager`, `aadl_func._src.exec.steady`) runs the mode's eager
+        calls, `"aadl"` or `"classic"`; None: every call takes `step` (where a new mode
+        starts, until the fast paths hold a sequence of its own).
     """
 
     name: str
@@ -49,6 +53,7 @@ class Mode:
     base_bound: Callable[..., Any]
     mix_bound: Callable[..., Any]
     last_plain_step: Callable[..., Any]
+    eager_steps: str | None = None
 
 
 MODES = {
@@ -67,6 +72,7 @@ MODES = {
         base_bound=aadl_step.base_bound,
         mix_bound=aadl.mix_bound,
         last_plain_step=aadl_step.last_plain_step,
+        eager_steps="aadl",
     ),
     # Classic stores one residual and one step per pair. The moving average needs a window
     # of plain iterates, whose spread the residual Gram of pairs does not give.
@@ -83,5 +89,6 @@ MODES = {
         base_bound=classic_step.base_bound,
         mix_bound=classic.mix_bound,
         last_plain_step=classic_step.last_plain_step,
+        eager_steps="classic",
     ),
 }

@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from aadl_func._src import acceptance
+from aadl_func._src.core.accept import Acceptance
 from aadl_func._src.core.scalars import COMPLEX_HISTORY
 from aadl_func._src.modes import MODES, Mode
 from aadl_func._src.validation import (
@@ -40,11 +42,13 @@ class AndersonOptions:
     each).
 
     Besides the fields: `rules`, the mode's `Mode` record
-    (slot layout, window minimum, step function, bounds), and `num_slots`, the ring's
-    slots for `history_depth` in that mode.
+    (slot layout, window minimum, step function, bounds), `acceptance`, the acceptance rule's
+    record (`aadl_func._src.acceptance`), and `num_slots`, the ring's slots for
+    `history_depth` in that mode.
     """
 
     rules: ClassVar[Mode]
+    acceptance: ClassVar[Acceptance]
     num_slots: ClassVar[int]
 
     inner: Any
@@ -135,6 +139,7 @@ class AndersonOptions:
             object.__setattr__(self, name, value)
         # Derived once: every step reads them (not fields: they follow from `mode`).
         object.__setattr__(self, "rules", MODES[mode])
+        object.__setattr__(self, "acceptance", acceptance.chosen(owner, checked))
         object.__setattr__(self, "num_slots", MODES[mode].num_slots(checked["history_depth"]))
 
     @classmethod

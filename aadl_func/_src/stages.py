@@ -8,7 +8,7 @@ is a short sequence of these stages:
 3. `commit_plain()` -- the commit point: the caller now holds a finished plain step;
 4. `solve()` -- the mixing weights of the window's least-squares problem;
 5. the mode's own combination (`aadl_func._src.window.combine()`), then `finite()`
-   and `safeguard()` -- accept or reject the mix;
+   and the options' acceptance rule (`aadl_func._src.acceptance`) -- accept or reject the mix;
 6. `output()` and `commit()` (`aadl_func._src.exec.inplace`) -- the returned params and
    the final state.
 
@@ -35,12 +35,11 @@ from aadl_func._src.core.lstsq import MixingWeights
 from aadl_func._src.core.ring import slot_valid
 from aadl_func._src.core.scalars import float64_tensor, real_view
 from aadl_func._src.core.weights import known_weights, window_weights
-from aadl_func._src.exec.inplace import callbacks, commit
+from aadl_func._src.exec.inplace import commit
 from aadl_func._src.exec.ops import OPS
 from aadl_func._src.exec.sharded import Reduction, certified_finite, reduce_rows, shard_factor
 from aadl_func._src.state import AndersonState
 from aadl_func._src.update_call import Call, advance, may_mix
-from aadl_func._src.validation import scalar_loss
 from aadl_func._src.window import difference_rows, set_gram_row, window_factor, write_slot
 
 __all__ = [
@@ -55,7 +54,6 @@ __all__ = [
     "replace_newest",
     "reset_streak",
     "revert",
-    "safeguard",
     "solve",
     "stores",
     "to_history",
@@ -336,28 +334,11 @@ def finite(call: Call, leaves: list[Tensor], solution: Solution) -> Tensor:
     return flags.both(solved, flag)
 
 
-def safeguard(call: Call, gate: Tensor, x: list[Tensor], y: list[Tensor]) -> Tensor:
-    """`gate` and `loss_fn(x) < loss_fn(y)` (both finite); `gate` without `loss_fn`."""
-    loss_fn = call.loss_fn
-    if loss_fn is None:
-        return gate
-
-    def decide() -> Tensor:
-        with callbacks(call):
-            loss_x = scalar_loss("anderson.update", loss_fn(tree.unflatten(call.spec, x)))
-            loss_y = scalar_loss("anderson.update", loss_fn(tree.unflatten(call.spec, y)))
-        if call.shards is not None:
-            loss_x, loss_y = call.shards.mean_losses(loss_x, loss_y)
-        better = accept.beats(loss_x, loss_y).reshape(())
-        return flags.both(gate, flags.decision(better, call.compute_device))
-
-    return call.blend.select(gate, decide, flags.FALSE)
-
-
 def restarted(call: Call, window_size: Tensor, rejected: Tensor) -> Tensor:
-    """`restart_on_reject`: the window size after a rejected mix is cut to the newest
+    """`restart_on_reject`, or a rule that restarts (`Acceptance.restarts`): the window
+    size after a rejected mix is cut to the newest
     entry (aadl) or pair (classic); older slots count again only once overwritten."""
-    if not (call.options.restart_on_reject or call.options.line_search):
+    if not (call.options.restart_on_reject or call.options.acceptance.restarts):
         return window_size
     known = flags.value(rejected)
     if known is not None:

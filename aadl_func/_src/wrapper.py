@@ -29,9 +29,9 @@ from aadl_func._src.wrapper_checkpoint import plain_values, restore_windows, sav
 from aadl_func._src.wrapper_groups import TakenStep, marks, torch_step_unless_rejected
 from aadl_func._src.wrapper_loss import (
     check_loss_argument,
-    check_no_line_search,
     check_no_sufficient_decrease,
     check_safeguard,
+    check_served_rules,
     closure_loss,
     interruptible,
     returning,
@@ -123,7 +123,7 @@ class AcceleratedOptimizer(Optimizer):
         given = locals()
         resolved = {name: given[name] for name in AndersonOptions.names()}
         check_safeguard("AcceleratedOptimizer", safeguard, store_each_nth)
-        check_no_line_search("AcceleratedOptimizer", line_search)
+        check_served_rules("AcceleratedOptimizer", resolved)
         check_no_sufficient_decrease("AcceleratedOptimizer", sufficient_decrease)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(

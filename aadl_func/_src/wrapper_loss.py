@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aadl_func._src.acceptance import ACCEPTANCES
 from aadl_func._src.atomic import InterruptGuard
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "check_is_a_loss",
     "check_loss_argument",
     "check_no_sufficient_decrease",
+    "check_served_rules",
     "check_safeguard",
     "closure_loss",
     "interruptible",
@@ -45,16 +47,17 @@ def check_safeguard(owner: str, safeguard: Any, store_each_nth: Any) -> None:
         )
 
 
-def check_no_line_search(owner: str, line_search: object) -> None:
-    """`line_search=True` searches with a forward-mode derivative of the loss along the mix;
-    the closure writes the candidate into the module's parameters, through which none flows."""
-    if line_search is True:
-        raise ValueError(
-            f"{owner}: `line_search=True` is available in the functional API only "
-            "(aa.anderson(..., line_search=True) with update(..., loss_fn=...)): a closure "
-            "writes the candidate into the module's parameters, through which no "
-            "forward-mode derivative flows"
-        )
+def check_served_rules(owner: str, options: dict[str, Any]) -> None:
+    """Refuses an acceptance rule that the torch.optim faces cannot serve
+    (`Acceptance.torch_optim_refusal`; the line search: a closure writes its candidates into
+    the module's parameters, through which no forward-mode derivative flows), by its option
+    in `options` (the values given, before they are checked)."""
+    for name, rule in ACCEPTANCES.items():
+        if rule.torch_optim_refusal is not None and options[name] is True:
+            raise ValueError(
+                f"{owner}: `{name}=True` is available in the functional API only "
+                + rule.torch_optim_refusal
+            )
 
 
 def check_no_sufficient_decrease(owner: str, sufficient_decrease: object) -> None:

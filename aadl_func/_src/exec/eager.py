@@ -30,6 +30,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import deferred, flags, protocols, stages, tree, update_call
+from aadl_func._src.acceptance import SAFEGUARD
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
 from aadl_func._src.checks import mark_verified
 from aadl_func._src.core.grams import Grams
@@ -59,7 +60,11 @@ def applies(
     """Whether this executor runs the call (see the module docstring)."""
     if transformed or shards is not None or loss_fn is not None or not mix:
         return False
-    if options.average or options.skip_nonfinite or tree.tracing():
+    if options.average or options.skip_nonfinite or options.acceptance is not SAFEGUARD:
+        return False  # (the fast paths run the default acceptance rule only)
+    if options.rules.eager_steps is None:
+        return False  # a mode without a straight-line sequence here
+    if tree.tracing():
         return False
     if _functorch.maybe_current_level() is not None:
         # Inside vmap or grad: a leaf of the state, the grads or the inner updates may be
@@ -124,7 +129,7 @@ def _call(options, state, params, p_leaves, spec, grads, loss, guard) -> tuple[A
         loss = deferred.bar(options, loss, tree.flatten(grads, "grads")[0], u_leaves)
     step = _Step(options, state, p_leaves, spec, u_leaves, inner_state, loss, guard)
     try:
-        out = step.classic() if options.rules.keeps_iterates else step.aadl()
+        out = step.classic() if options.rules.eager_steps == "classic" else step.aadl()
     except BaseException:
         step.recover()
         raise

@@ -28,10 +28,10 @@ executor does.
 
 Which calls `run()` takes (else it returns None, having written nothing): an eager in-place
 `update` without `loss` or `loss_fn` and outside any torch.func transform, in either mode,
-without the moving average, `skip_nonfinite`, `line_search` or a relative or per-column
-ridge; float32 CPU params and windows laid out as `anderson.init` lays them out, with the
-native kernel; past `wait_iterations`, on the `frequency` and `store_each_nth`, with a full
-window and nothing pending.
+without the moving average, `skip_nonfinite`, an acceptance rule other than the default
+(`line_search`) or a relative or per-column ridge; float32 CPU params and windows laid out
+as `anderson.init` lays them out, with the native kernel; past `wait_iterations`, on the
+`frequency` and `store_each_nth`, with a full window and nothing pending.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import kernels, native, protocols, tree, update_call
+from aadl_func._src.acceptance import SAFEGUARD
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
 from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.core.grams import Grams
@@ -86,7 +87,7 @@ class Plan:
         self.columns = [None if m is None else m.mT for m in matrices]
         # Mode "classic": the steps' ring too, and each leaf's two matrices as
         # `kernels.combine_leaf()`'s runs (the steps' weights first, as `passes.combine()`).
-        self.classic = options.rules.keeps_iterates
+        self.classic = options.rules.eager_steps == "classic"
         its = [tree.flatten(r, "state.iterates")[0] for r in state.iterates]
         self.iterates = [[entry[i] for entry in its] for i in range(len(leaves))]
         self.runs = [
@@ -204,9 +205,9 @@ def _new_plan(
     None: that is a matter of the options, the params' kinds and the window's layout."""
     if options.average or options.skip_nonfinite:
         return None
-    if options.line_search or options.reg_relative or options.reg_column:
+    if options.acceptance is not SAFEGUARD or options.reg_relative or options.reg_column:
         return None
-    if not native.available() or options.num_slots < 2:
+    if options.rules.eager_steps is None or not native.available() or options.num_slots < 2:
         return None
     if not (state.gram.is_cpu and state.gram.dtype == torch.float64):
         return None
