@@ -1,6 +1,7 @@
-"""Modes as records (`aadl_func._src.modes.MODES`): a mode registered by one line runs its own
-`step` on every call unless its record names a straight-line sequence of the fast paths
-(`eager_steps`); the fast paths never run a mode as another one."""
+"""Modes as records (`aadl_func._src.modes.MODES`): a mode registered by one line runs the one
+`update` sequence with its own functions on every call unless its record names a
+straight-line sequence of the fast paths (`eager_steps`); the fast paths never run a mode as
+another one."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ from aadl_func._src.modes import MODES
 @pytest.mark.parametrize("inplace", [True, False])
 def test_a_mode_without_eager_steps_takes_its_own_step(monkeypatch, base, inplace):
     calls = [0]
-    own = {"aadl": aadl_step.aadl_step, "classic": classic_step.classic_step}[base]
+    own = {"aadl": aadl_step.store_and_step, "classic": classic_step.store_and_step}[base]
 
     def counted(call):
         calls[0] += 1
         return own(call)
 
-    record = dataclasses.replace(MODES[base], name="counted", step=counted, eager_steps=None)
+    record = dataclasses.replace(
+        MODES[base], name="counted", store_and_step=counted, eager_steps=None
+    )
     monkeypatch.setitem(MODES, "counted", record)
     new = aa.anderson(aa.adam(1e-2), history_depth=4, mode="counted")
     old = aa.anderson(aa.adam(1e-2), history_depth=4, mode=base)

@@ -1,4 +1,5 @@
-r"""Mode "aadl": AADL's Anderson step on the window of plain iterates.
+r"""Mode "aadl": AADL's Anderson step on the window of plain iterates (the mode's part of
+`aadl_func._src.update.update()`, named in its `aadl_func._src.modes.Mode` record).
 
 The window holds the newest plain iterate $y_{k}$ (the anchor, in the params' dtype)
 and a ring of the differences $\Delta x_j = y_{j+1} - y_j$ of consecutive ones (the
@@ -23,19 +24,14 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import distributed, flags, tree
-from aadl_func._src.average import window_average
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.ring import to_ring_order
 from aadl_func._src.core.variants.aadl import aadl_coefficients
-from aadl_func._src.exec.inplace import begin_writes, commit, undo_later
+from aadl_func._src.exec.inplace import undo_later
 from aadl_func._src.exec.sharded import Reduction
 from aadl_func._src.stages import (
     append,
-    commit_plain,
-    count_outcome,
     finite,
-    gate,
-    output,
     owned,
     plain_step,
     read_slot,
@@ -44,14 +40,20 @@ from aadl_func._src.stages import (
     store_anchor,
     stores,
     to_history,
-    to_params,
     window_tree,
 )
-from aadl_func._src.state import AndersonState
 from aadl_func._src.update_call import Call, advance
 from aadl_func._src.window import append_difference, combine
 
-__all__ = ["aadl_step", "base_bound", "last_plain_step"]
+__all__ = [
+    "base_bound",
+    "extrapolate",
+    "keep_mix",
+    "last_plain_step",
+    "no_mix",
+    "state_fields",
+    "store_and_step",
+]
 
 
 class Window(NamedTuple):
@@ -65,60 +67,28 @@ class Window(NamedTuple):
     anchor: list[Tensor]
     poisoned: Tensor
     reduction: Reduction | None
+    stored: Tensor  # this call stored y (the anchor holds it)
 
 
-def aadl_step(call: Call) -> tuple[Any, AndersonState]:
-    """One `update` call in mode "aadl" (the numbered steps of
-    [`aadl_func.anderson()`][aadl_func.anderson])."""
-    options = call.options
-    begin_writes(call)
-    y = plain_step(call)  # step 1
-    store = stores(call)
-    window = store_iterate(call, y, store)  # step 2
-    # Commit point (atomic.py): from here on the caller holds a finished plain step.
-    plain = commit_plain(
-        call,
-        window.ring,
-        window.grams,
-        window.head,
-        window.window_size,
-        window.poisoned,
-        anchor=window_tree(call, "anchor", window.anchor),
-    )
-    # The committed tensors (the caller's, in place), so that the final state shares them
-    # unless the safeguard moves the newest entry.
-    window = window._replace(grams=Grams.of(plain))
-    mean, averaged = moving_average(call, window)  # step 5, decided before any mix
-    mixes = flags.both(gate(call, window.window_size), flags.negate(averaged))
-    # x is only used where mixable = mixes & ok holds (the safeguard, the output): a gate
-    # without a value (vmap, compile) computes it unblended.
-    x_hist, ok = call.blend.select(
-        mixes, lambda: extrapolate(call, window, store), lambda: no_mix(call), blend=False
-    )
-    mixable = flags.both(mixes, ok)
-    x = call.blend.select(mixable, lambda: to_params(call, x_hist), y, blend=False)
-    use_mix, x, x_hist = options.acceptance.choose(call, mixable, x, x_hist, y)  # step 4
-    if call.loss_fn is not None:
-        # A kept mix replaces the newest entry, so that the next residual starts from it.
-        window = call.blend.select(use_mix, lambda: move_newest(call, window, x_hist, x), window)
-    if options.average:
-        x = call.blend.select(averaged, lambda: to_params(call, mean), x)
-    final = count_outcome(
-        call,
-        plain,
-        gate=mixes,
-        ok=ok,
-        use_mix=use_mix,
-        poisoned=window.poisoned,
-        anchor=window_tree(call, "anchor", window.anchor),
-        residuals=window_tree(call, "residuals", window.ring),
-        gram=window.grams.gram,
-        dr_gram=window.grams.dr_gram,
-        dr_rhs=window.grams.dr_rhs,
-        num_averaged=flags.add_if(plain.num_averaged, averaged),
-    )
-    out = output(call, flags.either(use_mix, averaged), x, y, final)
-    return tree.unflatten(call.spec, out), commit(call, final)
+def store_and_step(call: Call) -> tuple[Window, list[Tensor]]:
+    """Steps 1 and 2: the plain step `y`, then the window with `y` stored (or not)."""
+    y = plain_step(call)
+    return store_iterate(call, y, stores(call)), y
+
+
+def state_fields(call: Call, window: Window, *, final: bool) -> dict[str, Any]:
+    """The mode's fields of the state at the commit point (the anchor), and in the final
+    state (the window, which a kept mix moves: `keep_mix()`)."""
+    anchor = window_tree(call, "anchor", window.anchor)
+    if not final:
+        return {"anchor": anchor}
+    return {
+        "anchor": anchor,
+        "residuals": window_tree(call, "residuals", window.ring),
+        "gram": window.grams.gram,
+        "dr_gram": window.grams.dr_gram,
+        "dr_rhs": window.grams.dr_rhs,
+    }
 
 
 def store_iterate(call: Call, y: list[Tensor], store: Tensor) -> Window:
@@ -165,6 +135,7 @@ def store_iterate(call: Call, y: list[Tensor], store: Tensor) -> Window:
         anchor=call.blend.select(store, new_anchor, anchor),
         poisoned=poisoned,
         reduction=reduction,
+        stored=store,
     )
 
 
@@ -195,30 +166,7 @@ def _difference(call: Call, y_hist: list[Tensor]) -> tuple[list[Tensor], Tensor 
     return call.ring[slot], g
 
 
-def moving_average(call: Call, window: Window) -> tuple[list[Tensor] | None, Tensor]:
-    """Step 5, AADL's moving average (`aadl_func._src.average`), decided on the window
-    of plain iterates before any mix: `(the window mean, whether it replaces the params)`.
-    When it applies, the window is too noisy to extrapolate from, so the call does not mix
-    (nor evaluate the safeguard's losses)."""
-    if not call.options.average or call.plain:
-        return None, flags.FALSE
-
-    def average() -> tuple[list[Tensor], Tensor]:
-        return window_average(
-            window.anchor,
-            window.ring,
-            window.grams.gram,
-            window.head,
-            window.window_size,
-            tol=call.options.average_tol,
-            compute_dtypes=call.compute_dtypes,
-        )
-
-    no_mean = [torch.zeros_like(a, dtype=c) for a, c in zip(window.anchor, call.compute_dtypes)]
-    return call.blend.select(window.window_size >= 2, average, (no_mean, flags.FALSE))
-
-
-def extrapolate(call: Call, window: Window, store: Tensor) -> tuple[list[Tensor], Tensor]:
+def extrapolate(call: Call, window: Window) -> tuple[list[Tensor], Tensor]:
     """Step 3: the mix $x^+ = y - \\sum_j c_j \\Delta x_j$ (compute dtype, history
     device) and whether it is usable (solved and finite)."""
     solution = solve(
@@ -226,7 +174,7 @@ def extrapolate(call: Call, window: Window, store: Tensor) -> tuple[list[Tensor]
     )
     minus_c = aadl_coefficients(solution.weights.alpha, call.options.relaxation, negated=True)
     anchor = window.anchor
-    into = _mix_into_params(call, anchor, store)
+    into = _mix_into_params(call, anchor, window.stored)
     if into is not None:
         undo_later(call, call.params, anchor)  # the anchor holds y
     try:
@@ -277,7 +225,7 @@ def no_mix(call: Call) -> tuple[list[Tensor], Tensor]:
     return zeros, flags.FALSE
 
 
-def move_newest(call: Call, window: Window, x_hist: list[Tensor], x: list[Tensor]) -> Window:
+def keep_mix(call: Call, window: Window, x_hist: list[Tensor], x: list[Tensor]) -> Window:
     """The safeguard kept the mix: it becomes the anchor and the newest residual grows by
     `x - y` (so that the next difference is taken from the point actually returned)."""
     ring, anchor = window.ring, window.anchor

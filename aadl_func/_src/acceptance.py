@@ -5,9 +5,9 @@ An acceptance rule is one `aadl_func._src.core.accept.Acceptance` record. The de
 `SAFEGUARD`, keeps a usable mix, and with `loss_fn` only one that lowers the loss,
 $\ell(x) < \ell(y)$. Another rule is one module that defines its record (the line search:
 `aadl_func._src.mix_search`) plus one line in `ACCEPTANCES`, keyed by the boolean option of
-[`aadl_func.anderson()`][aadl_func.anderson] that turns it on. The mode's step
-(`aadl_func._src.aadl_step`, `aadl_func._src.classic_step`) calls the rule's `choose`; the
-rest of the package reads the record's fields, never the rule's option.
+[`aadl_func.anderson()`][aadl_func.anderson] that turns it on. The step
+(`aadl_func._src.update.update()`) calls the rule's `choose`; the rest of the package reads
+the record's fields, never the rule's option.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The entry points live here: [`anderson()`][aadl_func.anderson] (the options, `AndersonOptions`),
 `init` (the state's buffers, laid out by the mode's record in `aadl_func._src.modes`) and
 `update`, which checks its arguments, runs the inner optimizer and hands one
-`aadl_func._src.update_call.Call` to the mode's step function
-(`aadl_func._src.aadl_step`, `aadl_func._src.classic_step`). `step()` is that
+`aadl_func._src.update_call.Call` to the one sequence of steps
+(`aadl_func._src.update.update()`, with the mode's functions). `step()` is that
 entry point for other front ends
 ([`aadl_func.AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer]).
 """
@@ -46,6 +46,7 @@ from aadl_func._src.options import AndersonOptions
 from aadl_func._src.protocols import AndersonInit, AndersonUpdate
 from aadl_func._src.stages import revert
 from aadl_func._src.state import COUNTERS, AndersonState
+from aadl_func._src.update import update as general_update
 from aadl_func._src.update_call import Call
 from aadl_func._src.window import new_ring
 
@@ -454,7 +455,7 @@ class _Flags(NamedTuple):
 
 
 def _general(options, state, params, p_leaves, spec, grads, how: _Flags) -> tuple:
-    """The general path (`aadl_func._src.stages` and the mode's step function): every call
+    """The general path (`aadl_func._src.update.update()`): every call
     the eager executor does not take (vmap, torch.compile, sharded params, `loss_fn`, the
     moving average, `skip_nonfinite`, a deferred rejection)."""
     if tree.tracing():
@@ -536,9 +537,9 @@ def _general_call(options, state, params, p_leaves, spec, grads, how: _Flags, gu
         guard=guard,
         plain=not how.mix,
     )
-    run = options.rules.step
+    run = general_update
     if options.skip_nonfinite:
-        run = functools.partial(_run_if_finite, run=options.rules.step, g_leaves=g_leaves)
+        run = functools.partial(_run_if_finite, run=general_update, g_leaves=g_leaves)
     if reject_known is None:
         out, new_state = _blend_verdict(call, rejected, run)
     else:

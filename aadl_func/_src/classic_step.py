@@ -1,4 +1,6 @@
-r"""Mode "classic": textbook (type-II) Anderson acceleration on the pairs $(x_i, g(x_i))$.
+r"""Mode "classic": textbook (type-II) Anderson acceleration on the pairs $(x_i, g(x_i))$
+(the mode's part of `aadl_func._src.update.update()`, named in its
+`aadl_func._src.modes.Mode` record).
 
 The window holds the newest point $x_{k}$ (the anchor, in the params' dtype), a ring of
 the steps $\Delta x_i = x_i - x_{i-1}$ between consecutive points and a ring of the
@@ -24,19 +26,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import distributed, flags, tree
+from aadl_func._src import distributed, flags
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.ring import to_ring_order
 from aadl_func._src.core.variants.classic import classic_coefficients
-from aadl_func._src.exec.inplace import begin_writes, commit
 from aadl_func._src.exec.sharded import Reduction
 from aadl_func._src.stages import (
     append,
-    commit_plain,
-    count_outcome,
     finite,
-    gate,
-    output,
     owned,
     plain_step,
     read_slot,
@@ -44,14 +41,19 @@ from aadl_func._src.stages import (
     store_anchor,
     stores,
     to_history,
-    to_params,
     window_tree,
 )
-from aadl_func._src.state import AndersonState
 from aadl_func._src.update_call import Call, advance
 from aadl_func._src.window import combine, write_slot
 
-__all__ = ["base_bound", "classic_step", "last_plain_step"]
+__all__ = [
+    "base_bound",
+    "extrapolate",
+    "last_plain_step",
+    "no_mix",
+    "state_fields",
+    "store_and_step",
+]
 
 
 class Window(NamedTuple):
@@ -67,10 +69,10 @@ class Window(NamedTuple):
     reduction: Reduction | None
 
 
-def classic_step(call: Call) -> tuple[Any, AndersonState]:
-    """One `update` call in mode "classic"."""
+def store_and_step(call: Call) -> tuple[Window, list[Tensor]]:
+    """Steps 2 and 1: the pair `(x_k, g(x_k) - x_k)` is stored before an in-place step
+    overwrites `x_k`, then the plain step `y`."""
     state = call.state
-    begin_writes(call)
     unchanged = Window(
         call.iterates,
         call.anchor,
@@ -81,32 +83,19 @@ def classic_step(call: Call) -> tuple[Any, AndersonState]:
         flags.FALSE,
         None,
     )
-    # The pair (x_k, g(x_k) - x_k) is stored before an in-place step overwrites x_k.
     window = call.blend.select(stores(call), lambda: store_pair(call), unchanged)
-    y = plain_step(call)
-    # Commit point (atomic.py): from here on the caller holds a finished plain step.
-    plain = commit_plain(
-        call,
-        window.ring,
-        window.grams,
-        window.head,
-        window.window_size,
-        window.poisoned,
-        anchor=window_tree(call, "anchor", window.anchor),
-        iterates=window_tree(call, "iterates", window.iterates),
-    )
-    mixes = gate(call, window.window_size)
-    # x is only used where mixable = mixes & ok holds (the safeguard, the output): a gate
-    # without a value (vmap, compile) computes it unblended.
-    x_hist, ok = call.blend.select(
-        mixes, lambda: extrapolate(call, window), lambda: no_mix(call), blend=False
-    )
-    mixable = flags.both(mixes, ok)
-    x = call.blend.select(mixable, lambda: to_params(call, x_hist), y, blend=False)
-    use_mix, x, _ = call.options.acceptance.choose(call, mixable, x, x_hist, y)
-    final = count_outcome(call, plain, gate=mixes, ok=ok, use_mix=use_mix, poisoned=window.poisoned)
-    out = output(call, use_mix, x, y, final)
-    return tree.unflatten(call.spec, out), commit(call, final)
+    return window, plain_step(call)
+
+
+def state_fields(call: Call, window: Window, *, final: bool) -> dict[str, Any]:
+    """The mode's fields of the state at the commit point (the anchor and the steps'
+    ring); none in the final state (a kept mix leaves the window as it is)."""
+    if final:
+        return {}
+    return {
+        "anchor": window_tree(call, "anchor", window.anchor),
+        "iterates": window_tree(call, "iterates", window.iterates),
+    }
 
 
 def store_pair(call: Call) -> Window:

@@ -42,7 +42,7 @@ class AndersonOptions:
     each).
 
     Besides the fields: `rules`, the mode's `Mode` record
-    (slot layout, window minimum, step function, bounds), `acceptance`, the acceptance rule's
+    (slot layout, window minimum, its part of the step, bounds), `acceptance`, the acceptance rule's
     record (`aadl_func._src.acceptance`), and `num_slots`, the ring's slots for
     `history_depth` in that mode.
     """

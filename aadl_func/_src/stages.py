@@ -1,7 +1,7 @@
 r"""The stages of one `update` call that both modes share.
 
-A mode's step function (`aadl_func._src.aadl_step`, `aadl_func._src.classic_step`)
-is a short sequence of these stages:
+`aadl_func._src.update.update()`, with the mode's functions (`aadl_func._src.aadl_step`,
+`aadl_func._src.classic_step`), is a short sequence of these stages:
 
 1. `plain_step()` -- the inner optimizer's step $y = g(x)$;
 2. `append()` -- the new residual joins the ring and its Gram rows the float64 Grams;

@@ -5,7 +5,7 @@ counters are read once; a finiteness test is one `aminmax`): whether it stores, 
 it mixes, whether the mix is finite. This executor runs the step as the numbered stages of
 [`aadl_func.anderson()`][aadl_func.anderson]'s docstring, in straight-line code over
 explicit tensors, with the same tensor operations as the general path
-(`aadl_func._src.stages` and the mode's step function, which serves vmap, torch.compile,
+(`aadl_func._src.update.update()` and its stages, which serve vmap, torch.compile,
 sharded params and the other options) and therefore the same bits. What it leaves out is
 the general path's machinery: no `Call`, no blends, no decision tensors.
 
