@@ -56,7 +56,8 @@ DEFAULT_ST_AM = {"lr": ST_AM_LR}
 ST_AM_MAX_WAIT = 16
 ST_AM_GD_LRS = (1e-3, 4e-3, 0.016, 0.063, 0.25, 1.0)
 ACCELERATED = (
-    "aa_default", "aa_tuned", "aa_sufficient", "aa_lbfgs_default", "aa_lbfgs_tuned",
+    "aa_default", "aa_tuned", "aa_sufficient", "aa_line_search", "aa_lbfgs_default",
+    "aa_lbfgs_tuned",
     "st_am_default", "st_am_waits", "st_am_tuned", "st_am_gd_tuned",
 )  # fmt: skip
 TUNED_ROWS = ("aa_tuned", "aa_lbfgs_tuned", "st_am_tuned", "st_am_gd_tuned")
@@ -96,6 +97,33 @@ def aa_sufficient() -> Method:
         options={**base.options, "sufficient_decrease": c},
         description=base.description.replace(
             "reg_relative=0.0001)", f"reg_relative=0.0001, sufficient_decrease={c:g})"
+        ),
+    )
+
+
+def aa_line_search() -> Method:
+    """AA default with N-GMRES's step (issue 36's first candidate) in place of the deferred
+    safeguard: ``line_search=True``, the loss searched along the mix from the plain step
+    (SciPy's Armijo search, phi'(0) by one forward-mode derivative; a direction that does not
+    descend restarts the window), ``update(..., loss_fn=train_loss)``. Every ``loss_fn`` call
+    counts one gradient-equivalent, the one inside the forward-mode derivative included."""
+    base, o = aa_default(), DEFAULT_AA
+    return dataclasses.replace(
+        base,
+        label="AA default, line search",
+        make=lambda: aa.anderson(
+            aa.adam(o["lr"], betas=(0.0, 0.999)),
+            mode="classic",
+            history_depth=o["history_depth"],
+            reg_relative=o["reg_relative"],
+            line_search=True,
+        ),  # fmt: skip
+        safeguard=True,
+        deferred=False,
+        options={**base.options, "safeguard": "loss_fn", "line_search": True},
+        description=base.description.replace(
+            "reg_relative=0.0001), update(..., loss=train_loss)",
+            "reg_relative=0.0001, line_search=True), update(..., loss_fn=train_loss)",
         ),
     )
 
