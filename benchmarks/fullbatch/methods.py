@@ -16,6 +16,7 @@ seeds are not the reported ones.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import digits_demo
 import pinn
@@ -80,20 +81,26 @@ def aa_default() -> Method:
     return aa_method(DEFAULT_AA["lr"], "AA default")
 
 
+def _default_with(**extra) -> Callable[[], aa.Anderson]:
+    """AA default's optimizer with the options ``extra`` added."""
+    o = DEFAULT_AA
+    return lambda: aa.anderson(
+        aa.adam(o["lr"], betas=(0.0, 0.999)),
+        mode="classic",
+        history_depth=o["history_depth"],
+        reg_relative=o["reg_relative"],
+        **extra,
+    )
+
+
 def aa_sufficient() -> Method:
     """AA default with ``sufficient_decrease=SUFFICIENT_DECREASE``: a mix is kept only if its
     loss is below the bar ``loss(x_k) + c grads.u_k`` (one more O(n) dot per call)."""
-    base, o, c = aa_default(), DEFAULT_AA, SUFFICIENT_DECREASE
+    base, c = aa_default(), SUFFICIENT_DECREASE
     return dataclasses.replace(
         base,
         label="AA default, sufficient decrease",
-        make=lambda: aa.anderson(
-            aa.adam(o["lr"], betas=(0.0, 0.999)),
-            mode="classic",
-            history_depth=o["history_depth"],
-            reg_relative=o["reg_relative"],
-            sufficient_decrease=c,
-        ),  # fmt: skip
+        make=_default_with(sufficient_decrease=c),
         options={**base.options, "sufficient_decrease": c},
         description=base.description.replace(
             "reg_relative=0.0001)", f"reg_relative=0.0001, sufficient_decrease={c:g})"
@@ -107,17 +114,11 @@ def aa_line_search() -> Method:
     (SciPy's Armijo search, phi'(0) by one forward-mode derivative; a direction that does not
     descend restarts the window), ``update(..., loss_fn=train_loss)``. Every ``loss_fn`` call
     counts one gradient-equivalent, the one inside the forward-mode derivative included."""
-    base, o = aa_default(), DEFAULT_AA
+    base = aa_default()
     return dataclasses.replace(
         base,
         label="AA default, line search",
-        make=lambda: aa.anderson(
-            aa.adam(o["lr"], betas=(0.0, 0.999)),
-            mode="classic",
-            history_depth=o["history_depth"],
-            reg_relative=o["reg_relative"],
-            line_search=True,
-        ),  # fmt: skip
+        make=_default_with(line_search=True),
         safeguard=True,
         deferred=False,
         options={**base.options, "safeguard": "loss_fn", "line_search": True},
