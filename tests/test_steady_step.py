@@ -266,3 +266,40 @@ def test_a_state_whose_calls_cannot_be_steady_is_not_checked_twice(monkeypatch):
         native.set_enabled(previous)
     params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
     assert taken[0] == 1
+
+
+@pytest.mark.parametrize(
+    "options, mixing", [({"frequency": 5}, 4), ({"store_each_nth": 2, "frequency": 2}, 10)]
+)
+def test_calls_that_do_not_mix_make_no_plan(monkeypatch, options, mixing):
+    """With `frequency` or `store_each_nth` above 1 the calls between mixes are the
+    executor's; the steady path makes no plan for them (the executor's writes would make it
+    stale at once) and their inputs are checked once, as without it."""
+    from aadl_func._src import checks
+
+    plans, checked = [0], [0]
+    new_plan, check = steady._new_plan, checks.check_update_inputs
+
+    def counting_plans(*args, **kwargs):
+        plans[0] += 1
+        return new_plan(*args, **kwargs)
+
+    def counting_checks(*args, **kwargs):
+        checked[0] += 1
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(steady, "_new_plan", counting_plans)
+    monkeypatch.setattr(anderson_module, "check_update_inputs", counting_checks)
+    monkeypatch.setattr(steady, "check_update_inputs", counting_checks)
+    taken = _counted(monkeypatch)
+    opt = aa.anderson(aa.adam(0.01), history_depth=3, **options)
+    params, loss = _problem(torch.float32)
+    state = opt.init(params)
+    for _ in range(20):  # the window full, past the first mixes
+        params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
+    plans[0] = checked[0] = taken[0] = 0
+    for _ in range(20):
+        params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
+    assert taken[0] == mixing  # every mixing call of the 20 is a steady one
+    assert plans[0] == mixing  # a plan for each (the executor wrote the state in between)
+    assert checked[0] == 20  # once a call

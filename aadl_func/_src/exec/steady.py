@@ -145,6 +145,10 @@ def run(
     if plan is None or plan.options is not options or plan.versions != _versions(plan):
         if not _steady_window(options, state):
             return None
+        if not _gates_open(options, int(state.count) + 1):
+            # A call that does not mix (`frequency`, `store_each_nth`, `wait_iterations`)
+            # is the executor's: no plan for it, which the executor's writes would make stale.
+            return None
         # A new plan is made from inputs that pass every check of the executor's call (which
         # raise here as they would there, before anything is written).
         check_update_inputs(options, state, params, grads, None, True)
@@ -156,12 +160,7 @@ def run(
         return None
     if not _grads_fit(g_leaves, leaves):
         return None
-    count = plan.count + 1
-    if not (
-        count > options.wait_iterations
-        and count % options.frequency == 0
-        and count % options.store_each_nth == 0
-    ):
+    if not _gates_open(options, plan.count + 1):
         return None
     guard = InterruptGuard()
     call = _Call(plan, state, params, leaves, grads, guard)
@@ -171,6 +170,16 @@ def run(
     else:  # the window restarted: the next calls are not steady
         set_memo(state, None)
     return tree.unflatten(plan.spec, out), state
+
+
+def _gates_open(options: AndersonOptions, count: int) -> bool:
+    """Whether call number `count` stores and may mix: past `wait_iterations`, on the
+    `frequency` and on `store_each_nth`."""
+    return (
+        count > options.wait_iterations
+        and count % options.frequency == 0
+        and count % options.store_each_nth == 0
+    )
 
 
 class _Unplannable(NamedTuple):
