@@ -26,6 +26,7 @@ from torch import Tensor
 from aadl_func._src import distributed, flags, tree
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.ring import to_ring_order
+from aadl_func._src.core.variants import aadl
 from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.exec.inplace import undo_later
 from aadl_func._src.exec.sharded import Reduction
@@ -250,15 +251,14 @@ def keep_mix(call: Call, window: Window, x_hist: list[Tensor], x: list[Tensor]) 
 
 
 def base_bound(call: Call) -> Tensor:
-    """The largest magnitude of the combination's base on this rank: the anchor, old or new
-    (`y = x + u`, bounded by `max|x| + max|u|`, also when `x` already holds `y`)."""
+    """The largest magnitude of the combination's base on this rank
+    (`aadl_func._src.core.variants.aadl.base_bound()`)."""
     device = call.compute_device
     anchor = distributed.max_abs(call.anchor, device)
-    newest = distributed.max_abs(call.params, device) + distributed.max_abs(call.updates, device)
-    return torch.maximum(anchor, newest)
+    params = distributed.max_abs(call.params, device)
+    return aadl.base_bound(anchor, params, distributed.max_abs(call.updates, device))
 
 
 def last_plain_step(call: Call) -> list[Tensor]:
-    """The previous call's plain step $y_{k-1}$: the anchor (the newest plain iterate,
-    stored on every call with `store_each_nth = 1`), as a fresh tensor."""
-    return [a.clone() for a in call.anchor]
+    """The previous call's plain step (`aadl_func._src.core.variants.aadl.last_plain_step()`)."""
+    return aadl.last_plain_step(call.anchor)

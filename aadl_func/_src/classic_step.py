@@ -29,6 +29,7 @@ from torch import Tensor
 from aadl_func._src import distributed, flags
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.ring import to_ring_order
+from aadl_func._src.core.variants import classic
 from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.exec.sharded import Reduction
 from aadl_func._src.stages import (
@@ -147,20 +148,16 @@ def no_mix(call: Call) -> tuple[list[Tensor], Tensor]:
 
 
 def base_bound(call: Call) -> Tensor:
-    r"""A bound of every iterate $x_i = a - \sum_{j > i} \Delta x_j$ on this rank:
-    `max|a| + Q max|dx|` over the old anchor and steps and the new ones (`a = x`,
-    `dx = x - a_old`)."""
+    """A bound of every iterate on this rank
+    (`aadl_func._src.core.variants.classic.base_bound()`)."""
     device = call.compute_device
     anchor = distributed.max_abs(call.anchor, device)
-    newest = distributed.max_abs(call.params, device)
-    steps = [leaf for entry in call.iterates for leaf in entry]
-    step = torch.maximum(distributed.max_abs(steps, device), anchor + newest)
-    return torch.maximum(anchor, newest) + call.q * step
+    params = distributed.max_abs(call.params, device)
+    steps = distributed.max_abs([leaf for entry in call.iterates for leaf in entry], device)
+    return classic.base_bound(anchor, params, steps, call.q)
 
 
 def last_plain_step(call: Call) -> list[Tensor]:
-    """The previous call's plain step $y_{k-1} = x_{k-1} + f_{k-1}$: the anchor plus
-    the newest residual, added in the params' dtype as the plain step was (exact for a
-    window in the params' dtype; a lower `history_dtype` rounds $f_{k-1}$)."""
-    newest = read_slot(call.ring, call.state.head)
-    return [a + f.to(a.dtype) for a, f in zip(call.anchor, newest)]
+    """The previous call's plain step
+    (`aadl_func._src.core.variants.classic.last_plain_step()`)."""
+    return classic.last_plain_step(call.anchor, read_slot(call.ring, call.state.head))

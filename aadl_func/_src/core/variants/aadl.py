@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["aadl_coefficients", "mix_bound"]
+__all__ = ["aadl_coefficients", "base_bound", "last_plain_step", "mix_bound"]
 
 
 def aadl_coefficients(
@@ -44,3 +44,16 @@ def mix_bound(options: Any, alpha: Tensor, norms: Tensor, base: Tensor) -> Tenso
     $A + \sum_s |c_s| \|r_s\|$, $A$ the base's bound."""
     c = aadl_coefficients(alpha, options.relaxation).abs()
     return base + torch.where(c > 0, c * norms, 0.0).sum()
+
+
+def base_bound(anchor: Tensor, params: Tensor, updates: Tensor) -> Tensor:
+    r"""A bound of the combination's base, the anchor old or new, from the largest
+    magnitudes of the old anchor, the params $x$ and the updates $u$: the new anchor
+    $y = x + u$ is bounded by $\max|x| + \max|u|$ (also when $x$ already holds $y$)."""
+    return torch.maximum(anchor, params + updates)
+
+
+def last_plain_step(anchor: list[Tensor]) -> list[Tensor]:
+    """The previous call's plain step $y_{k-1}$: the anchor, the newest plain iterate (stored
+    on every call with `store_each_nth = 1`), as fresh tensors."""
+    return [a.clone() for a in anchor]

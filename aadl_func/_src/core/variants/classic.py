@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["classic_coefficients", "mix_bound"]
+__all__ = ["base_bound", "classic_coefficients", "last_plain_step", "mix_bound"]
 
 
 def classic_coefficients(alpha: Tensor | list[float]) -> Tensor | list[float]:
@@ -35,3 +35,19 @@ def mix_bound(options: Any, alpha: Tensor, norms: Tensor, base: Tensor) -> Tenso
     $A \sum_i |\alpha_i| + \beta \sum_i |\alpha_i| \|f_i\|$."""
     a = alpha.abs()
     return base * a.sum() + options.relaxation * torch.where(a > 0, a * norms, 0.0).sum()
+
+
+def base_bound(anchor: Tensor, params: Tensor, steps: Tensor, num_slots: int) -> Tensor:
+    r"""A bound of every iterate $x_i = a - \sum_{j > i} \Delta x_j$ from the largest
+    magnitudes of the old anchor, the params (the new anchor $a = x$) and the stored steps:
+    $\max|a| + Q \max|\Delta x|$ over the old and the new ones ($\Delta x = x - a_{old}$,
+    bounded by $\max|x| + \max|a_{old}|$), $Q$ = `num_slots`."""
+    step = torch.maximum(steps, anchor + params)
+    return torch.maximum(anchor, params) + num_slots * step
+
+
+def last_plain_step(anchor: list[Tensor], newest: list[Tensor]) -> list[Tensor]:
+    """The previous call's plain step $y_{k-1} = x_{k-1} + f_{k-1}$: the anchor plus the
+    newest residual, added in the params' dtype as the plain step was (exact for a window
+    in the params' dtype; a lower `history_dtype` rounds $f_{k-1}$)."""
+    return [a + f.to(a.dtype) for a, f in zip(anchor, newest)]
