@@ -269,12 +269,20 @@ def test_a_state_whose_calls_cannot_be_steady_is_not_checked_twice(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "options, mixing", [({"frequency": 5}, 4), ({"store_each_nth": 2, "frequency": 2}, 10)]
+    "options, steady_calls, plans_made",
+    [
+        ({"frequency": 5}, 20, 0),  # calls that only store are steady: one plan serves all
+        ({"frequency": 3, "wait_iterations": 30}, 20, 0),  # storing while waiting, then mixing
+        ({"store_each_nth": 2, "frequency": 2}, 10, 10),  # the executor's calls in between
+    ],
 )
-def test_calls_that_do_not_mix_make_no_plan(monkeypatch, options, mixing):
-    """With `frequency` or `store_each_nth` above 1 the calls between mixes are the
-    executor's; the steady path makes no plan for them (the executor's writes would make it
-    stale at once) and their inputs are checked once, as without it."""
+def test_calls_that_only_store_are_steady_and_others_make_no_plan(
+    monkeypatch, options, steady_calls, plans_made
+):
+    """A call that stores without mixing (off the `frequency`, or within `wait_iterations`)
+    is a steady one, on the same plan; a call that does not store (`store_each_nth`) is the
+    executor's, with no plan made for it (its writes would make the plan stale at once), so
+    the next storing call makes one. Each call's inputs are checked at most once."""
     from aadl_func._src import checks
 
     plans, checked = [0], [0]
@@ -295,11 +303,13 @@ def test_calls_that_do_not_mix_make_no_plan(monkeypatch, options, mixing):
     opt = aa.anderson(aa.adam(0.01), history_depth=3, **options)
     params, loss = _problem(torch.float32)
     state = opt.init(params)
-    for _ in range(20):  # the window full, past the first mixes
+    for _ in range(20):  # the window full
         params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
     plans[0] = checked[0] = taken[0] = 0
+    mixed = int(state.num_mixed)
     for _ in range(20):
         params, state = opt.update(state, params, torch.func.grad(loss)(params), inplace=True)
-    assert taken[0] == mixing  # every mixing call of the 20 is a steady one
-    assert plans[0] == mixing  # a plan for each (the executor wrote the state in between)
-    assert checked[0] == 20  # once a call
+    assert taken[0] == steady_calls
+    assert plans[0] == plans_made
+    assert checked[0] == (20 - steady_calls) + plans_made  # the executor's, and each plan's
+    assert int(state.num_mixed) > mixed

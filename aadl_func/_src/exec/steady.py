@@ -21,7 +21,9 @@ slot, the anchor, the Gram row), the Grams as Python floats, the commit point, t
 solve (`aadl_func._src.core.lstsq.solve_known()`), `x^+ = y - sum_j c_j \Delta x_j`
 accumulated in the params, the finiteness test and the final commit. Mode "classic": the
 pair `(x_k - anchor, u_k)` into its slots and its Gram row first, then the anchor and the
-plain step, and the mix over both rings. Its `Progress` record is the
+plain step, and the mix over both rings. A call off the `frequency` (or within
+`wait_iterations`) stores and commits the same way and stops before the solve. Its `Progress`
+record is the
 executor's, so an exception anywhere ends as there (`aadl_func._src.exec.inplace.recover()`).
 A poisoned append (a non-finite Gram row) or a small solve that fails goes on as the
 executor does.
@@ -30,8 +32,8 @@ Which calls `run()` takes (else it returns None, having written nothing): an eag
 `update` without `loss` or `loss_fn` and outside any torch.func transform, in either mode,
 without the moving average, `skip_nonfinite`, an acceptance rule other than the default
 (`line_search`) or a relative or per-column ridge; float32 CPU params and windows laid out
-as `anderson.init` lays them out, with the native kernel; past `wait_iterations`, on the
-`frequency` and `store_each_nth`, with a full window and nothing pending.
+as `anderson.init` lays them out, with the native kernel; a call that stores (on
+`store_each_nth`), with a full window and nothing pending.
 """
 
 from __future__ import annotations
@@ -145,9 +147,9 @@ def run(
     if plan is None or plan.options is not options or plan.versions != _versions(plan):
         if not _steady_window(options, state):
             return None
-        if not _gates_open(options, int(state.count) + 1):
-            # A call that does not mix (`frequency`, `store_each_nth`, `wait_iterations`)
-            # is the executor's: no plan for it, which the executor's writes would make stale.
+        if not _stores(options, int(state.count) + 1):
+            # A call that does not store (`store_each_nth`) is the executor's: no plan for
+            # it, which the executor's writes would make stale at once.
             return None
         # A new plan is made from inputs that pass every check of the executor's call (which
         # raise here as they would there, before anything is written).
@@ -160,7 +162,7 @@ def run(
         return None
     if not _grads_fit(g_leaves, leaves):
         return None
-    if not _gates_open(options, plan.count + 1):
+    if not _stores(options, plan.count + 1):
         return None
     guard = InterruptGuard()
     call = _Call(plan, state, params, leaves, grads, guard)
@@ -172,14 +174,16 @@ def run(
     return tree.unflatten(plan.spec, out), state
 
 
-def _gates_open(options: AndersonOptions, count: int) -> bool:
-    """Whether call number `count` stores and may mix: past `wait_iterations`, on the
-    `frequency` and on `store_each_nth`."""
-    return (
-        count > options.wait_iterations
-        and count % options.frequency == 0
-        and count % options.store_each_nth == 0
-    )
+def _stores(options: AndersonOptions, count: int) -> bool:
+    """Whether call number `count` stores its entry (on `store_each_nth`): the calls the
+    steady path takes, mixing or not."""
+    return count % options.store_each_nth == 0
+
+
+def _mixes(options: AndersonOptions, count: int) -> bool:
+    """Whether call number `count` mixes (the window full): past `wait_iterations` and on
+    the `frequency` (`_Step.mixes()`)."""
+    return count > options.wait_iterations and count % options.frequency == 0
 
 
 class _Unplannable(NamedTuple):
@@ -289,6 +293,7 @@ class _Call:
         self.plan, self.state, self.guard = plan, state, guard
         self.params, self.leaves, self.grads = params, leaves, grads
         self.count = plan.count + 1  # this call's number
+        self.mixes = _mixes(plan.options, self.count)
         self.progress = Progress()
         self.updates: list[Tensor] = []
         self.inner_state: Any = state.inner_state
@@ -325,7 +330,10 @@ class _Call:
         rows = known_rows(self._append(head), plan.gram[(head - 1) % q], head)
         if not all(map(math.isfinite, chain(*rows))):
             return self._poisoned(head, 1)
-        alpha, solved = self._commit_plain(head, *rows)  # 3. the commit point, 4. the weights
+        self._commit_plain(head, *rows)  # 3. the commit point
+        if not self.mixes:  # a call that only stores (`frequency`, `wait_iterations`)
+            return self._finish(False, params, mixes=False)
+        alpha, solved = self._weights(head, plan.gram, plan.dr_gram, rows[2])  # 4. the weights
         minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
         weights = passes.ring_order(head, minus_c).to(_FLOAT32)
         progress.undo.append((params, plan.anchor))
@@ -360,7 +368,10 @@ class _Call:
             progress.stepped.append(p.add_(u))
         if not finite:
             return self._poisoned(head, 0)
-        alpha, solved = self._commit_plain(head, *rows)  # 3. the commit point, 4. the weights
+        self._commit_plain(head, *rows)  # 3. the commit point
+        if not self.mixes:  # a call that only stores (`frequency`, `wait_iterations`)
+            return self._finish(False, params, mixes=False)
+        alpha, solved = self._weights(head, plan.gram, plan.dr_gram, rows[2])  # 4. the weights
         relaxation = plan.options.relaxation
         coefficients = passes.ring_order(
             head, classic_coefficients(alpha), [relaxation * a for a in alpha]
@@ -373,9 +384,9 @@ class _Call:
         ok = passes.finite(x_hist, params, solved)
         return self._finish(ok, x_hist if ok else params)
 
-    def _commit_plain(self, head: int, g: list, h: list, c: list) -> tuple[Any, Any]:
+    def _commit_plain(self, head: int, g: list, h: list, c: list) -> None:
         """The commit point (`_Step.commit_plain()`): the plain step's state, with the
-        Grams the append made, becomes the caller's; then the window's weights."""
+        Grams the append made, becomes the caller's (and the plan's values)."""
         plan, state = self.plan, self.state
         gram, dr_gram = [list(r) for r in plan.gram], [list(r) for r in plan.dr_gram]
         plain = state._replace(
@@ -389,16 +400,16 @@ class _Call:
         inplace.commit_to(state, self.progress, plain, self.inner_state, plan.adopts, plain=True)
         self.guard.checkpoint()
         plan.count, plan.head, plan.gram, plan.dr_gram = self.count, head, gram, dr_gram
-        return self._weights(head, gram, dr_gram, c)
 
-    def _finish(self, ok: bool, x: list[Tensor]) -> list[Tensor]:
-        """The final state (`_Step.finish()`): the mix counted, or the failed one; `x`
-        written into the params where it is not them."""
+    def _finish(self, ok: bool, x: list[Tensor], *, mixes: bool = True) -> list[Tensor]:
+        """The final state (`_Step.finish()`): the mix counted, or the failed one (a call
+        that `mixes`); `x` written into the params where it is not them."""
         plan, state, progress = self.plan, self.state, self.progress
         plan.mixed += 1 if ok else 0
+        failed = mixes and not ok
         final = state._replace(
             num_mixed=plan.mixed if ok else state.num_mixed,
-            num_nonfinite=state.num_nonfinite if ok else state.num_nonfinite + 1,
+            num_nonfinite=state.num_nonfinite + 1 if failed else state.num_nonfinite,
         )
         writes = [(p, v) for p, v in zip(self.leaves, x) if v is not p]
         progress.writes, progress.pending = writes, final
