@@ -80,24 +80,11 @@ CONFIGS = {
         dtype=torch.float32,
         init_layout=True,
     ),
-    # The same, the faulted call (number WARM + 1 = 7) storing without mixing (frequency 2):
-    # a steady call that only stores.
-    "aadl-steady-store": dict(
-        inner=lambda: aa.adam(0.05),
-        guard=False,
-        dtype=torch.float32,
-        init_layout=True,
-        frequency=2,
-    ),
-    "classic-steady-store": dict(
-        inner=lambda: aa.adam(0.05),
-        mode="classic",
-        guard=False,
-        dtype=torch.float32,
-        init_layout=True,
-        frequency=2,
-    ),
 }
+# The steady sets with the faulted call (number WARM + 1 = 7) storing without mixing
+# (frequency 2): a steady call that only stores.
+for _name in ("aadl-steady", "classic-steady"):
+    CONFIGS[f"{_name}-store"] = {**CONFIGS[_name], "frequency": 2}
 ERRORS = [RuntimeError, SystemExit, KeyboardInterrupt]
 
 
