@@ -13,7 +13,7 @@ import torch
 
 import aadl_func as aa
 from aadl_func._src import acceptance, flags
-from aadl_func._src.core.accept import Acceptance
+from aadl_func._src.acceptance import Acceptance
 
 LR = 0.05
 DEPTH = 4
@@ -38,7 +38,7 @@ def _serves_all(loss_fn, shards, transformed):
     pass
 
 
-MIDPOINT = Acceptance(name="midpoint", choose=_midpoint, check_call=_serves_all)
+MIDPOINT = Acceptance(choose=_midpoint, check_call=_serves_all)
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_the_rules_check_call_runs_before_anything_is_written(monkeypatch):
         if loss_fn is None:
             raise ValueError("anderson.update: the test rule needs `loss_fn`")
 
-    rule = Acceptance(name="needs loss_fn", choose=_midpoint, check_call=refuse)
+    rule = Acceptance(choose=_midpoint, check_call=refuse)
     monkeypatch.setitem(acceptance.ACCEPTANCES, SWITCH, rule)
     opt = aa.anderson(aa.adam(1e-2), history_depth=DEPTH, **{SWITCH: True})
     x = torch.randn(8)
@@ -133,7 +133,7 @@ def test_a_rule_that_restarts_cuts_the_window_on_a_rejection(monkeypatch):
         return flags.FALSE, x, x_hist
 
     for restarts, size in ((True, 1), (False, DEPTH)):
-        rule = Acceptance(name="reject", choose=reject, check_call=_serves_all, restarts=restarts)
+        rule = Acceptance(choose=reject, check_call=_serves_all, restarts=restarts)
         monkeypatch.setitem(acceptance.ACCEPTANCES, "skip_nonfinite", rule)
         opt = aa.anderson(aa.sgd(LR), history_depth=DEPTH, mode="classic", skip_nonfinite=True)
         x, state = torch.randn(8, dtype=torch.float64), None
@@ -151,7 +151,6 @@ def test_two_rules_at_once_is_an_error_naming_both(midpoint):
 
 def test_the_torch_optim_faces_refuse_a_rule_by_its_record(monkeypatch):
     rule = Acceptance(
-        name="closure-free",
         choose=_midpoint,
         check_call=_serves_all,
         torch_optim_refusal="(the test rule's reason)",

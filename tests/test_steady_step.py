@@ -31,6 +31,27 @@ def _counted(monkeypatch) -> list[int]:
     return taken
 
 
+def _count_calls(monkeypatch, original, *targets) -> list[int]:
+    """Counts the calls of `original`, put in its place at each `(module, name)`."""
+    calls = [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    for module, name in targets:
+        monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def _count_checks(monkeypatch) -> list[int]:
+    """Counts the calls of `check_update_inputs`, by the executor and the steady path."""
+    from aadl_func._src import checks
+
+    targets = [(anderson_module, "check_update_inputs"), (steady, "check_update_inputs")]
+    return _count_calls(monkeypatch, checks.check_update_inputs, *targets)
+
+
 def _run(monkeypatch, options, make_inner, *, steady_on, steps=40, between=None, grads_at=None):
     """Every call's params and state bytes, with the steady path on or off."""
     if not steady_on:
@@ -234,17 +255,9 @@ def test_a_state_whose_calls_cannot_be_steady_is_not_checked_twice(monkeypatch):
     """Float64 params (the native kernel takes float32): past the first full window the
     steady path declines at once, so each call runs the checks once (the executor's), and
     turning the kernel off and on again takes it out of and back into the steady path."""
-    from aadl_func._src import checks, native
+    from aadl_func._src import native
 
-    counted = [0]
-    original = checks.check_update_inputs
-
-    def counting(*args, **kwargs):
-        counted[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(anderson_module, "check_update_inputs", counting)
-    monkeypatch.setattr(steady, "check_update_inputs", counting)
+    counted = _count_checks(monkeypatch)
     opt = aa.anderson(aa.adam(0.01), history_depth=3)
     params, loss = _problem(torch.float64)
     state = opt.init(params)
@@ -283,22 +296,8 @@ def test_calls_that_only_store_are_steady_and_others_make_no_plan(
     is a steady one, on the same plan; a call that does not store (`store_each_nth`) is the
     executor's, with no plan made for it (its writes would make the plan stale at once), so
     the next storing call makes one. Each call's inputs are checked at most once."""
-    from aadl_func._src import checks
-
-    plans, checked = [0], [0]
-    new_plan, check = steady._new_plan, checks.check_update_inputs
-
-    def counting_plans(*args, **kwargs):
-        plans[0] += 1
-        return new_plan(*args, **kwargs)
-
-    def counting_checks(*args, **kwargs):
-        checked[0] += 1
-        return check(*args, **kwargs)
-
-    monkeypatch.setattr(steady, "_new_plan", counting_plans)
-    monkeypatch.setattr(anderson_module, "check_update_inputs", counting_checks)
-    monkeypatch.setattr(steady, "check_update_inputs", counting_checks)
+    plans = _count_calls(monkeypatch, steady._new_plan, (steady, "_new_plan"))
+    checked = _count_checks(monkeypatch)
     taken = _counted(monkeypatch)
     opt = aa.anderson(aa.adam(0.01), history_depth=3, **options)
     params, loss = _problem(torch.float32)

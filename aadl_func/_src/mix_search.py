@@ -7,8 +7,8 @@ from one forward-mode derivative. A direction that does not descend, or a search
 no step length, keeps $y$, and the window restarts (`aadl_func._src.stages.restarted()`).
 The search is a Python loop on loss values: eager calls only (`check_call()`).
 
-The rule is `LINE_SEARCH`, the acceptance rule that `anderson(..., line_search=True)`
-chooses (`aadl_func._src.acceptance`).
+`aadl_func._src.acceptance.ACCEPTANCES` registers these functions as the acceptance rule that
+`anderson(..., line_search=True)` chooses.
 """
 
 from __future__ import annotations
@@ -22,14 +22,18 @@ from torch import Tensor
 
 from aadl_func._src import flags, tree
 from aadl_func._src.core import linesearch
-from aadl_func._src.core.accept import Acceptance
 from aadl_func._src.exec.inplace import callbacks
 from aadl_func._src.update_call import Call
 from aadl_func._src.validation import scalar_loss
 
-__all__ = ["LINE_SEARCH", "check_call", "search"]
+__all__ = ["TORCH_OPTIM_REFUSAL", "check_call", "search"]
 
 OWNER = "anderson.update"
+# Why the torch.optim faces refuse the search (the end of their message).
+TORCH_OPTIM_REFUSAL = (
+    "(aa.anderson(..., line_search=True) with update(..., loss_fn=...)): a closure writes the "
+    "candidate into the module's parameters, through which no forward-mode derivative flows"
+)
 
 
 def check_call(loss_fn: Any, shards: Any, transformed: bool) -> None:
@@ -86,17 +90,3 @@ def search(
         return flags.TRUE, x, x_hist
     point = linesearch.along(y, x, s)
     return flags.TRUE, point, point
-
-
-LINE_SEARCH = Acceptance(
-    name="the line search",
-    choose=search,
-    check_call=check_call,
-    # N-GMRES restarts when the direction does not descend or no step length qualifies.
-    restarts=True,
-    torch_optim_refusal=(
-        "(aa.anderson(..., line_search=True) with update(..., loss_fn=...)): a closure "
-        "writes the candidate into the module's parameters, through which no "
-        "forward-mode derivative flows"
-    ),
-)

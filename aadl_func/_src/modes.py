@@ -52,8 +52,8 @@ class Mode:
         (`aadl_func._src.deferred`).
       eager_steps: which of the fast paths' straight-line sequences
         (`aadl_func._src.exec.eager`, `aadl_func._src.exec.steady`) runs the mode's eager
-        calls, `"aadl"` or `"classic"`; None: every call takes `step` (where a new mode
-        starts, until the fast paths hold a sequence of its own).
+        calls, `"aadl"` or `"classic"`; None: every call takes the general path's `update`
+        (where a new mode starts, until the fast paths hold a sequence of its own).
     """
 
     name: str

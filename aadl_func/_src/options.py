@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import acceptance
-from aadl_func._src.core.accept import Acceptance
+from aadl_func._src.acceptance import Acceptance
 from aadl_func._src.core.scalars import COMPLEX_HISTORY
 from aadl_func._src.modes import MODES, Mode
 from aadl_func._src.validation import (

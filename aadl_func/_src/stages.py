@@ -39,7 +39,7 @@ from aadl_func._src.exec.inplace import commit
 from aadl_func._src.exec.ops import OPS
 from aadl_func._src.exec.sharded import Reduction, certified_finite, reduce_rows, shard_factor
 from aadl_func._src.state import AndersonState
-from aadl_func._src.update_call import Call, advance, may_mix
+from aadl_func._src.update_call import Call, advance, may_mix, stores_on
 from aadl_func._src.window import difference_rows, set_gram_row, window_factor, write_slot
 
 __all__ = [
@@ -165,8 +165,8 @@ def gate(call: Call, window_size: Tensor) -> Tensor:
 def stores(call: Call) -> Tensor:
     """Whether this call stores its plain step in the window (every `store_each_nth`)."""
     if call.count_value is not None:
-        return flags.known(call.count_value % call.options.store_each_nth == 0)
-    return call.count % call.options.store_each_nth == 0
+        return flags.known(stores_on(call.options, call.count_value))
+    return stores_on(call.options, call.count)
 
 
 # -- the ring and its Grams -------------------------------------------------------------------
@@ -336,8 +336,8 @@ def finite(call: Call, leaves: list[Tensor], solution: Solution) -> Tensor:
 
 def restarted(call: Call, window_size: Tensor, rejected: Tensor) -> Tensor:
     """`restart_on_reject`, or a rule that restarts (`Acceptance.restarts`): the window
-    size after a rejected mix is cut to the newest
-    entry (aadl) or pair (classic); older slots count again only once overwritten."""
+    size after a rejected mix is cut to the newest entry (aadl) or pair (classic); older
+    slots count again only once overwritten."""
     if not (call.options.restart_on_reject or call.options.acceptance.restarts):
         return window_size
     known = flags.value(rejected)

@@ -24,7 +24,7 @@ from aadl_func._src.state import AndersonState
 if TYPE_CHECKING:
     from aadl_func._src.options import AndersonOptions
 
-__all__ = ["Call", "advance", "may_mix"]
+__all__ = ["Call", "advance", "may_mix", "mixes_on", "stores_on"]
 
 
 class Call:
@@ -130,14 +130,23 @@ class Call:
 
 
 # -- the call-count gates ---------------------------------------------------------------------
+def mixes_on(options: AndersonOptions, count: Any) -> Any:
+    """Whether call number `count` (an int, or a counter tensor) passes the call-count
+    gates of a mix: past `wait_iterations` and on the `frequency`."""
+    return (count > options.wait_iterations) & (count % options.frequency == 0)
+
+
+def stores_on(options: AndersonOptions, count: Any) -> Any:
+    """Whether call number `count` (an int, or a counter tensor) stores its plain step in
+    the window: every `store_each_nth`."""
+    return count % options.store_each_nth == 0
+
+
 def may_mix(call: Call) -> Tensor:
-    """The call-count gates of a mix: past `wait_iterations` and on the `frequency`;
-    eagerly read from the call's number."""
-    options = call.options
+    """The call-count gates of a mix (`mixes_on()`); eagerly read from the call's number."""
     if call.count_value is not None:
-        count = call.count_value
-        return flags.known(count > options.wait_iterations and count % options.frequency == 0)
-    return (call.count > options.wait_iterations) & (call.count % options.frequency == 0)
+        return flags.known(mixes_on(call.options, call.count_value))
+    return mixes_on(call.options, call.count)
 
 
 # -- small helpers ----------------------------------------------------------------------------

@@ -7,16 +7,12 @@ verdict is, is decided here. Each works on 0-d tensors, and where noted on Pytho
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "Acceptance",
     "INF",
     "beats",
     "in_range",
@@ -29,32 +25,6 @@ __all__ = [
 
 # A `pending_loss` with nothing to judge.
 INF = math.inf
-
-
-@dataclasses.dataclass(frozen=True)
-class Acceptance:
-    """One acceptance rule.
-
-    Attributes:
-      name: what the rule is called in messages.
-      choose: `choose(call, mixable, x, x_hist, y) -> (use_mix, x, x_hist)`. `mixable` says
-        the mix is computed and finite; `x` is the mix in the params' dtype, `x_hist` its
-        value for the window (history device), `y` the plain step. It returns whether the
-        call returns its `x` (a flag, `aadl_func._src.flags`), and the point and window
-        value it returns there (the mix itself, or a point the rule found).
-      check_call: `check_call(loss_fn, shards, transformed)`, called by `update` before
-        anything is computed or written: it raises for a call the rule cannot serve.
-      restarts: a mix it turns down restarts the window (`aadl_func._src.stages.restarted()`).
-      torch_optim_refusal: None if the torch.optim faces
-        ([`aadl_func.AcceleratedOptimizer`][aadl_func.AcceleratedOptimizer]) serve the rule;
-        else the end of their message refusing it: how to reach it, and why they cannot.
-    """
-
-    name: str
-    choose: Callable[..., tuple[Tensor, list[Tensor], list[Tensor]]]
-    check_call: Callable[[Any, Any, bool], None]
-    restarts: bool = False
-    torch_optim_refusal: str | None = None
 
 
 def beats(loss_mix: Tensor, loss_plain: Tensor) -> Tensor:

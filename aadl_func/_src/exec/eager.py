@@ -187,7 +187,7 @@ class _Step:
         self.begin_writes()
         grams = Grams.of(state)
         head, size, poisoned = self.head, self.size, False
-        stored = self.count % options.store_each_nth == 0
+        stored = update_call.stores_on(options, self.count)
         if stored:
             # The pair (x_k, g(x_k) - x_k), stored before the step overwrites x_k.
             head = (self.head + 1) % self.q
@@ -220,7 +220,7 @@ class _Step:
         grams = Grams.of(state)
         head, size, poisoned = self.head, self.size, False
         num_residuals = max(self.size - 1, 0)
-        stored = self.count % options.store_each_nth == 0
+        stored = update_call.stores_on(options, self.count)
         if stored:
             y_hist = _to_history(y, self.anchor)
             anchor_stored = False
@@ -384,12 +384,7 @@ class _Step:
 
     def mixes(self, size: int, minimum: int) -> bool:
         """The call-count gates and the mode's minimum window (`stages.gate()`)."""
-        options = self.options
-        return (
-            self.count > options.wait_iterations
-            and self.count % options.frequency == 0
-            and size >= minimum
-        )
+        return update_call.mixes_on(self.options, self.count) and size >= minimum
 
     def finish(self, mixes: bool, ok: bool, poisoned: bool, x: list[Tensor]) -> list[Tensor]:
         """The final state (`stages.count_outcome()`) and the returned params (`output()`),

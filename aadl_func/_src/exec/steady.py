@@ -147,7 +147,7 @@ def run(
     if plan is None or plan.options is not options or plan.versions != _versions(plan):
         if not _steady_window(options, state):
             return None
-        if not _stores(options, int(state.count) + 1):
+        if not update_call.stores_on(options, int(state.count) + 1):
             # A call that does not store (`store_each_nth`) is the executor's: no plan for
             # it, which the executor's writes would make stale at once.
             return None
@@ -162,7 +162,7 @@ def run(
         return None
     if not _grads_fit(g_leaves, leaves):
         return None
-    if not _stores(options, plan.count + 1):
+    if not update_call.stores_on(options, plan.count + 1):
         return None
     guard = InterruptGuard()
     call = _Call(plan, state, params, leaves, grads, guard)
@@ -172,18 +172,6 @@ def run(
     else:  # the window restarted: the next calls are not steady
         set_memo(state, None)
     return tree.unflatten(plan.spec, out), state
-
-
-def _stores(options: AndersonOptions, count: int) -> bool:
-    """Whether call number `count` stores its entry (on `store_each_nth`): the calls the
-    steady path takes, mixing or not."""
-    return count % options.store_each_nth == 0
-
-
-def _mixes(options: AndersonOptions, count: int) -> bool:
-    """Whether call number `count` mixes (the window full): past `wait_iterations` and on
-    the `frequency` (`_Step.mixes()`)."""
-    return count > options.wait_iterations and count % options.frequency == 0
 
 
 class _Unplannable(NamedTuple):
@@ -293,7 +281,7 @@ class _Call:
         self.plan, self.state, self.guard = plan, state, guard
         self.params, self.leaves, self.grads = params, leaves, grads
         self.count = plan.count + 1  # this call's number
-        self.mixes = _mixes(plan.options, self.count)
+        self.mixes = update_call.mixes_on(plan.options, self.count)
         self.progress = Progress()
         self.updates: list[Tensor] = []
         self.inner_state: Any = state.inner_state
