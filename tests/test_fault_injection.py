@@ -85,6 +85,15 @@ CONFIGS = {
 # (frequency 2): a steady call that only stores.
 for _name in ("aadl-steady", "classic-steady"):
     CONFIGS[f"{_name}-store"] = {**CONFIGS[_name], "frequency": 2}
+# And with the faulted call (number 11) off `store_each_nth` = 2, mixing the window without
+# storing: a steady call that does not store (calls 7-10 are steady too).
+for _name in ("aadl-steady", "classic-steady"):
+    CONFIGS[f"{_name}-unstored"] = {
+        **CONFIGS[_name],
+        "store_each_nth": 2,
+        "history_depth": 3,
+        "warm": 10,
+    }
 ERRORS = [RuntimeError, SystemExit, KeyboardInterrupt]
 
 
@@ -115,12 +124,13 @@ class Setup:
         make_inner = config.pop("inner")
         dtype = config.pop("dtype", torch.float64)
         self.init_layout = config.pop("init_layout", False)
-        self.options = dict(history_depth=4, **config)
+        warm = config.pop("warm", WARM)
+        self.options = {"history_depth": 4, **config}
         self.opt = aa.anderson(make_inner(), **self.options)
         self.core = AndersonOptions(make_inner(), **self.options)
         params, self.loss = _problem(dtype)
         state = self.opt.init(params)
-        for _ in range(WARM):
+        for _ in range(warm):
             params, state = self.opt.update(
                 state, params, self._grads(params), inplace=True, **self._kw(params)
             )
@@ -194,11 +204,12 @@ class Setup:
         return None
 
     def continue_from(self, result):
-        """The params after each of ``Q + 1`` more calls, and the final state (by then every
-        ring slot was rewritten, so stale slots and their Gram entries are gone)."""
+        """The params after each of ``(Q + 1) store_each_nth`` more calls, and the final state
+        (by then every ring slot was rewritten, so stale slots and their Gram entries are
+        gone)."""
         params, state = result
         trajectory = []
-        for _ in range(len(state.residuals) + 1):
+        for _ in range((len(state.residuals) + 1) * self.options.get("store_each_nth", 1)):
             params, state = self.opt.update(
                 state, params, self._grads(params), inplace=True, **self._kw(params)
             )

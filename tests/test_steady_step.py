@@ -83,6 +83,8 @@ CASES = [
     {"history_depth": 3},
     {"history_depth": 6, "relaxation": 0.5, "reg": 1e-6},
     {"wait_iterations": 7, "store_each_nth": 2, "frequency": 3},
+    {"store_each_nth": 2, "history_depth": 4},  # calls that mix without storing
+    {"store_each_nth": 3, "history_depth": 3, "relaxation": 0.5},
 ]
 
 
@@ -286,16 +288,16 @@ def test_a_state_whose_calls_cannot_be_steady_is_not_checked_twice(monkeypatch):
     [
         ({"frequency": 5}, 20, 0),  # calls that only store are steady: one plan serves all
         ({"frequency": 3, "wait_iterations": 30}, 20, 0),  # storing while waiting, then mixing
-        ({"store_each_nth": 2, "frequency": 2}, 10, 10),  # the executor's calls in between
+        ({"store_each_nth": 2, "frequency": 2}, 20, 0),  # calls that neither store nor mix
+        ({"store_each_nth": 2}, 20, 0),  # calls that mix the window without storing
+        ({"store_each_nth": 3, "mode": "classic"}, 20, 0),
     ],
 )
-def test_calls_that_only_store_are_steady_and_others_make_no_plan(
-    monkeypatch, options, steady_calls, plans_made
-):
-    """A call that stores without mixing (off the `frequency`, or within `wait_iterations`)
-    is a steady one, on the same plan; a call that does not store (`store_each_nth`) is the
-    executor's, with no plan made for it (its writes would make the plan stale at once), so
-    the next storing call makes one. Each call's inputs are checked at most once."""
+def test_calls_off_the_gates_are_steady_on_one_plan(monkeypatch, options, steady_calls, plans_made):
+    """A call that stores without mixing (off the `frequency`, or within `wait_iterations`),
+    or that does not store (off `store_each_nth`: it commits its plain step and mixes the
+    window as it is) is a steady one, on the same plan. Each call's inputs are checked at
+    most once."""
     plans = _count_calls(monkeypatch, steady._new_plan, (steady, "_new_plan"))
     checked = _count_checks(monkeypatch)
     taken = _counted(monkeypatch)

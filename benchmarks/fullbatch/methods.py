@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import digits_demo
 import pinn
+import torch
 from _common import PlainOptimizer
 from _compare import ST_AM_LR, Method, adam_method, lbfgs_method, st_am_method
 
@@ -57,7 +58,8 @@ DEFAULT_ST_AM = {"lr": ST_AM_LR}
 ST_AM_MAX_WAIT = 16
 ST_AM_GD_LRS = (1e-3, 4e-3, 0.016, 0.063, 0.25, 1.0)
 ACCELERATED = (
-    "aa_default", "aa_tuned", "aa_sufficient", "aa_line_search", "aa_lbfgs_default",
+    "aa_default", "aa_tuned", "aa_sufficient", "aa_line_search", "aa_float64_window",
+    "aa_lbfgs_default",
     "aa_lbfgs_tuned",
     "st_am_default", "st_am_waits", "st_am_tuned", "st_am_gd_tuned",
 )  # fmt: skip
@@ -125,6 +127,22 @@ def aa_line_search() -> Method:
         description=base.description.replace(
             "reg_relative=0.0001), update(..., loss=train_loss)",
             "reg_relative=0.0001, line_search=True), update(..., loss_fn=train_loss)",
+        ),
+    )
+
+
+def aa_float64_window() -> Method:
+    """AA default with a float64 window (``history_dtype=torch.float64``; issue 36's "float64
+    windows for the tail"): the residuals and iterates stored, and the Gram rows formed, in
+    float64 while the params and the inner step stay in the problem's dtype."""
+    base = aa_default()
+    return dataclasses.replace(
+        base,
+        label="AA default, float64 window",
+        make=_default_with(history_dtype=torch.float64),
+        options={**base.options, "history_dtype": "float64"},
+        description=base.description.replace(
+            "reg_relative=0.0001)", "reg_relative=0.0001, history_dtype=torch.float64)"
         ),
     )
 

@@ -208,6 +208,7 @@ DEFAULTS = {
     "aa_default": methods.aa_default,
     "aa_sufficient": methods.aa_sufficient,
     "aa_line_search": methods.aa_line_search,
+    "aa_float64_window": methods.aa_float64_window,
     "aa_lbfgs_default": methods.aa_lbfgs_default,
     "st_am_default": methods.st_am_default,
     "st_am_waits": methods.st_am_waits,
@@ -411,6 +412,10 @@ def markdown_page(payload: dict[str, Any]) -> str:
         "**AA default, line search** is AA default with N-GMRES's step, the loss searched "
         "along the mix (every loss evaluation counted, the forward-mode derivative's too): `"
         + methods.aa_line_search().description
+        + "`. "
+        "**AA default, float64 window** is AA default with its window (residuals, iterates, "
+        "Grams) in float64, the params and the inner step in the problem's dtype: `"
+        + methods.aa_float64_window().description
         + "`. "
         "**AA-L-BFGS default** is AA around the L-BFGS inner transformation (`aa.lbfgs`, no "
         "line search), the same on every problem: `"

@@ -22,9 +22,11 @@ solve (`aadl_func._src.core.lstsq.solve_known()`), `x^+ = y - sum_j c_j \Delta x
 accumulated in the params, the finiteness test and the final commit. Mode "classic": the
 pair `(x_k - anchor, u_k)` into its slots and its Gram row first, then the anchor and the
 plain step, and the mix over both rings. A call off the `frequency` (or within
-`wait_iterations`) stores and commits the same way and stops before the solve. Its `Progress`
-record is the
-executor's, so an exception anywhere ends as there (`aadl_func._src.exec.inplace.recover()`).
+`wait_iterations`) stores and commits the same way and stops before the solve. A call off
+`store_each_nth` takes its plain step, commits it with the window as it is and, on the gates,
+mixes that window as the executor does (mode "aadl": out of place, from the anchor). Its
+`Progress` record is the executor's, so an exception anywhere ends as there
+(`aadl_func._src.exec.inplace.recover()`).
 A poisoned append (a non-finite Gram row) or a small solve that fails goes on as the
 executor does.
 
@@ -32,8 +34,7 @@ Which calls `run()` takes (else it returns None, having written nothing): an eag
 `update` without `loss` or `loss_fn` and outside any torch.func transform, in either mode,
 without the moving average, `skip_nonfinite`, an acceptance rule other than the default
 (`line_search`) or a relative or per-column ridge; float32 CPU params and windows laid out
-as `anderson.init` lays them out, with the native kernel; a call that stores (on
-`store_each_nth`), with a full window and nothing pending.
+as `anderson.init` lays them out, with the native kernel; a full window and nothing pending.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Plan:
 
     __slots__ = (
         "options", "params", "shapes", "spec", "anchor", "slots", "columns", "pointers", "outputs",
-        "count", "head", "mixed", "gram", "dr_gram", "tracked", "versions", "keeps", "adopts",
+        "count", "head", "mixed", "gram", "dr_gram", "dr_rhs", "tracked", "versions", "keeps",
+        "adopts",
         "classic", "iterates", "runs", "storages",
     )  # fmt: skip
 
@@ -106,6 +108,7 @@ class Plan:
             int(t) for t in (state.count, state.head, state.num_mixed)
         )
         self.gram, self.dr_gram = state.gram.tolist(), state.dr_gram.tolist()
+        self.dr_rhs = state.dr_rhs.tolist()
         # Every tensor the plan copies or writes behind torch's back (a leaf's slots share
         # one buffer's version counter), and their version counters as the last call left them.
         self.tracked = [
@@ -147,10 +150,6 @@ def run(
     if plan is None or plan.options is not options or plan.versions != _versions(plan):
         if not _steady_window(options, state):
             return None
-        if not update_call.stores_on(options, int(state.count) + 1):
-            # A call that does not store (`store_each_nth`) is the executor's: no plan for
-            # it, which the executor's writes would make stale at once.
-            return None
         # A new plan is made from inputs that pass every check of the executor's call (which
         # raise here as they would there, before anything is written).
         check_update_inputs(options, state, params, grads, None, True)
@@ -161,8 +160,6 @@ def run(
     if not (spec == plan.spec == g_spec and _params_fit(leaves, plan)):
         return None
     if not _grads_fit(g_leaves, leaves):
-        return None
-    if not update_call.stores_on(options, plan.count + 1):
         return None
     guard = InterruptGuard()
     call = _Call(plan, state, params, leaves, grads, guard)
@@ -282,6 +279,7 @@ class _Call:
         self.params, self.leaves, self.grads = params, leaves, grads
         self.count = plan.count + 1  # this call's number
         self.mixes = update_call.mixes_on(plan.options, self.count)
+        self.stores = update_call.stores_on(plan.options, self.count)
         self.progress = Progress()
         self.updates: list[Tensor] = []
         self.inner_state: Any = state.inner_state
@@ -314,6 +312,8 @@ class _Call:
         params, q = self.leaves, len(plan.gram)
         for p, u in zip(params, self.updates):  # 1. y = x + u, in the params
             progress.stepped.append(p.add_(u))
+        if not self.stores:
+            return self._unstored()
         head = (plan.head + 1) % q  # 2. y - anchor joins the window, y is the anchor
         rows = known_rows(self._append(head), plan.gram[(head - 1) % q], head)
         if not all(map(math.isfinite, chain(*rows))):
@@ -340,6 +340,10 @@ class _Call:
         """Mode "classic" (`_Step.classic()`)."""
         plan, progress = self.plan, self.progress
         params, q = self.leaves, len(plan.gram)
+        if not self.stores:
+            for p, u in zip(params, self.updates):  # y = x + u, in the params
+                progress.stepped.append(p.add_(u))
+            return self._unstored()
         head = (plan.head + 1) % q
         # 1. The pair (x_k, u_k) joins the window before the step overwrites x_k.
         for iterates, x, a in zip(plan.iterates, params, plan.anchor):
@@ -360,6 +364,12 @@ class _Call:
         if not self.mixes:  # a call that only stores (`frequency`, `wait_iterations`)
             return self._finish(False, params, mixes=False)
         alpha, solved = self._weights(head, plan.gram, plan.dr_gram, rows[2])  # 4. the weights
+        return self._classic_mix(head, alpha, solved)
+
+    def _classic_mix(self, head: int, alpha: list[float] | Tensor, solved: Any) -> list[Tensor]:
+        """Mode "classic"'s mix over both rings from the weights `alpha`, and the final
+        state."""
+        plan = self.plan
         relaxation = plan.options.relaxation
         coefficients = passes.ring_order(
             head, classic_coefficients(alpha), [relaxation * a for a in alpha]
@@ -369,8 +379,33 @@ class _Call:
             result = torch.empty_like(a, dtype=_FLOAT32)
             kernels.combine_leaf(None, [*iterates, *slots], coefficients, result.view(-1), runs)
             x_hist.append(result.add_(a))
-        ok = passes.finite(x_hist, params, solved)
-        return self._finish(ok, x_hist if ok else params)
+        ok = passes.finite(x_hist, self.leaves, solved)
+        return self._finish(ok, x_hist if ok else self.leaves)
+
+    def _unstored(self) -> list[Tensor]:
+        """A call off `store_each_nth`, after its plain step (`_Step.aadl()` and
+        `classic()` with nothing stored): that step's state committed with the window as it
+        is, then, on the call-count gates, the mix of that window as the executor forms it
+        (mode "aadl": out of place from the anchor, the last stored plain step)."""
+        plan, state = self.plan, self.state
+        plain = state._replace(count=self.count, inner_state=self.inner_state)
+        inplace.commit_to(state, self.progress, plain, self.inner_state, plan.adopts, plain=True)
+        self.guard.checkpoint()
+        plan.count = self.count
+        if not self.mixes:
+            return self._finish(False, self.leaves, mixes=False)
+        head = plan.head
+        alpha, solved = self._weights(head, plan.gram, plan.dr_gram, plan.dr_rhs)
+        if plan.classic:
+            return self._classic_mix(head, alpha, solved)
+        minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
+        ring = tuple([[leaf[s] for leaf in plan.slots] for s in range(len(plan.gram))])
+        x_hist = passes.combine(
+            plan.anchor, [_FLOAT32] * len(plan.anchor), plan.anchor, [ring],
+            passes.ring_order(head, minus_c),
+        )  # fmt: skip
+        ok = passes.finite(x_hist, self.leaves, solved)
+        return self._finish(ok, x_hist if ok else self.leaves)
 
     def _commit_plain(self, head: int, g: list, h: list, c: list) -> None:
         """The commit point (`_Step.commit_plain()`): the plain step's state, with the
@@ -388,6 +423,7 @@ class _Call:
         inplace.commit_to(state, self.progress, plain, self.inner_state, plan.adopts, plain=True)
         self.guard.checkpoint()
         plan.count, plan.head, plan.gram, plan.dr_gram = self.count, head, gram, dr_gram
+        plan.dr_rhs = list(c)
 
     def _finish(self, ok: bool, x: list[Tensor], *, mixes: bool = True) -> list[Tensor]:
         """The final state (`_Step.finish()`): the mix counted, or the failed one (a call
