@@ -221,11 +221,12 @@ def test_an_exception_inside_ends_as_in_the_executor(monkeypatch, where, error, 
     assert fast == executor
 
 
+@pytest.mark.parametrize("store_each_nth", [1, 2])
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
-def test_the_wrappers_steps_give_the_executor_bits(monkeypatch, mode):
+def test_the_wrappers_steps_give_the_executor_bits(monkeypatch, mode, store_each_nth):
     """`AcceleratedOptimizer` passes fresh copies of the params each call: steady calls take
     them (checked as the executor checks them), with the executor's bits for the model and
-    the optimizer's state."""
+    the optimizer's state (`store_each_nth=2`: every other call off the store schedule)."""
 
     def run(steady_on):
         taken = _counted(monkeypatch) if steady_on else [0]
@@ -238,9 +239,10 @@ def test_the_wrappers_steps_give_the_executor_bits(monkeypatch, mode):
             torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.0, 0.999)),
             mode=mode,
             history_depth=4,
+            store_each_nth=store_each_nth,
         )
         history = []
-        for _ in range(30):
+        for _ in range(40):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(data), target).backward()
             opt.step()
