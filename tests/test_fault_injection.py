@@ -85,6 +85,10 @@ CONFIGS = {
 # (frequency 2): a steady call that only stores.
 for _name in ("aadl-steady", "classic-steady"):
     CONFIGS[f"{_name}-store"] = {**CONFIGS[_name], "frequency": 2}
+# And with the deferred safeguard (`loss=` on every call), the faulted call keeping the pending
+# mix: a steady call that judges, clears and sets the bar.
+for _name in ("aadl-steady", "classic-steady"):
+    CONFIGS[f"{_name}-deferred-kept"] = {**CONFIGS[_name], "deferred": True, "keep": True}
 # And with the faulted call (number 11) off `store_each_nth` = 2, mixing the window without
 # storing: a steady call that does not store (calls 7-10 are steady too).
 for _name in ("aadl-steady", "classic-steady"):
@@ -139,14 +143,20 @@ class Setup:
         self.faulted_kw = self._kw(params)
         if self.deferred:
             assert float(state.pending_loss) < float("inf")  # a mix is pending: judged now
-            # A loss above the pending one rejects it; below it keeps it.
-            self.faulted_kw = {"loss": state.pending_loss * (0.5 if keep else 2.0) + 1.0}
+            # A loss above the pending one rejects it; below it keeps it (the losses here
+            # are positive).
+            assert float(state.pending_loss) > 0
+            pending = state.pending_loss
+            self.faulted_kw = {"loss": pending * 0.5 if keep else pending * 2.0 + 1.0}
         if nan_grads:
             self.grads["v"][0, 0] = float("nan")  # the faulted call is a skipped one
         self.before = _clone(self.start)
         self.final = self._call(
             lambda s, p, g: self.opt.update(s, p, g, inplace=True, **self.faulted_kw)
         )
+        if self.deferred:  # the faulted call is the kept or the reverted one it is named for
+            rejected = int(self.final[1].num_rejected) - int(self.start[1].num_rejected)
+            assert rejected == (0 if keep else 1), (name, rejected)
         self.plain = self._call(
             lambda s, p, g: step(self.core, s, p, g, inplace=True, mix=False, **self.faulted_kw)
         )

@@ -77,6 +77,57 @@ def test_solve_known_gives_the_tensor_route_bits(case):
     )
 
 
+RIDGES = [
+    dict(reg_relative=1e-4),
+    dict(reg_relative=0.3, reg=1e-6),
+    dict(reg_relative=1e-2, scale=1e-150),
+    dict(reg_relative=1e-4, scale=1e150),
+    dict(reg_relative=1e-3, rank=2),
+]
+
+
+@pytest.mark.parametrize("q", [2, 5, 21])
+@pytest.mark.parametrize("case", RIDGES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_known_weights_with_a_relative_ridge_give_the_tensor_route_bits(case, q):
+    """`reg_relative` (the recommended full-batch line's 1e-4): the ridge as a Python float
+    (`known_ridge`, torch's sum of the diagonal) gives `window_weights()`'s bits, on the Gram
+    route and on a float64 window's factor route, for every newest slot."""
+    from aadl_func._src.core.grams import Grams
+    from aadl_func._src.core.weights import known_weights, window_weights
+    from aadl_func._src.exec.ops import OPS
+    from aadl_func._src.options import AndersonOptions
+
+    case = dict(case)
+    options = AndersonOptions(
+        aa.sgd(0.1), reg=case.pop("reg", 0.0), reg_relative=case.pop("reg_relative")
+    )
+    g = torch.Generator().manual_seed(q)
+    f = torch.randn(q, 30, generator=g, dtype=torch.float64) * case.get("scale", 1.0)
+    if "rank" in case:
+        f = torch.randn(q, case["rank"], generator=g, dtype=torch.float64) @ f[: case["rank"]]
+    for newest in range(q):
+        ring = f.roll(newest + 1, 0)  # chronological position j in slot (newest + 1 + j) % q
+        prev = ring.roll(1, 0)  # the residual before each one (slot s - 1)
+        d = ring - prev
+        grams = Grams(ring @ ring.T, d @ d.T, d @ ring[newest])
+        head, num = torch.tensor(newest), torch.tensor(q)
+        device = grams.gram.device
+        expected, _, _ = window_weights(options, q, grams, head, num, device, exact=False)
+        known = known_weights(options, grams, newest, q, ops=OPS)
+        assert known is not None
+        assert _same_bits(known[0], expected.gamma)
+        assert _same_bits(torch.tensor(known[1], dtype=torch.float64), expected.alpha)
+        a = torch.cat([d[(newest + 2 + torch.arange(q - 1)) % q].T, ring[newest : newest + 1].T], 1)
+        factor = solve.stack_factors([a])
+        expected, _, _ = window_weights(
+            options, q, grams, head, num, device, exact=True, factor=factor
+        )
+        known = known_weights(options, grams, newest, q, factor, ops=OPS)
+        assert known is not None
+        assert _same_bits(known[0], expected.gamma)
+        assert _same_bits(torch.tensor(known[1], dtype=torch.float64), expected.alpha)
+
+
 def _factor(q: int, n: int, seed: int, *, rank: int | None = None, scale: float = 1.0):
     """The float64 `R` of `[DF | f_last]` for `q` random residuals (`solve.stack_factors`)."""
     g = torch.Generator().manual_seed(seed)

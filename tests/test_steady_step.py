@@ -15,7 +15,7 @@ from test_eager_executor import _bytes, _problem
 import aadl_func as aa
 from aadl_func._src import anderson as anderson_module
 from aadl_func._src.core import weights
-from aadl_func._src.exec import passes, steady
+from aadl_func._src.exec import passes, plan, steady
 
 
 def _counted(monkeypatch) -> list[int]:
@@ -52,8 +52,21 @@ def _count_checks(monkeypatch) -> list[int]:
     return _count_calls(monkeypatch, checks.check_update_inputs, *targets)
 
 
-def _run(monkeypatch, options, make_inner, *, steady_on, steps=40, between=None, grads_at=None):
-    """Every call's params and state bytes, with the steady path on or off."""
+def _run(
+    monkeypatch,
+    options,
+    make_inner,
+    *,
+    steady_on,
+    steps=40,
+    between=None,
+    grads_at=None,
+    deferred=False,
+    states=None,
+):
+    """Every call's params and state bytes, with the steady path on or off (`deferred`:
+    each call brings the loss at its params, `update(..., loss=value)`; `states`: a list
+    the last state is appended to)."""
     if not steady_on:
         monkeypatch.setattr(anderson_module.steady, "run", lambda *a, **k: None)
     opt = aa.anderson(make_inner(), **options)
@@ -63,13 +76,16 @@ def _run(monkeypatch, options, make_inner, *, steady_on, steps=40, between=None,
     history = []
     for k in range(steps):
         grads = grad(params) if grads_at is None else grads_at(k, params, grad)
-        out, state = opt.update(state, params, grads, inplace=True)
+        judge = {"loss": loss(params)} if deferred else {}
+        out, state = opt.update(state, params, grads, inplace=True, **judge)
         assert all(out[n] is params[n] for n in params)  # in place: the tensors passed
         params = out
         history.append(_bytes((params, state)))
         if between is not None:
             params = between(k, params, state)
     monkeypatch.undo()
+    if states is not None:
+        states.append(state)
     return history
 
 
@@ -85,6 +101,8 @@ CASES = [
     {"wait_iterations": 7, "store_each_nth": 2, "frequency": 3},
     {"store_each_nth": 2, "history_depth": 4},  # calls that mix without storing
     {"store_each_nth": 3, "history_depth": 3, "relaxation": 0.5},
+    {"history_depth": 20, "reg_relative": 1e-4},  # the recommended full-batch window
+    {"reg_relative": 0.3, "reg": 1e-6, "store_each_nth": 2},
 ]
 
 
@@ -221,6 +239,35 @@ def test_an_exception_inside_ends_as_in_the_executor(monkeypatch, where, error, 
     assert fast == executor
 
 
+DEFERRED_CASES = [  # (options, the fewest steady calls of the 60, rejections expected)
+    ({"history_depth": 20, "reg_relative": 1e-4}, 10, True),  # the recommended full-batch line
+    ({"history_depth": 4, "relaxation": 1.5}, 20, True),
+    ({"history_depth": 3, "frequency": 2, "wait_iterations": 6}, 40, False),
+]
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+@pytest.mark.parametrize("inner", ["adam", "sgd"])
+@pytest.mark.parametrize("case", DEFERRED_CASES, ids=[str(c[0]) for c in DEFERRED_CASES])
+def test_deferred_calls_give_the_executor_bits(monkeypatch, case, inner, mode):
+    """The deferred safeguard (`loss=` on every call): a call whose verdict keeps the pending
+    mix (or finds none) is a steady one, the bar cleared at its commit point and set to its
+    loss when it returns a mix; a rejection is the general path's, and the next call makes a
+    new plan. Every call's bytes are the executor's, over runs that keep and reject mixes."""
+    options, fewest, rejections = case
+    options = {"mode": mode, **options}
+    taken, states = _counted(monkeypatch), []
+    fast = _run(monkeypatch, options, INNERS[inner], steady_on=True, steps=60, deferred=True,
+                states=states)  # fmt: skip
+    calls = taken[0]
+    executor = _run(monkeypatch, options, INNERS[inner], steady_on=False, steps=60, deferred=True)
+    for k, (a, b) in enumerate(zip(fast, executor)):
+        assert a == b, f"call {k + 1} differs"
+    assert calls >= fewest, calls
+    assert int(states[0].num_mixed) > 0
+    assert int(states[0].num_rejected) > 0 or not rejections
+
+
 @pytest.mark.parametrize("store_each_nth", [1, 2])
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
 def test_the_wrappers_steps_give_the_executor_bits(monkeypatch, mode, store_each_nth):
@@ -300,7 +347,7 @@ def test_calls_off_the_gates_are_steady_on_one_plan(monkeypatch, options, steady
     or that does not store (off `store_each_nth`: it commits its plain step and mixes the
     window as it is) is a steady one, on the same plan. Each call's inputs are checked at
     most once."""
-    plans = _count_calls(monkeypatch, steady._new_plan, (steady, "_new_plan"))
+    plans = _count_calls(monkeypatch, plan.new_plan, (plan, "new_plan"))
     checked = _count_checks(monkeypatch)
     taken = _counted(monkeypatch)
     opt = aa.anderson(aa.adam(0.01), history_depth=3, **options)

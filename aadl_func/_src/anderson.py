@@ -395,13 +395,13 @@ def step(
     mix the previous call returned, the call goes back to that call's plain step
     (`aadl_func._src.stages.revert()`) and runs no inner step.
     """
-    if inplace is True and loss is None and loss_fn is None and mix:
-        # The steady call of a training loop, on the plan the previous call left.
-        done = steady.run(options, state, params, grads)
-        if done is not None:
-            return done
     if loss is not None:
         loss = deferred.check_loss(options, loss, loss_fn)
+    if inplace is True and loss_fn is None and mix:
+        # The steady call of a training loop, on the plan the previous call left.
+        done = steady.run(options, state, params, grads, loss)
+        if done is not None:
+            return done
     if isinstance(state, AndersonState) and state.pending_loss is None:
         state = state._replace(pending_loss=deferred.empty())  # saved before the field
     # Sharded (DTensor) params: the step runs on local shards (the inner optimizer included,

@@ -80,7 +80,8 @@ def write_back(target: Any, source: Any) -> None:
     """Copies every tensor leaf of `source` into the matching leaf of `target` in place.
 
     Leaves (and NamedTuple fields) that already are the same object are skipped (the window's
-    slots, written in place); a Python int in `source` (a counter's value) fills its tensor.
+    slots, written in place); a Python int or float in `source` (a counter's value, the
+    pending loss) fills its tensor.
     Both trees must have one structure; `target`'s non-tensor leaves cannot be updated, so
     the exception guarantee covers states whose changing leaves are tensors (every state of
     this package and torchopt's).
@@ -90,8 +91,9 @@ def write_back(target: Any, source: Any) -> None:
     if isinstance(target, Tensor) and isinstance(source, Tensor):
         target.copy_(source)
         return
-    if isinstance(target, Tensor) and type(source) is int:
-        # A counter's new value, known as a Python int (the eager executor): one write.
+    if isinstance(target, Tensor) and type(source) in (int, float):
+        # A counter's new value, known as a Python int (the eager executor), or a float64
+        # field's (`pending_loss` in the steady call): one write.
         target.fill_(source)
         return
     if type(target) is type(source) and hasattr(target, "_fields"):

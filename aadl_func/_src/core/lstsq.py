@@ -55,6 +55,7 @@ __all__ = [
     "solve_factor_known",
     "RCOND",
     "RTOL",
+    "known_ridge",
     "ridge",
 ]
 
@@ -459,7 +460,9 @@ def solve_known(
     return _known_affine(torch.mv(eigvecs, float64_tensor(inverse) * torch.mv(eigvecs.mT, c)))
 
 
-def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[float]] | None:
+def solve_factor_known(
+    factor: Tensor, reg: float = 0.0, *, tensor_ridge: bool = False
+) -> tuple[Tensor, list[float]] | None:
     r"""`solve_factor()` for a full window (every column valid) whose real float64 factor
     is a plain CPU tensor (an eager step), and a number `reg`: `(gamma, alpha)`, `alpha` as
     a list, or None when a value is not finite (that function then answers).
@@ -468,7 +471,9 @@ def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[f
     $\varphi$, $\varphi b$, the affine weights) on Python floats, which round as torch's
     CPU kernels; the column norms, the SVD and the two matrix-vector products as torch
     operations on the same tensors, laid out alike (`R_11` and `r_12` views of the scaled
-    factor). The residual norm, which `update` does not use, is not formed."""
+    factor). The residual norm, which `update` does not use, is not formed. `tensor_ridge`:
+    `reg` is the value of the 0-d tensor `ridge()` gives with `reg_relative`, which that
+    function divides by the scale as a tensor (two true divisions) rather than as a number."""
     q = factor.shape[-1]
     m = q - 1
     rows = factor.tolist()
@@ -483,7 +488,7 @@ def solve_factor_known(factor: Tensor, reg: float = 0.0) -> tuple[Tensor, list[f
     r = float64_tensor([v / scale for v in flat], q)
     # `reg / scale` with a tensor `scale` is torch's `scale.reciprocal() * reg` (two
     # roundings), then a true division: the same two steps here.
-    shift = (1.0 / scale) * reg / scale
+    shift = reg / scale / scale if tensor_ridge else (1.0 / scale) * reg / scale
     u, sigma, vh = torch.linalg.svd(r[:m, :m])
     weighted = []
     for s_i, b_i in zip(sigma.tolist(), torch.mv(u.mT, r[:m, m]).tolist()):
@@ -533,3 +538,21 @@ def ridge(options: Any, dr_chrono: Tensor, num_valid: Tensor) -> float | Tensor:
         # One weight per column (a vector): each column is damped by its own scale.
         weight = torch.where(valid, weight + options.reg_column * column_sq, 0.0)
     return weight
+
+
+def known_ridge(options: Any, column_sq: Sequence[float]) -> float | None:
+    r"""`ridge()` for a full window whose $\|\Delta f_j\|^2$ (the diagonal of
+    $\Delta F^\top \Delta F$, chronological) are known Python floats: the same number, bit
+    for bit, or None with `reg_column` (one weight per column, which only the tensor route
+    takes).
+
+    The relative part's sum is torch's, over the diagonal as a contiguous float64 vector
+    (as `ridge()` sums it, after its `torch.where`): torch's CPU reduction adds in its own
+    order, which a Python sum does not follow. The mean, the product and the sum with `reg`
+    are single IEEE operations, the same in Python floats."""
+    if options.reg_column != 0.0:
+        return None
+    if options.reg_relative == 0.0:
+        return options.reg
+    total = float64_tensor(list(column_sq)).sum().item()
+    return options.reg + options.reg_relative * (total / len(column_sq))

@@ -12,6 +12,7 @@ from torch import Tensor
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.lstsq import (
     MixingWeights,
+    known_ridge,
     ridge,
     solve_differences,
     solve_factor,
@@ -77,22 +78,29 @@ def known_weights(
     """`window_weights()` by `aadl_func._src.core.lstsq.solve_known()` (the Gram route) or, given
     a float64 window's `factor`, `solve_factor_known()`: the same bits, `(gamma, alpha)`,
     `alpha` chronological as Python floats, for a full window whose Grams or factor are
-    plain real CPU values (an eager call) and whose ridge is `reg` alone; otherwise, or when a
-    value is not finite, None."""
+    plain real CPU values (an eager call) and whose ridge is a number (`reg`, and
+    `reg_relative`'s part: `known_ridge()`); otherwise, or when a value is not finite, None."""
     q = grams.gram.shape[-1]
-    if newest is None or num_residuals != q or options.reg_relative or options.reg_column:
+    if newest is None or num_residuals != q or options.reg_column:
         return None
-    values = grams if factor is None else (factor,)
+    values = grams if factor is None else (factor, grams.dr_gram)
     if any(t.dtype != torch.float64 for t in values) or not ops.values_known(*values):
         return None
-    if factor is not None:
-        return solve_factor_known(factor, options.reg)
-    gram, dr_gram, dr_rhs = (t.tolist() for t in grams)
     slots = [(newest + 1 + j) % q for j in range(q)]  # oldest first
     later = slots[1:]  # the newer ends of the differences (the columns of gamma)
+    if factor is not None:
+        diagonal = grams.dr_gram.diagonal().tolist() if options.reg_relative else []
+        reg = known_ridge(options, [diagonal[i] for i in later] if diagonal else [])
+        if reg is None:
+            return None
+        return solve_factor_known(factor, reg, tensor_ridge=options.reg_relative != 0.0)
+    gram, dr_gram, dr_rhs = (t.tolist() for t in grams)
+    reg = known_ridge(options, [dr_gram[i][i] for i in later])
+    if reg is None:
+        return None
     return solve_known(
         [[dr_gram[i][j] for j in later] for i in later],
         [dr_rhs[i] for i in later],
         [gram[s][s] for s in slots],
-        options.reg,
+        reg,
     )

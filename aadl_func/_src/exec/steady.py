@@ -1,10 +1,10 @@
-r"""The steady in-place call: a full window, every gate open, a plan kept with the state.
+r"""The steady in-place call: a full window and a plan kept with the state.
 
 Most calls of a training loop look alike: eager and in place, on the same params tensors,
 with the window full, storing and mixing. The eager executor (`aadl_func._src.exec.eager`)
 reads each of them from the state and checks every input again. Here what cannot have
-changed since the previous call is kept with the state in a `Plan`
-(`aadl_func._src.verified_states.set_memo()`): the params' leaves, each leaf's window
+changed since the previous call is kept with the state in a `Plan` (`aadl_func._src.exec.plan`,
+`aadl_func._src.verified_states.set_memo()`): the params' leaves, each leaf's window
 slots as one matrix, the native kernel's pointers and output buffers, and the counters and
 Grams as Python values. A plan holds while every tensor it copies keeps the version counter
 the previous call left it with: whatever wrote one since (the caller, the executor, a
@@ -30,33 +30,40 @@ mixes that window as the executor does (mode "aadl": out of place, from the anch
 A poisoned append (a non-finite Gram row) or a small solve that fails goes on as the
 executor does.
 
+The deferred safeguard (`loss=`): the verdict on the pending mix is read from the plan's
+Python value of `pending_loss`; a kept mix (or none pending) goes on as above, the commit
+point clears the bar and a returned mix sets it to the call's loss, as in the executor
+(`aadl_func._src.deferred`); a rejection reverts, which the general path does.
+
 Which calls `run()` takes (else it returns None, having written nothing): an eager in-place
-`update` without `loss` or `loss_fn` and outside any torch.func transform, in either mode,
-without the moving average, `skip_nonfinite`, an acceptance rule other than the default
-(`line_search`) or a relative or per-column ridge; float32 CPU params and windows laid out
-as `anderson.init` lays them out, with the native kernel; a full window and nothing pending.
+`update` without `loss_fn` and outside any torch.func transform, in either mode, without the
+moving average, `skip_nonfinite`, an acceptance rule other than the default (`line_search`),
+a per-column ridge, or `sufficient_decrease` with `loss`, and not a deferred rejection;
+float32 CPU params and windows laid out as `anderson.init` lays them out, with the native
+kernel; a full window.
 """
 
 from __future__ import annotations
 
 import math
 from itertools import chain
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from aadl_func._src import kernels, native, protocols, tree, update_call
-from aadl_func._src.acceptance import SAFEGUARD
+from aadl_func._src import kernels, native, tree, update_call
 from aadl_func._src.atomic import InterruptGuard, Progress, guarded
 from aadl_func._src.checks import check_update_inputs
+from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
-from aadl_func._src.core.lstsq import solve_known
+from aadl_func._src.core.lstsq import known_ridge, solve_known
 from aadl_func._src.core.scalars import float64_tensor
 from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.exec import inplace, passes
+from aadl_func._src.exec import plan as plans
 from aadl_func._src.exec.eager import _write
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
@@ -69,70 +76,15 @@ _FLOAT32 = torch.float32
 _INF = math.inf
 
 
-class Plan:
-    """What a steady call needs of its state, kept from the previous call."""
-
-    __slots__ = (
-        "options", "params", "shapes", "spec", "anchor", "slots", "columns", "pointers", "outputs",
-        "count", "head", "mixed", "gram", "dr_gram", "dr_rhs", "tracked", "versions", "keeps",
-        "adopts",
-        "classic", "iterates", "runs", "storages",
-    )  # fmt: skip
-
-    def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
-        self.options, self.params, self.spec = options, leaves, spec
-        self.shapes = [p.shape for p in leaves]
-        self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
-        ring = [tree.flatten(r, "state.residuals")[0] for r in state.residuals]
-        self.slots = [[entry[i] for entry in ring] for i in range(len(leaves))]
-        # Each leaf's slots as the (Q, n) matrix `anderson.init` lays them out as, transposed
-        # for the mix (`kernels.combine_leaf` with the params as base and result).
-        matrices = [passes._rows_of_one_buffer(s) for s in self.slots]
-        self.columns = [None if m is None else m.mT for m in matrices]
-        # Mode "classic": the steps' ring too, and each leaf's two matrices as
-        # `kernels.combine_leaf()`'s runs (the steps' weights first, as `passes.combine()`).
-        self.classic = options.rules.eager_steps == "classic"
-        its = [tree.flatten(r, "state.iterates")[0] for r in state.iterates]
-        self.iterates = [[entry[i] for entry in its] for i in range(len(leaves))]
-        self.runs = [
-            [(0, passes._rows_of_one_buffer(i)), (len(ring), m)] if self.classic else None
-            for i, m in zip(self.iterates, matrices)
-        ]
-        self.pointers = [native._pointers(s) for s in self.slots]
-        q = len(ring)
-        self.outputs = [
-            (torch.empty(-(-p.numel() // native.BLOCK), q, dtype=torch.float64),
-             torch.empty(q, dtype=torch.float64)) for p in leaves
-        ]  # fmt: skip
-        self.count, self.head, self.mixed = (
-            int(t) for t in (state.count, state.head, state.num_mixed)
-        )
-        self.gram, self.dr_gram = state.gram.tolist(), state.dr_gram.tolist()
-        self.dr_rhs = state.dr_rhs.tolist()
-        # Every tensor the plan copies or writes behind torch's back (a leaf's slots share
-        # one buffer's version counter), and their version counters as the last call left them.
-        self.tracked = [
-            state.count, state.head, state.window_size, state.skip_streak, state.num_mixed,
-            state.num_nonfinite, state.pending_loss, state.gram, state.dr_gram, state.dr_rhs,
-            *self.anchor, *[s[0] for s in self.slots], *[s[0] for s in self.iterates if s],
-        ]  # fmt: skip
-        self.versions = _versions(self)
-        # The window's memory, which no params leaf may share.
-        self.storages = {t.untyped_storage().data_ptr() for t in self.tracked}
-        self.keeps = protocols.keeps_buffers(options.inner)
-        self.adopts = protocols.adopts_buffers(options.inner)
-
-
-def _versions(plan: Plan) -> list[int]:
-    return [t._version for t in plan.tracked]
-
-
 def run(
-    options: AndersonOptions, state: Any, params: Any, grads: Any
+    options: AndersonOptions, state: Any, params: Any, grads: Any, loss: Tensor | None = None
 ) -> tuple[Any, AndersonState] | None:
-    """The steady call (see the module docstring), or None, having written nothing."""
+    """The steady call (see the module docstring), or None, having written nothing. `loss`:
+    the deferred safeguard's, as `deferred.check_loss()` returns it."""
     if _functorch.maybe_current_level() is not None or tree.tracing():
         return None
+    if loss is not None and options.sufficient_decrease:
+        return None  # its bar reads the grads (`deferred.bar`): the executor's
     if not isinstance(state, AndersonState) or state.pending_loss is None:
         return None
     try:
@@ -143,123 +95,37 @@ def run(
     if any(type(t) is not Tensor for t in (*leaves, *g_leaves)):
         return None  # sharded (DTensor) params, grads that are not tensors, ...
     plan = memo(state)
-    if type(plan) is _Unplannable:
+    if type(plan) is plans.Unplannable:
         if plan.options is options and plan.native == native.available():
             return None
         plan = None
-    if plan is None or plan.options is not options or plan.versions != _versions(plan):
-        if not _steady_window(options, state):
+    if plan is None or plan.options is not options or plan.versions != plans.versions(plan):
+        if not plans.steady_window(options, state):
             return None
         # A new plan is made from inputs that pass every check of the executor's call (which
         # raise here as they would there, before anything is written).
         check_update_inputs(options, state, params, grads, None, True)
-        plan = _new_plan(options, state, leaves, spec)
-        set_memo(state, plan or _Unplannable(options, native.available()))
+        plan = plans.new_plan(options, state, leaves, spec)
+        set_memo(state, plan or plans.Unplannable(options, native.available()))
         if plan is None:
             return None
-    if not (spec == plan.spec == g_spec and _params_fit(leaves, plan)):
+    if not (spec == plan.spec == g_spec and plans.params_fit(leaves, plan)):
         return None
-    if not _grads_fit(g_leaves, leaves):
+    if not plans.grads_fit(g_leaves, leaves):
+        return None
+    # The deferred verdict on the pending mix (`deferred.rejects`, on Python floats): a
+    # rejection reverts, which is the general path's.
+    value = None if loss is None else float(loss)
+    if value is not None and accept.rejects_pending(plan.pending, value):
         return None
     guard = InterruptGuard()
-    call = _Call(plan, state, params, leaves, grads, guard)
+    call = _Call(plan, state, params, leaves, grads, guard, loss, value)
     out = guarded(guard, call.run)
     if call.steady:
-        plan.versions = _versions(plan)
+        plan.versions = plans.versions(plan)
     else:  # the window restarted: the next calls are not steady
         set_memo(state, None)
     return tree.unflatten(plan.spec, out), state
-
-
-class _Unplannable(NamedTuple):
-    """Kept with a state none of whose calls can be steady for `options` (its options, the
-    params' kinds, the window's layout, the native kernel `native` off), so that they do not
-    try again; a state the caller rebuilds loses it (`verified_states`)."""
-
-    options: Any
-    native: bool
-
-
-def _steady_window(options: AndersonOptions, state: AndersonState) -> bool:
-    """Whether the window is in the steady state now: full, nothing pending, no skip streak
-    (plain CPU counters, read once each)."""
-    small = (state.count, state.head, state.window_size, state.skip_streak, state.num_mixed)
-    for t in (*small, state.pending_loss):
-        if type(t) is not Tensor or t.is_inference() or not t.is_cpu or t.ndim:
-            return False  # not a state `update` made: the checked path says what is wrong
-    if any(t.dtype != torch.int64 for t in small) or state.pending_loss.dtype != torch.float64:
-        return False
-    q = options.num_slots
-    full = q if options.rules.keeps_iterates else q + 1  # pairs; iterates
-    if int(state.window_size) != full or int(state.skip_streak) != 0:
-        return False
-    return float(state.pending_loss) == _INF
-
-
-def _new_plan(
-    options: AndersonOptions, state: AndersonState, leaves: list[Tensor], spec: Any
-) -> Plan | None:
-    """A plan for `state` (in the steady state) if its calls can be steady ones, else
-    None: that is a matter of the options, the params' kinds and the window's layout."""
-    if options.average or options.skip_nonfinite:
-        return None
-    if options.acceptance is not SAFEGUARD or options.reg_relative or options.reg_column:
-        return None
-    if options.rules.eager_steps is None or not native.available() or options.num_slots < 2:
-        return None
-    if not (state.gram.is_cpu and state.gram.dtype == torch.float64):
-        return None
-    if any(type(p) is not Tensor or p.dtype != _FLOAT32 for p in leaves):
-        return None
-    plan = Plan(options, state, leaves, spec)
-    for p, a, slots, column in zip(leaves, plan.anchor, plan.slots, plan.columns):
-        if p.is_inference() or not p.is_contiguous() or p.numel() == 0:
-            return None
-        if not (p.requires_grad is False or p.is_leaf):
-            return None  # a view of a leaf that requires grad: checks.check_writable's
-        if not native.can_append(slots, 0, p, a) or column is None:
-            return None
-        if a.dtype != _FLOAT32 or a.stride() != p.stride():
-            return None
-    if plan.classic and not all(
-        run[0][1] is not None and run[0][1].dtype == _FLOAT32 for run in plan.runs
-    ):
-        return None
-    return plan
-
-
-def _params_fit(leaves: list, plan: Plan) -> bool:
-    """Params the plan was made for: its own tensors, or others (the wrapper passes fresh
-    copies each call) that pass the executor's in-place checks the same way: plain float32
-    CPU tensors of the planned shapes, C-contiguous and writable, no two sharing memory and
-    none sharing the window's. A `set_` or `resize_` since would change a shape or layout."""
-    fresh = False
-    for p, planned, shape in zip(leaves, plan.params, plan.shapes):
-        if p.shape != shape or p.dtype != _FLOAT32 or not p.is_contiguous():
-            return False
-        if p is not planned:
-            if type(p) is not Tensor or p.is_inference() or not p.is_cpu:
-                return False
-            if p.requires_grad and not p.is_leaf:
-                return False  # a view of a leaf that requires grad: checks.check_writable's
-            fresh = True
-    if not fresh:
-        return True
-    storages = [p.untyped_storage().data_ptr() for p in leaves]
-    return len(set(storages)) == len(storages) and not plan.storages.intersection(storages)
-
-
-def _grads_fit(grads: list, params: list) -> bool:
-    """Grads the executor would take as they are: plain tensors of the params' shapes,
-    dtypes and devices, sharing no memory with any params leaf."""
-    for g, p in zip(grads, params):
-        if type(g) is not Tensor or g.shape != p.shape or g.dtype != p.dtype:
-            return False
-        if g.device != p.device or g.layout != torch.strided:
-            return False
-    # Separate storages cannot overlap; grads in a params leaf's storage go the checked way.
-    storages = {p.untyped_storage().data_ptr() for p in params}
-    return not any(g.untyped_storage().data_ptr() in storages for g in grads)
 
 
 class _Call:
@@ -268,15 +134,18 @@ class _Call:
 
     def __init__(
         self,
-        plan: Plan,
+        plan: plans.Plan,
         state: AndersonState,
         params: Any,
         leaves: list[Tensor],
         grads: Any,
         guard: InterruptGuard,
+        loss: Tensor | None,
+        loss_value: float | None,
     ) -> None:
         self.plan, self.state, self.guard = plan, state, guard
         self.params, self.leaves, self.grads = params, leaves, grads
+        self.loss, self.loss_value = loss, loss_value
         self.count = plan.count + 1  # this call's number
         self.mixes = update_call.mixes_on(plan.options, self.count)
         self.stores = update_call.stores_on(plan.options, self.count)
@@ -388,10 +257,10 @@ class _Call:
         is, then, on the call-count gates, the mix of that window as the executor forms it
         (mode "aadl": out of place from the anchor, the last stored plain step)."""
         plan, state = self.plan, self.state
-        plain = state._replace(count=self.count, inner_state=self.inner_state)
+        plain = state._replace(count=self.count, inner_state=self.inner_state, **self._cleared())
         inplace.commit_to(state, self.progress, plain, self.inner_state, plan.adopts, plain=True)
         self.guard.checkpoint()
-        plan.count = self.count
+        plan.count, plan.pending = self.count, _INF
         if not self.mixes:
             return self._finish(False, self.leaves, mixes=False)
         head = plan.head
@@ -419,27 +288,42 @@ class _Call:
             gram=passes._with_row(gram, head, g),
             dr_gram=passes._with_row(dr_gram, head, h),
             dr_rhs=float64_tensor(c),
+            **self._cleared(),
         )
         inplace.commit_to(state, self.progress, plain, self.inner_state, plan.adopts, plain=True)
         self.guard.checkpoint()
         plan.count, plan.head, plan.gram, plan.dr_gram = self.count, head, gram, dr_gram
+        plan.pending = _INF
         plan.dr_rhs = list(c)
+
+    def _cleared(self) -> dict[str, float]:
+        """The commit point's `pending_loss` (`deferred.cleared()`): +inf, written only where
+        a mix was pending."""
+        return {} if self.plan.pending == _INF else {"pending_loss": _INF}
 
     def _finish(self, ok: bool, x: list[Tensor], *, mixes: bool = True) -> list[Tensor]:
         """The final state (`_Step.finish()`): the mix counted, or the failed one (a call
-        that `mixes`); `x` written into the params where it is not them."""
+        that `mixes`); `x` written into the params where it is not them. A returned mix
+        with the deferred safeguard's `loss`: that loss is the bar the next call's loss
+        must beat (`deferred.pending_after()`)."""
         plan, state, progress = self.plan, self.state, self.progress
         plan.mixed += 1 if ok else 0
         failed = mixes and not ok
+        pending = {}
+        if ok and self.loss_value is not None:
+            pending = {"pending_loss": accept.judged_loss(self.loss_value)}
         final = state._replace(
             num_mixed=plan.mixed if ok else state.num_mixed,
             num_nonfinite=state.num_nonfinite + 1 if failed else state.num_nonfinite,
+            **pending,
         )
         writes = [(p, v) for p, v in zip(self.leaves, x) if v is not p]
         progress.writes, progress.pending = writes, final
         for p, v in writes:
             p.copy_(v)
         inplace.commit_to(state, progress, final, None, False)
+        if pending:
+            plan.pending = pending["pending_loss"]
         return self.leaves
 
     def _weights(
@@ -456,7 +340,7 @@ class _Call:
             [[dr_gram[i][j] for j in later] for i in later],
             [dr_rhs[i] for i in later],
             [gram[s][s] for s in slots],
-            plan.options.reg,
+            known_ridge(plan.options, [dr_gram[i][i] for i in later]),
         )
         if known is not None:
             return known[1], True
@@ -482,6 +366,7 @@ class _Call:
             gram=grams.gram,
             dr_gram=grams.dr_gram,
             dr_rhs=grams.dr_rhs,
+            **self._cleared(),
         )
         inplace.commit_to(state, progress, plain, self.inner_state, plan.adopts, plain=True)
         self.guard.checkpoint()
@@ -498,7 +383,7 @@ class _Call:
         plan = self.plan
         call = update_call.Call(
             plan.options, self.state, self.leaves, plan.spec, self.updates, self.inner_state,
-            inplace=True, loss_fn=None, loss=None, guard=self.guard,
+            inplace=True, loss_fn=None, loss=self.loss, guard=self.guard,
         )  # fmt: skip
         call.count, call.count_value = (
             torch.scalar_tensor(self.count, dtype=torch.int64),

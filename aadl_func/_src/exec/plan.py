@@ -1,0 +1,186 @@
+r"""The steady call's plan: what it keeps of a state from one call to the next, and the tests
+that the state and the inputs of a call still fit it (`aadl_func._src.exec.steady`).
+
+A `Plan` holds the params' leaves, each leaf's window slots as one matrix, the native
+kernel's pointers and output buffers, and the counters, Grams and pending loss as Python
+values. It holds while every tensor it copies keeps the version counter the previous call
+left it with (`versions()`). `new_plan()` makes one for a state in the steady state
+(`steady_window()`) whose calls can be steady at all (else None); `params_fit()` and
+`grads_fit()` check a call's params and grads as the executor's checks would take them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from aadl_func._src import native, protocols, tree
+from aadl_func._src.acceptance import SAFEGUARD
+from aadl_func._src.exec import passes
+from aadl_func._src.options import AndersonOptions
+from aadl_func._src.state import AndersonState
+
+__all__ = [
+    "Plan",
+    "Unplannable",
+    "grads_fit",
+    "new_plan",
+    "params_fit",
+    "steady_window",
+    "versions",
+]
+
+_FLOAT32 = torch.float32
+_INF = math.inf
+
+
+class Plan:
+    """What a steady call needs of its state, kept from the previous call."""
+
+    __slots__ = (
+        "options", "params", "shapes", "spec", "anchor", "slots", "columns", "pointers", "outputs",
+        "count", "head", "mixed", "pending", "gram", "dr_gram", "dr_rhs", "tracked", "versions",
+        "keeps", "adopts",
+        "classic", "iterates", "runs", "storages",
+    )  # fmt: skip
+
+    def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
+        self.options, self.params, self.spec = options, leaves, spec
+        self.shapes = [p.shape for p in leaves]
+        self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
+        ring = [tree.flatten(r, "state.residuals")[0] for r in state.residuals]
+        self.slots = [[entry[i] for entry in ring] for i in range(len(leaves))]
+        # Each leaf's slots as the (Q, n) matrix `anderson.init` lays them out as, transposed
+        # for the mix (`kernels.combine_leaf` with the params as base and result).
+        matrices = [passes._rows_of_one_buffer(s) for s in self.slots]
+        self.columns = [None if m is None else m.mT for m in matrices]
+        # Mode "classic": the steps' ring too, and each leaf's two matrices as
+        # `kernels.combine_leaf()`'s runs (the steps' weights first, as `passes.combine()`).
+        self.classic = options.rules.eager_steps == "classic"
+        its = [tree.flatten(r, "state.iterates")[0] for r in state.iterates]
+        self.iterates = [[entry[i] for entry in its] for i in range(len(leaves))]
+        self.runs = [
+            [(0, passes._rows_of_one_buffer(i)), (len(ring), m)] if self.classic else None
+            for i, m in zip(self.iterates, matrices)
+        ]
+        self.pointers = [native._pointers(s) for s in self.slots]
+        q = len(ring)
+        self.outputs = [
+            (torch.empty(-(-p.numel() // native.BLOCK), q, dtype=torch.float64),
+             torch.empty(q, dtype=torch.float64)) for p in leaves
+        ]  # fmt: skip
+        self.count, self.head, self.mixed = (
+            int(t) for t in (state.count, state.head, state.num_mixed)
+        )
+        self.pending = float(state.pending_loss)  # the deferred safeguard's bar, or +inf
+        self.gram, self.dr_gram = state.gram.tolist(), state.dr_gram.tolist()
+        self.dr_rhs = state.dr_rhs.tolist()
+        # Every tensor the plan copies or writes behind torch's back (a leaf's slots share
+        # one buffer's version counter), and their version counters as the last call left them.
+        self.tracked = [
+            state.count, state.head, state.window_size, state.skip_streak, state.num_mixed,
+            state.num_nonfinite, state.pending_loss, state.gram, state.dr_gram, state.dr_rhs,
+            *self.anchor, *[s[0] for s in self.slots], *[s[0] for s in self.iterates if s],
+        ]  # fmt: skip
+        self.versions = versions(self)
+        # The window's memory, which no params leaf may share.
+        self.storages = {t.untyped_storage().data_ptr() for t in self.tracked}
+        self.keeps = protocols.keeps_buffers(options.inner)
+        self.adopts = protocols.adopts_buffers(options.inner)
+
+
+def versions(plan: Plan) -> list[int]:
+    return [t._version for t in plan.tracked]
+
+
+class Unplannable(NamedTuple):
+    """Kept with a state none of whose calls can be steady for `options` (its options, the
+    params' kinds, the window's layout, the native kernel `native` off), so that they do not
+    try again; a state the caller rebuilds loses it (`verified_states`)."""
+
+    options: Any
+    native: bool
+
+
+def steady_window(options: AndersonOptions, state: AndersonState) -> bool:
+    """Whether the window is in the steady state now: full, no skip streak (plain CPU
+    counters, read once each); a finite `pending_loss` (a mix the deferred safeguard judges
+    next) is judged call by call."""
+    small = (state.count, state.head, state.window_size, state.skip_streak, state.num_mixed)
+    for t in (*small, state.pending_loss):
+        if type(t) is not Tensor or t.is_inference() or not t.is_cpu or t.ndim:
+            return False  # not a state `update` made: the checked path says what is wrong
+    if any(t.dtype != torch.int64 for t in small) or state.pending_loss.dtype != torch.float64:
+        return False
+    q = options.num_slots
+    full = q if options.rules.keeps_iterates else q + 1  # pairs; iterates
+    return int(state.window_size) == full and int(state.skip_streak) == 0
+
+
+def new_plan(
+    options: AndersonOptions, state: AndersonState, leaves: list[Tensor], spec: Any
+) -> Plan | None:
+    """A plan for `state` (in the steady state) if its calls can be steady ones, else
+    None: that is a matter of the options, the params' kinds and the window's layout."""
+    if options.average or options.skip_nonfinite:
+        return None
+    if options.acceptance is not SAFEGUARD or options.reg_column:
+        return None
+    if options.rules.eager_steps is None or not native.available() or options.num_slots < 2:
+        return None
+    if not (state.gram.is_cpu and state.gram.dtype == torch.float64):
+        return None
+    if any(type(p) is not Tensor or p.dtype != _FLOAT32 for p in leaves):
+        return None
+    plan = Plan(options, state, leaves, spec)
+    for p, a, slots, column in zip(leaves, plan.anchor, plan.slots, plan.columns):
+        if p.is_inference() or not p.is_contiguous() or p.numel() == 0:
+            return None
+        if not (p.requires_grad is False or p.is_leaf):
+            return None  # a view of a leaf that requires grad: checks.check_writable's
+        if not native.can_append(slots, 0, p, a) or column is None:
+            return None
+        if a.dtype != _FLOAT32 or a.stride() != p.stride():
+            return None
+    if plan.classic and not all(
+        run[0][1] is not None and run[0][1].dtype == _FLOAT32 for run in plan.runs
+    ):
+        return None
+    return plan
+
+
+def params_fit(leaves: list, plan: Plan) -> bool:
+    """Params the plan was made for: its own tensors, or others (the wrapper passes fresh
+    copies each call) that pass the executor's in-place checks the same way: plain float32
+    CPU tensors of the planned shapes, C-contiguous and writable, no two sharing memory and
+    none sharing the window's. A `set_` or `resize_` since would change a shape or layout."""
+    fresh = False
+    for p, planned, shape in zip(leaves, plan.params, plan.shapes):
+        if p.shape != shape or p.dtype != _FLOAT32 or not p.is_contiguous():
+            return False
+        if p is not planned:
+            if type(p) is not Tensor or p.is_inference() or not p.is_cpu:
+                return False
+            if p.requires_grad and not p.is_leaf:
+                return False  # a view of a leaf that requires grad: checks.check_writable's
+            fresh = True
+    if not fresh:
+        return True
+    storages = [p.untyped_storage().data_ptr() for p in leaves]
+    return len(set(storages)) == len(storages) and not plan.storages.intersection(storages)
+
+
+def grads_fit(grads: list, params: list) -> bool:
+    """Grads the executor would take as they are: plain tensors of the params' shapes,
+    dtypes and devices, sharing no memory with any params leaf."""
+    for g, p in zip(grads, params):
+        if type(g) is not Tensor or g.shape != p.shape or g.dtype != p.dtype:
+            return False
+        if g.device != p.device or g.layout != torch.strided:
+            return False
+    # Separate storages cannot overlap; grads in a params leaf's storage go the checked way.
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    return not any(g.untyped_storage().data_ptr() in storages for g in grads)
