@@ -86,9 +86,10 @@ CONFIGS = {
 for _name in ("aadl-steady", "classic-steady"):
     CONFIGS[f"{_name}-store"] = {**CONFIGS[_name], "frequency": 2}
 # And with the deferred safeguard (`loss=` on every call), the faulted call keeping the pending
-# mix: a steady call that judges, clears and sets the bar.
+# mix (a steady call that judges, clears and sets the bar) or rejecting it (a steady revert).
 for _name in ("aadl-steady", "classic-steady"):
     CONFIGS[f"{_name}-deferred-kept"] = {**CONFIGS[_name], "deferred": True, "keep": True}
+    CONFIGS[f"{_name}-deferred-reverted"] = {**CONFIGS[_name], "deferred": True}
 # And with the faulted call (number 11) off `store_each_nth` = 2, mixing the window without
 # storing: a steady call that does not store (calls 7-10 are steady too).
 for _name in ("aadl-steady", "classic-steady"):
@@ -214,12 +215,16 @@ class Setup:
         return None
 
     def continue_from(self, result):
-        """The params after each of ``(Q + 1) store_each_nth`` more calls, and the final state
-        (by then every ring slot was rewritten, so stale slots and their Gram entries are
-        gone)."""
+        """The params after each of the next calls, and the final state: calls until
+        ``(Q + 1) store_each_nth`` more steps are counted (a deferred rejection counts none), so
+        that every ring slot was rewritten and stale slots and their Gram entries are gone."""
         params, state = result
         trajectory = []
-        for _ in range((len(state.residuals) + 1) * self.options.get("store_each_nth", 1)):
+        steps = (len(state.residuals) + 1) * self.options.get("store_each_nth", 1)
+        end = int(state.count) + steps
+        for _ in range(10 * steps):
+            if int(state.count) >= end:
+                break
             params, state = self.opt.update(
                 state, params, self._grads(params), inplace=True, **self._kw(params)
             )

@@ -240,9 +240,10 @@ def test_an_exception_inside_ends_as_in_the_executor(monkeypatch, where, error, 
 
 
 DEFERRED_CASES = [  # (options, the fewest steady calls of the 60, rejections expected)
-    ({"history_depth": 20, "reg_relative": 1e-4}, 10, True),  # the recommended full-batch line
-    ({"history_depth": 4, "relaxation": 1.5}, 20, True),
+    ({"history_depth": 20, "reg_relative": 1e-4}, 20, True),  # the recommended full-batch line
+    ({"history_depth": 4, "relaxation": 1.5}, 50, True),  # rejections are steady reverts
     ({"history_depth": 3, "frequency": 2, "wait_iterations": 6}, 40, False),
+    ({"history_depth": 4, "relaxation": 1.5, "restart_on_reject": True}, 0, True),  # general's
 ]
 
 
@@ -252,8 +253,9 @@ DEFERRED_CASES = [  # (options, the fewest steady calls of the 60, rejections ex
 def test_deferred_calls_give_the_executor_bits(monkeypatch, case, inner, mode):
     """The deferred safeguard (`loss=` on every call): a call whose verdict keeps the pending
     mix (or finds none) is a steady one, the bar cleared at its commit point and set to its
-    loss when it returns a mix; a rejection is the general path's, and the next call makes a
-    new plan. Every call's bytes are the executor's, over runs that keep and reject mixes."""
+    loss when it returns a mix, and so is a rejection, which reverts to the previous plain
+    step on the same plan (with `restart_on_reject` it is the general path's). Every call's
+    bytes are the general path's and the executor's, over runs that keep and reject mixes."""
     options, fewest, rejections = case
     options = {"mode": mode, **options}
     taken, states = _counted(monkeypatch), []

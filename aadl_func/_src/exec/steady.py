@@ -33,12 +33,14 @@ executor does.
 The deferred safeguard (`loss=`): the verdict on the pending mix is read from the plan's
 Python value of `pending_loss`; a kept mix (or none pending) goes on as above, the commit
 point clears the bar and a returned mix sets it to the call's loss, as in the executor
-(`aadl_func._src.deferred`); a rejection reverts, which the general path does.
+(`aadl_func._src.deferred`); a rejection reverts to the previous call's plain step as the
+general path does (`stages.revert()`: no inner step), without `restart_on_reject`.
 
 Which calls `run()` takes (else it returns None, having written nothing): an eager in-place
 `update` without `loss_fn` and outside any torch.func transform, in either mode, without the
 moving average, `skip_nonfinite`, an acceptance rule other than the default (`line_search`),
-a per-column ridge, or `sufficient_decrease` with `loss`, and not a deferred rejection;
+a per-column ridge, or `sufficient_decrease` with `loss`, and not a deferred rejection that
+restarts the window (`restart_on_reject`);
 float32 CPU params and windows laid out as `anderson.init` lays them out, with the native
 kernel; a full window.
 """
@@ -113,14 +115,14 @@ def run(
         return None
     if not plans.grads_fit(g_leaves, leaves):
         return None
-    # The deferred verdict on the pending mix (`deferred.rejects`, on Python floats): a
-    # rejection reverts, which is the general path's.
+    # The deferred verdict on the pending mix (`deferred.rejects`, on Python floats).
     value = None if loss is None else float(loss)
-    if value is not None and accept.rejects_pending(plan.pending, value):
-        return None
+    rejected = value is not None and accept.rejects_pending(plan.pending, value)
+    if rejected and options.restart_on_reject:
+        return None  # the window restarts: the general path's
     guard = InterruptGuard()
     call = _Call(plan, state, params, leaves, grads, guard, loss, value)
-    out = guarded(guard, call.run)
+    out = guarded(guard, call.revert if rejected else call.run)
     if call.steady:
         plan.versions = plans.versions(plan)
     else:  # the window restarted: the next calls are not steady
@@ -375,10 +377,32 @@ class _Call:
         self.steady = False
         return self.leaves
 
+    def revert(self) -> list[Tensor]:
+        """A deferred rejection (`aadl_func._src.stages.revert()`, the general path's):
+        the previous call's plain step (the mode's `last_plain_step`: the anchor, or in mode
+        "classic" the anchor plus the newest residual) written into the params,
+        `num_rejected` counted and the bar cleared; no inner step, nothing else changes."""
+        plan, state, progress = self.plan, self.state, self.progress
+        if plan.classic:
+            y = [a + slots[plan.head] for a, slots in zip(plan.anchor, plan.slots)]
+        else:
+            y = [a.clone() for a in plan.anchor]
+        final = state._replace(num_rejected=int(state.num_rejected) + 1, pending_loss=_INF)
+        try:  # `stages.output()` and the commit: an exception from here finishes the call
+            progress.writes, progress.pending = list(zip(self.leaves, y)), final
+            for p, v in progress.writes:
+                p.copy_(v)
+            inplace.commit_to(state, progress, final, None, False)
+        except BaseException:
+            self._recover()
+            raise
+        plan.pending = _INF
+        return self.leaves
+
     def _recover(self) -> None:
         """An exception anywhere: one complete outcome, as the executor's
         (`_Step.recover()`)."""
-        if self.progress.param_versions is None:
+        if self.progress.param_versions is None and self.progress.pending is None:
             return  # nothing written
         plan = self.plan
         call = update_call.Call(
