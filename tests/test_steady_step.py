@@ -270,12 +270,13 @@ def test_deferred_calls_give_the_executor_bits(monkeypatch, case, inner, mode):
     assert int(states[0].num_rejected) > 0 or not rejections
 
 
-@pytest.mark.parametrize("store_each_nth", [1, 2])
+@pytest.mark.parametrize("store_each_nth, safeguard", [(1, None), (2, None), (1, "deferred")])
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
-def test_the_wrappers_steps_give_the_executor_bits(monkeypatch, mode, store_each_nth):
+def test_the_wrappers_steps_give_the_executor_bits(monkeypatch, mode, store_each_nth, safeguard):
     """`AcceleratedOptimizer` passes fresh copies of the params each call: steady calls take
     them (checked as the executor checks them), with the executor's bits for the model and
-    the optimizer's state (`store_each_nth=2`: every other call off the store schedule)."""
+    the optimizer's state (`store_each_nth=2`: every other call off the store schedule;
+    `safeguard="deferred"`: `step(loss=value)`, kept and reverted mixes)."""
 
     def run(steady_on):
         taken = _counted(monkeypatch) if steady_on else [0]
@@ -289,12 +290,14 @@ def test_the_wrappers_steps_give_the_executor_bits(monkeypatch, mode, store_each
             mode=mode,
             history_depth=4,
             store_each_nth=store_each_nth,
+            **({} if safeguard is None else {"safeguard": safeguard}),
         )
         history = []
         for _ in range(40):
             opt.zero_grad()
-            torch.nn.functional.mse_loss(model(data), target).backward()
-            opt.step()
+            loss = torch.nn.functional.mse_loss(model(data), target)
+            loss.backward()
+            opt.step(**({} if safeguard is None else {"loss": loss}))
             history.append(_bytes((list(model.parameters()), opt.state_dict())))
         monkeypatch.undo()
         return history, taken[0]
