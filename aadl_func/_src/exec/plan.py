@@ -11,7 +11,6 @@ left it with (`versions()`). `new_plan()` makes one for a state in the steady st
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -34,7 +33,6 @@ __all__ = [
 ]
 
 _FLOAT32 = torch.float32
-_INF = math.inf
 
 
 class Plan:
