@@ -89,6 +89,10 @@ class Plan:
         self.keeps = protocols.keeps_buffers(options.inner)
         self.adopts = protocols.adopts_buffers(options.inner)
 
+    def ring(self) -> tuple:
+        """The residuals' window as the executor's ring: per slot, its leaves."""
+        return tuple([[leaf[s] for leaf in self.slots] for s in range(len(self.gram))])
+
 
 def versions(plan: Plan) -> list[int]:
     return [t._version for t in plan.tracked]

@@ -62,6 +62,7 @@ from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.lstsq import known_ridge, solve_known
 from aadl_func._src.core.scalars import float64_tensor
+from aadl_func._src.core.variants import aadl, classic
 from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.exec import inplace, passes
@@ -270,9 +271,8 @@ class _Call:
         if plan.classic:
             return self._classic_mix(head, alpha, solved)
         minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
-        ring = tuple([[leaf[s] for leaf in plan.slots] for s in range(len(plan.gram))])
         x_hist = passes.combine(
-            plan.anchor, [_FLOAT32] * len(plan.anchor), plan.anchor, [ring],
+            plan.anchor, [_FLOAT32] * len(plan.anchor), plan.anchor, [plan.ring()],
             passes.ring_order(head, minus_c),
         )  # fmt: skip
         ok = passes.finite(x_hist, self.leaves, solved)
@@ -347,8 +347,7 @@ class _Call:
         if known is not None:
             return known[1], True
         # A value that is not finite: the tensor route decides, as in the executor.
-        ring = tuple([[leaf[s] for leaf in plan.slots] for s in range(q)])
-        return passes.mixing_weights(plan.options, ring, Grams.of(self.state), head, q)
+        return passes.mixing_weights(plan.options, plan.ring(), Grams.of(self.state), head, q)
 
     def _poisoned(self, head: int, window_size: int) -> list[Tensor]:
         """A Gram row that is not finite (`_Step.append()`'s poisoned append): the slot and
@@ -384,9 +383,10 @@ class _Call:
         `num_rejected` counted and the bar cleared; no inner step, nothing else changes."""
         plan, state, progress = self.plan, self.state, self.progress
         if plan.classic:
-            y = [a + slots[plan.head] for a, slots in zip(plan.anchor, plan.slots)]
+            newest = [slots[plan.head] for slots in plan.slots]
+            y = classic.last_plain_step(plan.anchor, newest)
         else:
-            y = [a.clone() for a in plan.anchor]
+            y = aadl.last_plain_step(plan.anchor)
         final = state._replace(num_rejected=int(state.num_rejected) + 1, pending_loss=_INF)
         try:  # `stages.output()` and the commit: an exception from here finishes the call
             progress.writes, progress.pending = list(zip(self.leaves, y)), final
