@@ -329,13 +329,27 @@ def _momenta(opt):
     return [opt.state[p]["momentum_buffer"].clone() for g in opt.param_groups for p in g["params"]]
 
 
-@pytest.mark.parametrize("error", ERRORS, ids=lambda e: e.__name__)
+def _in_executor(code) -> bool:
+    """The eager executor and the wrapper's inner map: where a float64 wrapper once held
+    `stepped - start` in its params between the torch step and the core's first write."""
+    return code.co_filename.endswith(
+        (os.path.join("exec", "eager.py"), "wrapper_groups.py", "anderson.py")
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "traced"),
+    [(e, _in_package) for e in ERRORS] + [(RuntimeError, _in_executor)],
+    ids=[e.__name__ for e in ERRORS] + ["RuntimeError-every-executor-line"],
+)
 @pytest.mark.usefixtures("default_sigint")
-def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error):
+def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error, traced):
     """An exception at a line of the package's code during ``AcceleratedOptimizer.step``
     (the wrapper, the core, the guard; not torch.optim's own loop): either nothing changed,
     or the torch optimizer took its step and every group's window recorded it, with each
-    group's params at its window's newest entry and Grams consistent with the ring."""
+    group's params at its window's newest entry, that entry the torch optimizer's plain
+    step or the uninterrupted step's outcome, and Grams consistent with the ring. The
+    package's lines are sampled (`AADL_FAULT_STRIDE=1`: all); the executor's are all taken."""
     from window_invariant import state_gram_errors
 
     model, opt, closure = _wrapped()
@@ -344,15 +358,22 @@ def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error):
     reference_model, reference, _ = _wrapped()
     reference._plain_step(closure)  # only the torch step (closure of the other model is fine:
     stepped = _momenta(reference)  # it sets the other model's grads, the same values)
-    del reference_model
-    counter = LineFaults(_in_package)
+    # The params an outcome may leave: the torch optimizer's plain step, or the whole step's.
+    plain = [p.detach().clone() for p in reference_model.parameters()]
+    finished_model, finished, finished_closure = _wrapped()
+    finished.step(finished_closure)
+    outcomes = (plain, [p.detach().clone() for p in finished_model.parameters()])
+    del reference_model, finished_model
+    counter = LineFaults(traced)
     counter.run(lambda: opt.step(closure))
     lines = counter.count
     stride = int(os.environ.get("AADL_FAULT_STRIDE", "0")) or max(1, lines // SAMPLES)
+    if traced is _in_executor:
+        stride = 1
     seen = {"before": 0, "stepped": 0}
     for at in range(ERRORS.index(error) * stride // len(ERRORS), lines, stride):
         model, opt, closure = _wrapped()
-        LineFaults(_in_package, error, at).run(lambda: opt.step(closure))  # noqa: B023
+        LineFaults(traced, error, at).run(lambda: opt.step(closure))  # noqa: B023
         assert_ctrl_c_works()
         momenta, windows = _momenta(opt), opt.anderson_states
         params = [p.detach() for p in model.parameters()]
@@ -363,6 +384,9 @@ def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error):
             continue
         seen["stepped"] += 1
         assert _equal(momenta, stepped), f"line event {at}: torch's state torn"
+        assert any(_equal(params, o) for o in outcomes), (
+            f"line event {at}: params at neither the plain step nor the step's outcome"
+        )
         for group, window, count in zip(opt.param_groups, windows, counts):
             assert int(window.count) == count + 1, f"line event {at}: a step not recorded"
             assert _equal([p.detach() for p in group["params"]], window.anchor), (

@@ -403,8 +403,7 @@ class AcceleratedOptimizer(Optimizer):
         stepped = [p.detach() for p in params]
         window = self._window(windows, index, start)
         out, windows[index] = function(window, start, stepped, inplace=True, **keywords)
-        for p, value in zip(params, out):
-            p.copy_(value)
+        torch._foreach_copy_(stepped, list(out))  # the params' `copy_`, in one call
 
     def _torch_step(self, closure: Callable[[], Any] | None) -> Any:
         """The wrapped optimizer's own step, in one line: its caller records that it
