@@ -471,21 +471,30 @@ def solve_factor_known(
     $\varphi$, $\varphi b$, the affine weights) on Python floats, which round as torch's
     CPU kernels; the column norms, the SVD and the two matrix-vector products as torch
     operations on the same tensors, laid out alike (`R_11` and `r_12` views of the scaled
-    factor). The residual norm, which `update` does not use, is not formed. `tensor_ridge`:
-    `reg` is the value of the 0-d tensor `ridge()` gives with `reg_relative`, which that
-    function divides by the scale as a tensor (two true divisions) rather than as a number."""
+    factor, in `factor`'s row- or column-major order). The residual norm, which `update`
+    does not use, is not formed. `tensor_ridge`: `reg` is the value of the 0-d tensor
+    `ridge()` gives with `reg_relative`, which that function divides by the scale as a
+    tensor (two true divisions) rather than as a number."""
     q = factor.shape[-1]
     m = q - 1
-    rows = factor.tolist()
-    flat = [v for row in rows for v in row]
+    # The scaled factors are laid out as `factor` is (QR's R is column-major), as the tensor
+    # route's `torch.where` leaves them: LAPACK's SVD and BLAS's products round by the
+    # layout they are given (on AVX-512 MKL a row-major copy gave other bits).
+    column_major = q > 1 and factor.stride() == (1, q)
+    flat = [v for row in (factor.mT if column_major else factor).tolist() for v in row]
     if not all(map(math.isfinite, flat)):
         return None
+
+    def laid_out(values: list[float]) -> Tensor:
+        matrix = float64_tensor(values, q)
+        return matrix.mT if column_major else matrix
+
     peak = max(abs(v) for v in flat)
     peak = peak if peak > 0 else 1.0
-    norms = torch.linalg.vector_norm(float64_tensor([v / peak for v in flat], q), dim=0)
+    norms = torch.linalg.vector_norm(laid_out([v / peak for v in flat]), dim=0)
     scale = peak * max(norms.tolist())
     scale = scale if scale > 0 else 1.0
-    r = float64_tensor([v / scale for v in flat], q)
+    r = laid_out([v / scale for v in flat])
     # `reg / scale` with a tensor `scale` is torch's `scale.reciprocal() * reg` (two
     # roundings), then a true division: the same two steps here.
     shift = reg / scale / scale if tensor_ridge else (1.0 / scale) * reg / scale
