@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_docs_snippets import WRITTEN_WITH, same_output
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
 
@@ -53,5 +54,8 @@ def test_ddp_snippet_under_torchrun_with_two_ranks(tmp_path):
     assert [line.split(":")[0] for line in lines] == ["rank 0 of 2", "rank 1 of 2"], lines
     # The ranks stay identical: the same steps and the same params, to every printed digit.
     assert lines[0].split(":")[1] == lines[1].split(":")[1], lines
-    if torch.__version__.split("+")[0] == "2.13.0":  # the release the page was written with
-        assert lines == expected
+    # The page shows what the ranks print, as every page's expected output is checked (words
+    # and integers exactly, other numbers to 5%: the float32 sum's last digits differ between
+    # CPUs, e.g. -2.174578744452 on an AMD EPYC and -2.174579043873 on an AVX-512 Xeon).
+    if torch.__version__.split("+")[0] == WRITTEN_WITH:
+        assert same_output("\n".join(lines), "\n".join(expected)), (lines, expected)

@@ -19,10 +19,13 @@ from aadl_func._src.exec import passes, plan, steady
 
 
 def _counted(monkeypatch) -> list[int]:
-    """Counts the calls the steady path takes."""
-    taken, original = [0], anderson_module.steady.run
+    """Counts the calls the steady path takes (`[0]`) and the calls whose window was full
+    and without a skip streak when they began (`[1]`, `plan.steady_window()`)."""
+    taken, original = [0, 0], anderson_module.steady.run
 
     def counted(*args, **kwargs):
+        options, state = args[0], args[1]
+        taken[1] += isinstance(state, aa.AndersonState) and plan.steady_window(options, state)
         result = original(*args, **kwargs)
         taken[0] += result is not None
         return result
@@ -106,14 +109,16 @@ CASES = [
 ]
 
 
-def _compare(monkeypatch, options, inner, **kwargs) -> int:
+def _compare(monkeypatch, options, inner, *, eligible=False, **kwargs) -> int | tuple[int, int]:
+    """The steady calls of a run with the steady path on, after checking every call's bytes
+    against the executor's (`eligible`: and the calls that began with a full window)."""
     taken = _counted(monkeypatch)
     fast = _run(monkeypatch, options, INNERS[inner], steady_on=True, **kwargs)
-    calls = taken[0]
+    calls = tuple(taken)
     executor = _run(monkeypatch, options, INNERS[inner], steady_on=False, **kwargs)
     for k, (a, b) in enumerate(zip(fast, executor)):
         assert a == b, f"call {k + 1} differs"
-    return calls
+    return calls if eligible else calls[0]
 
 
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
@@ -121,11 +126,16 @@ def _compare(monkeypatch, options, inner, **kwargs) -> int:
 @pytest.mark.parametrize("options", CASES, ids=[str(o) for o in CASES])
 def test_steady_calls_give_the_executor_bits(monkeypatch, options, inner, mode):
     options = {"mode": mode, **options}
-    calls = _compare(monkeypatch, options, inner)
-    # Most calls are steady: every one from the first full window on (on the gates' calls).
+    calls, eligible = _compare(monkeypatch, options, inner, eligible=True)
+    # Every call that begins with a full window is steady, whatever the trajectory (some of
+    # these runs diverge, and where a non-finite Gram row restarts the window depends on the
+    # CPU's rounding: on one machine a run had one full-window call fewer than on another).
+    assert calls == eligible, (calls, eligible)
+    # And most calls begin with one: every call from the first full window on, unless the
+    # run restarted its window. Mode "aadl" fills q + 1 slots, "classic" q pairs.
     nth = options.get("store_each_nth", 1)
     full = nth * (options.get("history_depth", 10) + 1)  # calls to fill the window, about
-    assert calls >= (40 - full) // (options.get("frequency", 1) * nth) - 1, calls
+    assert eligible >= (40 - full) // 2, eligible
 
 
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
