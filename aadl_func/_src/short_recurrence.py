@@ -44,7 +44,8 @@ What keeps it safe away from that case:
   its own with a fresh product $Ap$ every step; a short recurrence has none): each carries
   an estimate of its error, and above `drift_tol` the window starts again from the raw
   secant triple (without this, gradient descent at relaxation 0.5 on a quadratic of
-  condition 100 diverges after about 35 calls);
+  condition 100 loses the secant relation $y = A p$ of its pairs within 100 calls, and then
+  stalls or diverges);
 * with `loss=` the deferred safeguard of [`anderson()`][aadl_func.anderson]: a returned mix
   whose loss (passed with the next call's gradient) is not below the loss at the point it was
   made from is rejected: that call returns the plain step $x_{k-1} + \beta r_{k-1}$ it
@@ -60,10 +61,12 @@ What keeps it safe away from that case:
 Without a loss nothing judges a mix, and type-I mixing does not minimize a residual as a
 windowed type-II one does: near and past convergence, where the secant triples are mostly
 the rounding of the gradients, it can diverge. On the tests' quadratic (condition 100,
-float64) at relaxation 1 it reaches the rounding floor in about 200 calls and leaves it 70
-calls later; at relaxation 0.5 it jumps above its first residual at call 87, from 3e-8 of
-it, and converges again. With `loss=` the rejected mixes restart it there (300 calls, both
-relaxations, no rise of a point the run keeps).
+float64) it reaches the rounding floor in about 200 calls; whether and when it leaves it
+then is up to the last bits of the rounding (starts a unit in the last place apart, or
+another CPU's kernels: at relaxation 1 about 60% of runs rise above what the loss can tell
+from the floor within the next 100 calls, at relaxation 0.5 nearly all). With `loss=` the
+rejected mixes restart it there (300 calls, both relaxations, no point the run keeps above
+that level).
 
 A step that is not finite (the inner update of a NaN gradient) is returned as the inner
 optimizer alone would return it, but it is never stored: the window and the previous point
