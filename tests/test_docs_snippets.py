@@ -35,8 +35,10 @@ def _marks(code: str) -> list:
 # A block's expected output: the paragraph right after it starts with "Expected output" and
 # ends with a ```text block, what the block prints. Checked on the torch release the pages
 # were written with (other releases may differ in the last digits): words exactly, integers
-# exactly, other numbers to 5% (float32 results vary in their last bits between machines).
-EXPECTED = re.compile(r"\s*\nExpected output[^\n]*(?:\n[^\n]+)*?:\n\n```text\n(.*?)```", re.S)
+# exactly, other numbers to 5% (float32 results vary in their last bits between machines), or
+# to what the paragraph says ("to within 25%": a long recurrence carries the CPU's rounding).
+EXPECTED = re.compile(r"\s*\nExpected output([^\n]*(?:\n[^\n]+)*?):\n\n```text\n(.*?)```", re.S)
+WITHIN = re.compile(r"to within\s+(\d+)%")
 WRITTEN_WITH = "2.13.0"
 NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
@@ -49,13 +51,18 @@ def _blocks() -> list:
             line = text.count("\n", 0, match.start()) + 1
             code = match.group(1)
             expected = EXPECTED.match(text, match.end())
-            output = expected.group(1) if expected else None
-            found.append(pytest.param(code, output, id=f"{page.name}:{line}", marks=_marks(code)))
+            output = expected.group(2) if expected else None
+            within = WITHIN.search(expected.group(1)) if expected else None
+            tolerance = int(within.group(1)) / 100 if within else 0.05
+            found.append(
+                pytest.param(code, output, tolerance, id=f"{page.name}:{line}", marks=_marks(code))
+            )
     return found
 
 
-def same_output(actual: str, expected: str) -> bool:
-    """``actual`` prints what ``expected`` shows (see EXPECTED)."""
+def same_output(actual: str, expected: str, tolerance: float = 0.05) -> bool:
+    """``actual`` prints what ``expected`` shows (see EXPECTED), non-integers to
+    ``tolerance`` (relative)."""
     words = [NUMBER.sub("#", t).split() for t in (actual, expected)]
     if words[0] != words[1]:
         return False
@@ -64,7 +71,7 @@ def same_output(actual: str, expected: str) -> bool:
         if re.fullmatch(r"[-+]?\d+", want):
             if got != want:
                 return False
-        elif abs(float(got) - float(want)) > 0.05 * abs(float(want)):
+        elif abs(float(got) - float(want)) > tolerance * abs(float(want)):
             return False
     return True
 
@@ -74,6 +81,8 @@ def test_same_output_compares_words_integers_and_numbers():
     assert not same_output("loss 1.38e-05, 71 mixed", "loss 1.38e-05, 70 mixed")
     assert not same_output("loss 2.00e-05, 70 mixed", "loss 1.38e-05, 70 mixed")
     assert not same_output("cost 1.38e-05, 70 mixed", "loss 1.38e-05, 70 mixed")
+    assert same_output("loss 1.6e-05", "loss 1.38e-05", 0.25)
+    assert not same_output("loss 1.8e-05", "loss 1.38e-05", 0.25)
     assert same_output("tensor([1.0004, 1.0004])", "tensor([1.0004, 1.0004])")
 
 
@@ -89,8 +98,8 @@ def test_most_blocks_show_their_output():
     assert shown == len(BLOCKS), f"{shown} of {len(BLOCKS)} blocks show their output"
 
 
-@pytest.mark.parametrize("code,expected", BLOCKS)
-def test_block_runs_on_its_own(code, expected, tmp_path):
+@pytest.mark.parametrize("code,expected,tolerance", BLOCKS)
+def test_block_runs_on_its_own(code, expected, tolerance, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code)
     result = subprocess.run(
@@ -102,4 +111,4 @@ def test_block_runs_on_its_own(code, expected, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     if expected is not None and torch.__version__.split("+")[0] == WRITTEN_WITH:
-        assert same_output(result.stdout, expected), (result.stdout, expected)
+        assert same_output(result.stdout, expected, tolerance), (result.stdout, expected)

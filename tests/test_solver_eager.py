@@ -132,7 +132,7 @@ def test_float32_within_the_sensitivity_bound(name, monkeypatch):
     with monkeypatch.context() as patch:
         through_core(patch)
         bounds = sensitivity_bounds(
-            aa.fixed_point, g, theirs, (2 * depth + 1 + n) * 2.0**-24, 0, **options
+            aa.fixed_point, g, theirs, (2 * depth + 1 + n) * 2.0**-24, 0, 8, **options
         )
     worst = 0.0
     for j in range(1, 9):

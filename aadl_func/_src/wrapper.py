@@ -403,7 +403,8 @@ class AcceleratedOptimizer(Optimizer):
         stepped = [p.detach() for p in params]
         window = self._window(windows, index, start)
         out, windows[index] = function(window, start, stepped, inplace=True, **keywords)
-        torch._foreach_copy_(stepped, list(out))  # the params' `copy_`, in one call
+        for p, value in zip(params, out):  # (one by one: DTensor has no `_foreach_copy_`)
+            p.copy_(value)
 
     def _torch_step(self, closure: Callable[[], Any] | None) -> Any:
         """The wrapped optimizer's own step, in one line: its caller records that it
