@@ -41,18 +41,14 @@ class TakenStep:
         if params is None:
             raise ValueError("the wrapped torch optimizer's step needs the params it started from")
 
-        def widened(stepped: Tensor, start: Tensor) -> Tensor:
+        def displacement(stepped: Tensor, start: Tensor) -> Tensor:
             # A copy even in the params' own dtype (float64): the stepped tensors are the
             # model's params, which must hold the torch optimizer's step until the core's
             # outcome is written (an exception before that leaves them there).
-            return stepped.to(_WIDER.get(stepped.dtype, stepped.dtype), copy=True)
+            wide = stepped.to(_WIDER.get(stepped.dtype, stepped.dtype), copy=True)
+            return wide.sub_(start)
 
-        displacement = optree.tree_map(widened, updates, params)
-        # `stepped - start`, every leaf in one foreach call (the same `sub_` per leaf).
-        leaves = optree.tree_leaves(displacement)
-        if leaves:
-            torch._foreach_sub_(leaves, optree.tree_leaves(params))
-        return displacement, state
+        return optree.tree_map(displacement, updates, params), state
 
 
 def marks(window: AndersonState) -> tuple[int, int]:
