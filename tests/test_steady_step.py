@@ -109,16 +109,16 @@ CASES = [
 ]
 
 
-def _compare(monkeypatch, options, inner, *, eligible=False, **kwargs) -> int | tuple[int, int]:
-    """The steady calls of a run with the steady path on, after checking every call's bytes
-    against the executor's (`eligible`: and the calls that began with a full window)."""
+def _compare(monkeypatch, options, inner, **kwargs) -> tuple[int, int]:
+    """The steady calls of a run with the steady path on and the calls that began with a full
+    window, after checking every call's bytes against the executor's."""
     taken = _counted(monkeypatch)
     fast = _run(monkeypatch, options, INNERS[inner], steady_on=True, **kwargs)
     calls = tuple(taken)
     executor = _run(monkeypatch, options, INNERS[inner], steady_on=False, **kwargs)
     for k, (a, b) in enumerate(zip(fast, executor)):
         assert a == b, f"call {k + 1} differs"
-    return calls if eligible else calls[0]
+    return calls
 
 
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
@@ -126,7 +126,7 @@ def _compare(monkeypatch, options, inner, *, eligible=False, **kwargs) -> int | 
 @pytest.mark.parametrize("options", CASES, ids=[str(o) for o in CASES])
 def test_steady_calls_give_the_executor_bits(monkeypatch, options, inner, mode):
     options = {"mode": mode, **options}
-    calls, eligible = _compare(monkeypatch, options, inner, eligible=True)
+    calls, eligible = _compare(monkeypatch, options, inner)
     # Every call that begins with a full window is steady, whatever the trajectory (some of
     # these runs diverge, and where a non-finite Gram row restarts the window depends on the
     # CPU's rounding: on one machine a run had one full-window call fewer than on another).
@@ -153,7 +153,7 @@ def test_a_write_between_calls_is_noticed(monkeypatch, mode):
             state.anchor["w"].add_(1e-3)
         return params
 
-    calls = _compare(monkeypatch, {"mode": mode, "history_depth": 5}, "adam", between=between)
+    calls, _ = _compare(monkeypatch, {"mode": mode, "history_depth": 5}, "adam", between=between)
     assert calls >= 25
 
 
@@ -171,7 +171,7 @@ def test_new_params_tensors_and_a_poisoned_append(monkeypatch, mode):
         return {**grads, "b": torch.full_like(grads["b"], float("inf"))} if k == 30 else grads
 
     options = {"mode": mode, "history_depth": 4}
-    calls = _compare(monkeypatch, options, "sgd", between=between, grads_at=grads_at)
+    calls, _ = _compare(monkeypatch, options, "sgd", between=between, grads_at=grads_at)
     assert calls >= 15
 
 
