@@ -485,9 +485,9 @@ def solve_factor_known(
     if not all(map(math.isfinite, flat)):
         return None
 
-    def laid_out(values: list[float]) -> Tensor:
-        matrix = float64_tensor(values, q)
-        return matrix.mT if column_major else matrix
+    def laid_out(values: list[float]) -> Tensor:  # `values`: the matrix in memory order
+        flat = float64_tensor(values)
+        return flat.as_strided((q, q), (1, q)) if column_major else flat.view(q, q)
 
     peak = max(abs(v) for v in flat)
     peak = peak if peak > 0 else 1.0
