@@ -21,7 +21,15 @@ import array
 import torch
 from torch import Tensor
 
-__all__ = ["COMPLEX_HISTORY", "EXACT", "abs2", "float64_tensor", "real_view", "wide"]
+__all__ = [
+    "COMPLEX_HISTORY",
+    "EXACT",
+    "abs2",
+    "float32_tensor",
+    "float64_tensor",
+    "real_view",
+    "wide",
+]
 
 #: Window dtypes solved by the accurate route (a QR factor of the differences, formed element
 #: by element): float64 and, for complex windows, complex128.
@@ -61,3 +69,13 @@ def float64_tensor(values: list[float], rows: int | None = None) -> Tensor:
         return torch.zeros(0 if rows is None else (rows, 0), dtype=torch.float64)
     flat = torch.frombuffer(array.array("d", values), dtype=torch.float64)
     return flat if rows is None else flat.view(rows, -1)
+
+
+def float32_tensor(values: list[float]) -> Tensor:
+    """A new float32 CPU vector of `values` (Python floats), each rounded once to the
+    nearest float32 as `float64_tensor(values).to(torch.float32)` rounds it (a C cast:
+    round to nearest even, out-of-range values to infinity), without the float64 tensor
+    and the conversion."""
+    if not values:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.frombuffer(array.array("f", values), dtype=torch.float32)

@@ -28,7 +28,7 @@ from aadl_func._src.options import AndersonOptions
 from aadl_func._src.window import combine as window_combine
 from aadl_func._src.window import difference_rows, known_rows, window_factor
 
-__all__ = ["appended_grams", "combine", "finite", "mixing_weights", "ring_order"]
+__all__ = ["appended_grams", "combine", "finite", "mixing_weights", "ring_list", "ring_order"]
 
 _INT64 = torch.int64
 
@@ -138,12 +138,16 @@ def ring_order(newest: int, *chrono: Tensor | list[float]) -> Tensor:
     (`aadl_func._src.core.ring.to_ring_order()`): position `j` goes to slot
     `(newest + 1 + j) % Q`. Lists (known values) become one float64 tensor."""
     if isinstance(chrono[0], list):
-        shift = (newest + 1) % len(chrono[0])
-        moved = [v for c in chrono for v in (c[-shift:] + c[:-shift] if shift else c)]
-        return float64_tensor(moved)
+        return float64_tensor(ring_list(newest, *chrono))
     if len(chrono) == 1:
         return to_ring_order(chrono[0], newest)
     return torch.cat([to_ring_order(c, newest) for c in chrono])
+
+
+def ring_list(newest: int, *chrono: list[float]) -> list[float]:
+    """`ring_order()` for lists (known values), as one list."""
+    shift = (newest + 1) % len(chrono[0])
+    return [v for c in chrono for v in (c[-shift:] + c[:-shift] if shift else c)]
 
 
 def combine(

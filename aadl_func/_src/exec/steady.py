@@ -61,7 +61,7 @@ from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.lstsq import known_ridge, solve_known
-from aadl_func._src.core.scalars import float64_tensor
+from aadl_func._src.core.scalars import float32_tensor, float64_tensor
 from aadl_func._src.core.variants import aadl, classic
 from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.core.variants.classic import classic_coefficients
@@ -131,6 +131,14 @@ def run(
     return tree.unflatten(plan.spec, out), state
 
 
+def _float32_weights(head: int, *chrono: list[float] | Tensor) -> Tensor:
+    """`passes.ring_order(head, *chrono)` in float32, the window's dtype: from known values
+    (lists) each rounded once, as the float64 vector's conversion rounds it."""
+    if isinstance(chrono[0], list):
+        return float32_tensor(passes.ring_list(head, *chrono))
+    return passes.ring_order(head, *chrono).to(_FLOAT32)
+
+
 class _Call:
     """One steady call: the executor's stages (`aadl_func._src.exec.eager._Step`'s `aadl()`
     and `classic()`) over the plan's tensors and values."""
@@ -195,11 +203,11 @@ class _Call:
             return self._finish(False, params, mixes=False)
         alpha, solved = self._weights(head, plan.gram, plan.dr_gram, rows[2])  # 4. the weights
         minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
-        weights = passes.ring_order(head, minus_c).to(_FLOAT32)
+        weights = _float32_weights(head, minus_c)
         progress.undo.append((params, plan.anchor))
         try:  # 5. the mix, accumulated in the params (which hold y, the anchor)
             for p, columns in zip(params, plan.columns):
-                p.view(-1).addmv_(columns, weights)
+                (p if p.dim() == 1 else p.view(-1)).addmv_(columns, weights)
             ok = passes.finite(params, params, solved)
         except BaseException:
             _write(params, plan.anchor)
@@ -219,7 +227,7 @@ class _Call:
         head = (plan.head + 1) % q
         # 1. The pair (x_k, u_k) joins the window before the step overwrites x_k.
         for iterates, x, a in zip(plan.iterates, params, plan.anchor):
-            iterates[head].copy_(x - a)
+            torch.sub(x, a, out=iterates[head])  # the difference written once, in its slot
         for slots, u in zip(plan.slots, self.updates):
             slots[head].copy_(u)
         rows = known_rows(self._dots(head), plan.gram[(head - 1) % q], head)
@@ -243,13 +251,13 @@ class _Call:
         state."""
         plan = self.plan
         relaxation = plan.options.relaxation
-        coefficients = passes.ring_order(
-            head, classic_coefficients(alpha), [relaxation * a for a in alpha]
-        ).to(_FLOAT32)
+        scaled = [relaxation * a for a in alpha] if isinstance(alpha, list) else relaxation * alpha
+        coefficients = _float32_weights(head, classic_coefficients(alpha), scaled)
         x_hist = []
         for a, iterates, slots, runs in zip(plan.anchor, plan.iterates, plan.slots, plan.runs):
             result = torch.empty_like(a, dtype=_FLOAT32)
-            kernels.combine_leaf(None, [*iterates, *slots], coefficients, result.view(-1), runs)
+            flat = result if result.dim() == 1 else result.view(-1)
+            kernels.combine_leaf(None, [*iterates, *slots], coefficients, flat, runs)
             x_hist.append(result.add_(a))
         ok = passes.finite(x_hist, self.leaves, solved)
         return self._finish(ok, x_hist if ok else self.leaves)
