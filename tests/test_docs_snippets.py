@@ -6,8 +6,10 @@ from a scratch working directory; a block that is not meant to run is fenced as 
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -89,6 +91,12 @@ def test_same_output_compares_words_integers_and_numbers():
 BLOCKS = _blocks()
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_there_are_blocks_to_run():
     assert len(BLOCKS) >= 8
 
@@ -108,6 +116,9 @@ def test_block_runs_on_its_own(code, expected, tolerance, tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        # The distributed blocks take a reader's fixed MASTER_PORT only where none is set:
+        # a free one here, so that another run on the machine cannot hold it.
+        env={**os.environ, "MASTER_PORT": str(_free_port())},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     if expected is not None and torch.__version__.split("+")[0] == WRITTEN_WITH:

@@ -456,6 +456,17 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     "sgd-update-state-type": lambda: sgd(0.1).update(
         _grads_of(_params()), adam(0.1).init(_params())
     ),
+    "sgd-init-params-dtype": lambda: sgd(0.1).init(
+        {"a": torch.zeros(2), "n": torch.ones(2, dtype=torch.int64)}
+    ),
+    "adam-update-updates-shape": lambda: adam(0.1).update(
+        {"b": torch.ones(2), "w": torch.ones(2, 3)}, adam(0.1).init(_params())
+    ),
+    "adam-update-params-shape": lambda: aa.adamw(0.1).update(
+        _grads_of(_params()),
+        aa.adamw(0.1).init(_params()),
+        params={"b": torch.zeros(2), "w": torch.zeros(2, 3)},
+    ),
     # lbfgs: its arguments, then its init and update called alone
     "lbfgs-lr-type": lambda: aa.lbfgs(lr="1"),
     "lbfgs-lr-range": lambda: aa.lbfgs(lr=0.0),

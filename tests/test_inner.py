@@ -625,6 +625,47 @@ def test_update_argument_errors():
         opt.init({"a": 1.0})
 
 
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize(
+    "name, factory",
+    [
+        ("sgd", lambda: sgd(0.1, momentum=0.9)),
+        ("adam", lambda: adam(1e-2)),
+        ("adamw", lambda: adamw(1e-2, weight_decay=0.1)),
+    ],
+)
+def test_standalone_update_refuses_updates_of_another_shape(name, factory, inplace):
+    """Called alone (not under `anderson`, which checks the grads first), an update whose
+    shapes differ from the state's buffers or the params is refused before anything is
+    written. Here the grads (5,) broadcast against buffers of shape (2, 5): without the check
+    the in-place update wrote the moments and then raised from torch, and the pure one
+    returned updates of the buffers' shape (2, 5)."""
+    opt = factory()
+    params = torch.zeros(2, 5)
+    state = opt.init(params)
+    grads = torch.ones(5)
+    watched = [x for x in optree.tree_leaves((state, params, grads)) if isinstance(x, torch.Tensor)]
+    before = [(x.clone(), x._version) for x in watched]
+    with pytest.raises(ValueError, match=r"`updates` has shape \(5,\), expected \(2, 5\) like"):
+        opt.update(grads, state, params=params, inplace=inplace)
+    for (copy, version), x in zip(before, watched, strict=True):
+        assert x._version == version and torch.equal(x, copy)
+    # Params of another shape than the updates (the decay reads them): refused as well.
+    if name == "adamw":
+        with pytest.raises(ValueError, match=r"expected \(1,\) like `params`"):
+            opt.update(torch.ones(5), opt.init(torch.zeros(5)), params=torch.zeros(1))
+
+
+@pytest.mark.parametrize("factory", [lambda: sgd(0.1), adam, adamw])
+def test_init_refuses_integer_params(factory):
+    """An integer or bool leaf would get integer buffers, which round every update."""
+    with pytest.raises(TypeError, match=r"got torch.int64 at `params\['n'\]`"):
+        factory().init({"w": torch.zeros(2), "n": torch.arange(3)})
+    with pytest.raises(TypeError, match="floating-point or complex tensors, got torch.bool"):
+        factory().init(torch.zeros(2, dtype=torch.bool))
+    factory().init(torch.zeros(2, dtype=torch.complex64))  # complex: as torch.optim
+
+
 # --------------------------------------------------------------------------------------------
 # Schedules and tensor hyperparameters.
 # --------------------------------------------------------------------------------------------

@@ -226,6 +226,13 @@ def _optimizer(
 
     def init(params: PyTree) -> Any:
         leaves, spec = tree.flatten(params, "params", owner=fn)
+        for i, leaf in enumerate(leaves):
+            # torch.optim's arithmetic: an integer or bool buffer would round every update.
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                raise TypeError(
+                    f"{fn}: `params` must be floating-point or complex tensors, got "
+                    f"{leaf.dtype} at `{tree.leaf_path(spec, i, 'params')}`"
+                )
         return _pack(state_type, spec, _zero_count(leaves), transform.init(leaves))
 
     def update(
@@ -243,7 +250,9 @@ def _optimizer(
             if params is None:
                 raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
             param_leaves = flatten_like(fn, "params", params, spec)
+            _check_shapes(fn, grads, spec, ["params"], [param_leaves])
         buffers = [flatten_like(fn, path, b, spec) for path, b in zip(paths, state[1:])]
+        _check_shapes(fn, grads, spec, paths, buffers)
         stage_states = tuple([make(buffers[start:end]) for make, start, end in layout])
         step = StepInputs(count, param_leaves, step_lr, decay, inplace)
         new_updates, stage_states = transform.update(grads, stage_states, step)
@@ -261,6 +270,26 @@ def _optimizer(
     # gradient buffers: anderson's in-place step then asks for it out of place (atomic.py).
     update.writes_state = bool(names)  # type: ignore[attr-defined]
     return InnerOptimizer(init=init, update=update)
+
+
+def _check_shapes(
+    fn: str, grads: list[Tensor], spec: Any, names: list[str], trees: list[list[Any]]
+) -> None:
+    """Each tensor of the `trees` (leaves of the state buffers, or of `params`, named by
+    `names`) has its update's shape, checked before any buffer is written: an update of
+    another shape would broadcast into the buffers, or fail after some of them were
+    written."""
+    shapes = [g.shape for g in grads]
+    for name, leaves in zip(names, trees):
+        found = [getattr(leaf, "shape", shape) for leaf, shape in zip(leaves, shapes)]
+        if found == shapes:
+            continue
+        i = next(i for i, (got, shape) in enumerate(zip(found, shapes)) if got != shape)
+        hint = "" if name == "params" else "; was the state made for other params?"
+        raise ValueError(
+            f"{fn}: `{tree.leaf_path(spec, i, 'updates')}` has shape {tuple(shapes[i])}, "
+            f"expected {tuple(found[i])} like `{tree.leaf_path(spec, i, name)}`{hint}"
+        )
 
 
 def _check_values(paths: list[str], state: Any, count: int | None, name: str, owner: str) -> None:
