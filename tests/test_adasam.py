@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from torch.func import vmap
+from untouched import assert_untouched, snapshot
 
 import aadl_func as aa
 
@@ -209,7 +210,7 @@ def test_bad_update_inputs_name_themselves_and_change_nothing():
     opt = aa.adasam(0.1, history_depth=3)
     params = {"w": torch.ones(3)}
     state = opt.init(params)
-    with pytest.raises(ValueError, match="`grads`"):
+    with pytest.raises(ValueError, match=r"`grads\['w'\]` has shape \(4,\), expected \(3,\)"):
         opt.update(state, params, {"w": torch.ones(4)})
     with pytest.raises(TypeError, match="`state`"):
         opt.update((), params, {"w": torch.ones(3)})
@@ -219,3 +220,159 @@ def test_bad_update_inputs_name_themselves_and_change_nothing():
     with pytest.raises(TypeError, match="`params`"):
         opt.init({"w": torch.ones(3, dtype=torch.int64)})
     assert int(state.count) == 0 and torch.equal(params["w"], torch.ones(3))
+
+
+def _two_leaves(dtype=torch.float32):
+    return {"b": torch.linspace(0.0, 1.0, 3, dtype=dtype), "w": torch.ones(2, 3, dtype=dtype)}
+
+
+def _state(dtype=torch.float32):
+    """A state after two updates (its rings hold a column) for `_two_leaves(dtype)`."""
+    opt, params = aa.adasam(0.1, history_depth=3), _two_leaves(dtype)
+    state = opt.init(params)
+    for k in range(2):
+        params, state = opt.update(state, params, {n: (k + 1) * v for n, v in params.items()})
+    return state
+
+
+_BAD_UPDATES = {
+    # grads of another structure: a list, or a dict with other keys (once matched by position)
+    "grads-list": (
+        lambda: (_state(), _two_leaves(), list(_two_leaves().values())),
+        ValueError,
+        r"`grads` has a different pytree structure from `params`: `grads` is a list of 2",
+    ),
+    "grads-keys": (
+        lambda: (_state(), _two_leaves(), {"x": torch.ones(3), "y": torch.ones(2, 3)}),
+        ValueError,
+        r"`grads` has a different pytree structure .* keys \['x', 'y'\]",
+    ),
+    # grads of another dtype: once returned float64 params and a mixed-dtype state
+    "grads-dtype": (
+        lambda: (_state(), _two_leaves(), _two_leaves(torch.float64)),
+        TypeError,
+        r"`grads\['b'\]` has dtype torch.float64, expected torch.float32 like `params\['b'\]`",
+    ),
+    # a state made for float64 params, given float32 ones
+    "state-dtype": (
+        lambda: (_state(torch.float64), _two_leaves(), _two_leaves()),
+        TypeError,
+        r"`state.prev_params` has a leaf of dtype torch.float64, expected torch.float32",
+    ),
+    # a state made for other params (another key)
+    "state-structure": (
+        lambda: (_state(), {"a": torch.ones(3), "w": torch.ones(2, 3)}, _two_leaves()),
+        ValueError,
+        r"`grads` has a different pytree structure",
+    ),
+    "state-keys": (
+        lambda: (_state(), *[{"a": torch.ones(3), "w": torch.ones(2, 3)}] * 2),
+        ValueError,
+        r"`state.prev_params` does not fit `params` \(another model\?\): `state.prev_params` "
+        r"is a dict with keys \['b', 'w'\]",
+    ),
+    # counters that are not 0-d int64 tensors
+    "count-float": (
+        lambda: (_state()._replace(count=2.0), _two_leaves(), _two_leaves()),
+        TypeError,
+        r"`state.count` must be a 0-d int64 tensor, got float",
+    ),
+    "count-float-tensor": (
+        lambda: (_state()._replace(count=torch.tensor(2.0)), _two_leaves(), _two_leaves()),
+        TypeError,
+        r"`state.count` must be a 0-d int64 tensor, got a torch.float32 tensor",
+    ),
+    "num_mixed-shape": (
+        lambda: (
+            (_state()._replace(num_mixed=torch.zeros(1, dtype=torch.int64)),)
+            + (_two_leaves(), _two_leaves())
+        ),
+        TypeError,
+        r"`state.num_mixed` must be a 0-d int64 tensor",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_UPDATES))
+def test_update_refuses_what_does_not_fit_the_params_and_changes_nothing(case):
+    """Grads and states are compared with the params by pytree structure (not leaf by leaf
+    in order), shape and dtype, and the counters by type, before anything is computed."""
+    make, error, match = _BAD_UPDATES[case]
+    state, params, grads = make()
+    taken = snapshot(state, params, grads)
+    with pytest.raises(error, match=r"^adasam: .*" + match):
+        aa.adasam(0.1, history_depth=3).update(state, params, grads)
+    assert_untouched(taken)
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_takes_the_plain_step_and_raises_nothing(first, bad):
+    """A NaN or infinite gradient, on the first call or once the window mixes, never reaches
+    the pseudo-inverse (whose eigensolver raised on it): the call returns the plain step
+    x + lr r, carrying the NaN as SGD would, and counts it as a fallback after the first
+    call. The mixing then never makes finite params non-finite: from the returned state
+    and finite inputs the calls take finite plain steps."""
+    opt = aa.adasam(0.1, history_depth=3)
+    params = {"w": torch.linspace(1.0, 2.0, 4)}
+    state = opt.init(params)
+    if not first:
+        for _ in range(4):
+            params, state = opt.update(state, params, {"w": params["w"] - 3.0})
+        assert int(state.num_mixed) > 0
+    grads = {"w": torch.tensor([bad, 1.0, 1.0, 1.0])}
+    taken = snapshot(state, params)
+    out, new_state = opt.update(state, params, grads)
+    assert_untouched(taken)
+    expected = params["w"] - 0.1 * grads["w"]
+    torch.testing.assert_close(out["w"], expected, equal_nan=True, rtol=0, atol=0)
+    assert int(new_state.num_mixed) == int(state.num_mixed)
+    assert int(new_state.num_fallback) == int(state.num_fallback) + (not first)
+    x = params
+    for _ in range(3):
+        g = {"w": x["w"] - 3.0}
+        new, new_state = opt.update(new_state, x, g)
+        torch.testing.assert_close(new["w"], x["w"] - 0.1 * g["w"], rtol=0, atol=0)
+        assert torch.isfinite(new["w"]).all()
+        x = new
+
+
+def test_non_finite_params_and_an_overflowing_system_take_the_plain_step():
+    """NaN params (with weight decay, the residual r = -(g + lambda x) is NaN too), and
+    finite float64 params so large that the float64 system overflows, take the plain step
+    instead of raising torch._C._LinAlgError."""
+    opt = aa.adasam(0.5, history_depth=3, weight_decay=0.5)
+    params = {"w": torch.tensor([float("nan"), 1.0, 2.0, 3.0])}
+    out, state = opt.update(opt.init(params), params, {"w": torch.ones(4)})
+    assert torch.isnan(out["w"][0])
+    assert torch.equal(out["w"][1:], params["w"][1:] - 0.5 * (1.0 + 0.5 * params["w"][1:]))
+    opt = aa.adasam(0.5, history_depth=3)
+    x = {"w": torch.full((3,), 1e200, dtype=torch.float64)}
+    state = opt.init(x)
+    for _ in range(3):
+        new, state = opt.update(state, x, {"w": x["w"]})
+        assert torch.equal(new["w"], 0.5 * x["w"])
+        x = new
+    assert int(state.num_mixed) == 0
+
+
+def test_a_non_finite_member_of_a_vmap_ensemble_leaves_the_others_alone():
+    """Under vmap the finiteness test is a mask per member: a NaN in one member's grads
+    gives that member the plain step and the other exactly what it gets without it."""
+    opt = aa.adasam(0.1, history_depth=3)
+    rng = torch.Generator().manual_seed(3)
+    target = torch.randn(2, 5, generator=rng)
+    params = {"w": torch.randn(2, 5, generator=rng)}
+    states = vmap(opt.init)(params)
+    for _ in range(3):
+        params, states = vmap(opt.update)(states, params, {"w": (params["w"] - target) ** 3})
+    assert bool((states.num_mixed > 0).all())
+    grads = {"w": (params["w"] - target) ** 3}
+    finite, _ = vmap(opt.update)(states, params, grads)
+    grads["w"][1, 0] = float("nan")
+    out, new_states = vmap(opt.update)(states, params, grads)
+    assert torch.equal(out["w"][0], finite["w"][0])
+    torch.testing.assert_close(
+        out["w"][1], params["w"][1] - 0.1 * grads["w"][1], equal_nan=True, rtol=0, atol=0
+    )
+    assert new_states.num_fallback.tolist()[1] == states.num_fallback.tolist()[1] + 1

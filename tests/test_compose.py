@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import re
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -313,3 +314,228 @@ def test_chain_hands_params_and_inplace_to_each_transformation_by_keyword():
     )
     assert torch.equal(out["w"], torch.full((2,), 4.0))
     assert seen == [(params, False), (params, False)] and state == aa.ChainState(((), ()))
+
+
+# -- an in-place chain that fails changes nothing; bad masks and updates are named -----------
+class _FailsSecond:
+    """A user's torchopt-style transformation that fails on its second call."""
+
+    def init(self, params):
+        return ()
+
+    def update(self, updates, state, *, params=None, inplace=True):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls > 1:
+            raise RuntimeError("user transform failed")
+        return updates, state
+
+
+def _holdings(*trees):
+    """`(tensor, its values, its version)` for every tensor the caller holds."""
+    return [(t, t.clone(), t._version) for t in optree.tree_leaves(trees)]
+
+
+def _kept(holdings):
+    return all(torch.equal(t, value) and t._version == v for t, value, v in holdings)
+
+
+@pytest.mark.parametrize(
+    ("stages", "with_params", "error", "text"),
+    [
+        (  # the decay needs params, which the failing call does not pass
+            lambda: [aa.sgd(0.1, momentum=0.9), aa.add_decayed_weights(1e-4)],
+            False,
+            ValueError,
+            "add_decayed_weights: `params` is required",
+        ),
+        (  # a schedule that returns a bad value, in the last stage
+            lambda: [
+                aa.clip_by_global_norm(0.5),
+                aa.adam(0.1),
+                aa.sgd(lambda count: 0.1 if count < 1 else "fast"),
+            ],
+            True,
+            TypeError,
+            "the `lr` schedule must return a real number",
+        ),
+        (
+            lambda: [aa.clip_by_global_norm(0.5), aa.sgd(0.1, momentum=0.9), _FailsSecond()],
+            True,
+            RuntimeError,
+            "user transform failed",
+        ),
+    ],
+)
+def test_a_failing_chain_in_place_changes_nothing_the_caller_holds(
+    stages, with_params, error, text
+):
+    params = {"w": torch.ones(3), "b": torch.ones(2)}
+    chained = aa.chain(*stages())
+    state = chained.init(params)
+    # A valid step first, so that the buffers hold values that a write would change.
+    first = {k: torch.ones_like(v) for k, v in params.items()}
+    _, state = chained.update(first, state, params=params, inplace=True)
+    grads = {"w": torch.full((3,), 10.0), "b": torch.full((2,), -4.0)}
+    held = _holdings(state, params, grads)
+    with pytest.raises(error, match=re.escape(text)):
+        chained.update(grads, state, params=params if with_params else None, inplace=True)
+    assert _kept(held)
+
+
+def test_an_in_place_chain_writes_the_pure_results_into_the_callers_buffers():
+    """Bit for bit the pure call's results; the grads hold the updates (torchopt's
+    semantics, also after a stage that returns new tensors), the state's buffers are the
+    caller's, written; the counters are new, as the stages make them."""
+
+    class Fresh:  # returns new tensors even in place
+        def init(self, params):
+            return ()
+
+        def update(self, updates, state, *, params=None, inplace=True):
+            return {k: 0.5 * v for k, v in updates.items()}, state
+
+    g = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
+    chained = aa.chain(
+        aa.clip_by_global_norm(0.5),
+        aa.add_decayed_weights(0.01, mask=_is_weight),
+        aa.sgd(0.1, momentum=0.9),
+        Fresh(),
+    )
+    pure_state, state = chained.init(params), chained.init(params)
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        copy = {k: v.clone() for k, v in grads.items()}
+        expected, pure_state = chained.update(copy, pure_state, params=params, inplace=False)
+        buffers, count = state.states[2].momentum_buffer, state.states[2].count
+        updates, new_state = chained.update(grads, state, params=params, inplace=True)
+        for k in params:
+            assert torch.equal(updates[k], expected[k]) and updates[k] is grads[k]
+            assert new_state.states[2].momentum_buffer[k] is buffers[k]
+            assert torch.equal(buffers[k], pure_state.states[2].momentum_buffer[k])
+        assert new_state.states[2].count is not count and int(new_state.states[2].count) == (
+            int(count) + 1
+        )
+        state = new_state
+
+
+def test_an_in_place_chain_commits_a_state_that_keeps_the_grads():
+    """A stage whose new state is the grads it was given (out of place): the state gets
+    their values before the grads are overwritten with the updates."""
+
+    class KeepsGrads:
+        def init(self, params):
+            return {k: torch.zeros_like(v) for k, v in params.items()}
+
+        def update(self, updates, state, *, params=None, inplace=True):
+            if inplace:
+                return updates, {k: state[k].copy_(u) for k, u in updates.items()}
+            return updates, dict(updates)
+
+    params = {"w": torch.ones(3)}
+    chained = aa.chain(KeepsGrads(), aa.sgd(0.1, momentum=0.9))
+    state = chained.init(params)
+    grads = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    updates, state = chained.update(grads, state, params=params, inplace=True)
+    assert torch.equal(state.states[0]["w"], torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(grads["w"], updates["w"]) and torch.equal(
+        updates["w"], -0.1 * state.states[0]["w"]
+    )
+
+
+def test_an_in_place_chain_leaves_an_expanded_gradient_alone():
+    """`torch.func.grad` of a mean returns an `expand`-ed tensor, which torch cannot write:
+    its update comes back as a new tensor."""
+    params = {"w": torch.ones(3, 2)}
+    chained = aa.chain(aa.clip_by_global_norm(0.1), aa.sgd(0.1, momentum=0.9))
+    grads = {"w": torch.tensor(2.0).expand(3, 2)}
+    updates, _ = chained.update(grads, chained.init(params), params=params, inplace=True)
+    expected, _ = chained.update(
+        {"w": torch.full((3, 2), 2.0)}, chained.init(params), params=params, inplace=False
+    )
+    assert torch.equal(updates["w"], expected["w"]) and torch.equal(
+        grads["w"], torch.full((3, 2), 2.0)
+    )
+
+
+def test_an_in_place_chain_under_vmap_keeps_a_broadcast_counter():
+    """A counter that `vmap(init)` returns broadcast (stride 0, as torchopt's) is not
+    written into: the in-place chain returns a new one, as before."""
+
+    class Counted:
+        def init(self, params):
+            return (torch.zeros((), dtype=torch.int64),)
+
+        def update(self, updates, state, *, params=None, inplace=True):
+            return updates, (state[0] + 1,)
+
+    chained = aa.chain(aa.sgd(0.1, momentum=0.9), Counted())
+    params = {"w": torch.ones(2, 3)}
+    state = vmap(chained.init)(params)
+    assert state.states[1][0].stride() == (0,)
+    for _ in range(2):
+        grads = {"w": torch.ones(2, 3)}
+        _, state = vmap(lambda g, s: chained.update(g, s, inplace=True))(grads, state)
+    assert state.states[1][0].tolist() == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("mask", "error", "text"),
+    [
+        (  # by position, [True, False] would decay `b` (optree sorts a dict's keys)
+            [True, False],
+            ValueError,
+            "`mask` is a list of 2 where `params` is a dict with keys ['b', 'w']",
+        ),
+        (
+            {"a": True, "z": False},
+            ValueError,
+            "`mask` is a dict with keys ['a', 'z'] where `params` is a dict with keys ['b', 'w']",
+        ),
+        (
+            lambda p: [True, False],
+            ValueError,
+            "`mask(params)` is a list of 2 where `params` is a dict",
+        ),
+        ({"w": True, "b": {"x": False}}, ValueError, "`mask['b']` is a dict with keys ['x']"),
+        ({"w": True}, ValueError, "`mask` is a dict with keys ['w'] where"),
+        ({"w": True, "b": 1}, TypeError, "pytree of bools like `params`; `mask['b']` is int"),
+    ],
+)
+def test_a_mask_unlike_the_params_is_refused_before_any_write(mask, error, text):
+    params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    grads = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+    t = aa.add_decayed_weights(0.1, mask=mask)
+    held = _holdings(params, grads)
+    with pytest.raises(error, match=re.escape(text)) as raised:
+        t.update(grads, t.init(params), params=params, inplace=True)
+    assert str(raised.value).startswith("add_decayed_weights: `mask` must be")
+    assert _kept(held)
+
+
+def test_a_mask_is_matched_by_key():
+    params = {"w": torch.ones(2), "b": torch.ones(2)}
+    for mask in (
+        {"w": True, "b": False},
+        {"b": False, "w": True},
+        lambda p: {"w": True, "b": False},
+    ):
+        t = aa.add_decayed_weights(0.5, mask=mask)
+        out, _ = t.update({k: torch.zeros(2) for k in params}, (), params=params, inplace=False)
+        assert torch.equal(out["w"], torch.full((2,), 0.5)) and torch.equal(
+            out["b"], torch.zeros(2)
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_clip_by_global_norm_names_updates_that_are_not_floating_point(dtype):
+    t = aa.clip_by_global_norm(1.0)
+    grads = {"w": torch.full((3,), 5.0), "n": torch.ones(3, dtype=dtype)}
+    held = _holdings(grads)
+    text = (
+        "clip_by_global_norm: `updates` must be floating-point (or complex) tensors, got "
+        f"{dtype} at `updates['n']`"
+    )
+    with pytest.raises(TypeError, match=re.escape(text)):
+        t.update(grads, t.init(None), inplace=True)
+    assert _kept(held)

@@ -119,6 +119,16 @@ def _grads_of(params: dict) -> dict:
     return {k: 0.5 * v for k, v in params.items()}
 
 
+def _short_recurrence_update(grads: dict | None = None, params: dict | None = None, **kwargs):
+    """`short_recurrence(sgd(0.1)).update` on a fresh state for `_params()`, with some of
+    the grads' or params' leaves replaced."""
+    sr = aa.short_recurrence(sgd(0.1))
+    good = _params()
+    return sr.update(
+        sr.init(good), {**good, **(params or {})}, {**_grads_of(good), **(grads or {})}, **kwargs
+    )
+
+
 def _warm(opt: aa.Anderson, params: dict, steps: int = 4):
     """A state whose window holds entries (so an in-place step would overwrite buffers)."""
     state = opt.init(params)
@@ -467,6 +477,13 @@ CASES: dict[str, Callable[[], Any] | Update] = {
         aa.adamw(0.1).init(_params()),
         params={"b": torch.zeros(2), "w": torch.zeros(2, 3)},
     ),
+    "sgd-update-inplace-type": lambda: sgd(0.1, momentum=0.9).update(
+        _grads_of(_params()), sgd(0.1, momentum=0.9).init(_params()), inplace="no"
+    ),
+    "sgd-update-updates-dtype": lambda: sgd(0.1, momentum=0.9).update(
+        {"b": torch.ones(2), "w": torch.ones(3, 2, dtype=torch.int64)},
+        sgd(0.1, momentum=0.9).init(_params()),
+    ),
     # lbfgs: its arguments, then its init and update called alone
     "lbfgs-lr-type": lambda: aa.lbfgs(lr="1"),
     "lbfgs-lr-range": lambda: aa.lbfgs(lr=0.0),
@@ -495,6 +512,25 @@ CASES: dict[str, Callable[[], Any] | Update] = {
     ),
     "lbfgs-update-state-shape": lambda: aa.lbfgs(memory_size=3).update(
         _grads_of(_params()), aa.lbfgs(memory_size=5).init(_params()), params=_params()
+    ),
+    "lbfgs-update-inplace-type": lambda: aa.lbfgs().update(
+        _grads_of(_params()), aa.lbfgs().init(_params()), params=_params(), inplace="no"
+    ),
+    "lbfgs-update-updates-shape": lambda: aa.lbfgs().update(
+        {"b": torch.ones(2), "w": torch.ones(2, 3)}, aa.lbfgs().init(_params()), params=_params()
+    ),
+    "lbfgs-update-updates-dtype": lambda: aa.lbfgs().update(
+        {"b": torch.ones(2), "w": torch.ones(3, 2, dtype=torch.int64)},
+        aa.lbfgs().init(_params()),
+        params=_params(),
+    ),
+    "lbfgs-update-updates-device": lambda: aa.lbfgs().update(
+        {"b": torch.ones(2, device="meta"), "w": torch.ones(3, 2)},
+        aa.lbfgs().init(_params()),
+        params=_params(),
+    ),
+    "lbfgs-update-params-leaf": lambda: aa.lbfgs().update(
+        _grads_of(_params()), aa.lbfgs().init(_params()), params={"b": 0.5, "w": torch.zeros(3, 2)}
     ),
     "update-inner_state-lbfgs-shape": _update_case(
         inner_made=lambda: aa.lbfgs(memory_size=5), inner_called=lambda: aa.lbfgs(memory_size=3)
@@ -525,6 +561,20 @@ CASES: dict[str, Callable[[], Any] | Update] = {
         _params(),
         _grads_of(_params()),
         loss=torch.ones(2),
+    ),
+    "short_recurrence-update-grads-leaf": lambda: _short_recurrence_update(grads={"w": 1.0}),
+    "short_recurrence-update-grads-shape": lambda: _short_recurrence_update(
+        grads={"w": torch.ones(1)}
+    ),
+    "short_recurrence-update-grads-dtype": lambda: _short_recurrence_update(
+        grads={"w": torch.ones(3, 2, dtype=torch.int64)}
+    ),
+    "short_recurrence-update-grads-device": lambda: _short_recurrence_update(
+        grads={"w": torch.ones(3, 2, device="meta")}
+    ),
+    "short_recurrence-update-inplace-type": lambda: _short_recurrence_update(inplace="no"),
+    "short_recurrence-update-params-expanded": lambda: _short_recurrence_update(
+        params={"w": torch.zeros(1, 1).expand(3, 2)}, inplace=True
     ),
     # mix and mixing_weights
     "mix-history-none": lambda: aa.mix(None),

@@ -666,6 +666,102 @@ def test_init_refuses_integer_params(factory):
     factory().init(torch.zeros(2, dtype=torch.complex64))  # complex: as torch.optim
 
 
+def _watch(*trees):
+    """Every tensor of `trees` with a copy of its values and its version counter."""
+    tensors = [x for x in optree.tree_leaves(trees) if isinstance(x, torch.Tensor)]
+    return [(x, x.clone(), x._version) for x in tensors]
+
+
+def _unchanged(watched):
+    return all(x._version == version and torch.equal(x, copy) for x, copy, version in watched)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+def test_standalone_update_refuses_integer_grads(name, inplace):
+    """Called alone (not under `anderson`, which checks the grads first), an integer update is
+    refused, naming it, before anything is written. Without the check sgd with momentum
+    wrote its buffer and then raised from torch in place (its integer grads truncated the
+    step), Adam raised torch's error, and the pure plain sgd returned an update."""
+    opt = ALL_OPTIMIZERS[name]()
+    params = {"w": torch.zeros(3)}
+    state = opt.init(params)
+    _, state = opt.update({"w": torch.ones(3)}, state, params=params, inplace=False)
+    grads = {"w": torch.tensor([3, 5, 9])}
+    watched = _watch(state, params, grads)
+    with pytest.raises(TypeError, match=r"`updates\['w'\]` must be floating-point or complex"):
+        opt.update(grads, state, params=params, inplace=inplace)
+    assert _unchanged(watched)
+
+
+@pytest.mark.parametrize("inplace", ["no", 1, None])
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+def test_update_refuses_a_non_bool_inplace(name, inplace):
+    """`inplace="no"` is truthy: without the check it ran in place, writing the grads and the
+    buffers. Refused before anything is written."""
+    opt = ALL_OPTIMIZERS[name]()
+    params = {"w": torch.zeros(3)}
+    state = opt.init(params)
+    grads = {"w": torch.ones(3)}
+    watched = _watch(state, params, grads)
+    fn = name.split("_")[0]
+    with pytest.raises(TypeError, match=rf"^{fn}: `inplace` must be a bool, got"):
+        opt.update(grads, state, params=params, inplace=inplace)
+    assert _unchanged(watched)
+
+
+def _expanded_grads():
+    """Grads that share memory, as `torch.func.grad` returns them for a sum or a mean (an
+    `expand`-ed tensor), with unequal values along the undivided dimension."""
+    row = torch.tensor([[0.5, -1.5, 2.0, 0.25]], dtype=torch.float64)
+    return {
+        "w": row.expand(3, 4),
+        "b": grad(lambda b: b.sum())(torch.zeros(4, dtype=torch.float64)),
+    }
+
+
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+def test_in_place_update_of_expanded_grads(name):
+    """Expanded grads cannot hold the update: in place the update is returned in a new tensor
+    (as the protocol's "may" allows), the caller's grads keep their values and versions, and
+    updates and state equal, bit for bit, those of the same grads made contiguous. Without
+    this the final write into the grads raised from torch after the state was written."""
+    opt = ALL_OPTIMIZERS[name]()
+    params = {"w": torch.full((3, 4), 0.5, dtype=torch.float64), "b": torch.ones(4).double()}
+    state, twin = opt.init(params), opt.init(params)
+    for _ in range(3):  # the first update, then the momentum's other branch
+        grads = _expanded_grads()
+        assert grads["b"].stride() == (0,)
+        watched = _watch(grads, params)
+        updates, state = opt.update(grads, state, params=params, inplace=True)
+        assert _unchanged(watched)
+        dense = optree.tree_map(torch.clone, grads)
+        expected, twin = opt.update(dense, twin, params=params, inplace=True)
+        assert_tree_equal(updates, expected)
+        assert_tree_equal(state, twin)
+        params = apply_updates(params, updates)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum_wd", "adam"])
+def test_in_place_update_of_expanded_grads_under_vmap(name):
+    """Grads from `torch.func.grad` of a sum inside `vmap` are expanded per member: the
+    vmapped in-place update equals the one of contiguous grads."""
+    opt = ALL_OPTIMIZERS[name]()
+    params = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def step(p, state, expand):
+        g = grad(lambda q: q.sum() * 3.0)(p)
+        return opt.update(g if expand else g.contiguous(), state, params=p, inplace=True)
+
+    for expand in (True, False):
+        state = vmap(opt.init)(params)
+        for _ in range(2):
+            updates, state = vmap(functools.partial(step, expand=expand))(params, state)
+        if expand:
+            got = (updates, state)
+    assert_tree_equal(got, (updates, state))
+
+
 # --------------------------------------------------------------------------------------------
 # Schedules and tensor hyperparameters.
 # --------------------------------------------------------------------------------------------

@@ -273,3 +273,104 @@ def test_state_saves_and_loads_with_weights_only(tmp_path):
     got, _ = opt.update(g, loaded, params=params, inplace=False)
     for k in expected:
         assert torch.equal(got[k], expected[k])
+
+
+def _watch(*trees):
+    """Every tensor of `trees` with a copy of its values and its version counter."""
+    tensors = [x for t in trees for x in (t.values() if isinstance(t, dict) else t)]
+    return [(x, x.clone(), x._version) for x in tensors if isinstance(x, torch.Tensor)]
+
+
+def _unchanged(watched):
+    """Same versions, and same values where there are any (a meta tensor has none)."""
+    return all(
+        x._version == version and (x.is_meta or torch.equal(x, copy))
+        for x, copy, version in watched
+    )
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize(
+    ("grads", "params", "error", "message"),
+    [
+        (torch.ones(1), None, ValueError, r"`updates\['w'\]` has shape \(1,\), expected \(5,\)"),
+        (torch.ones(2, 5), None, ValueError, r"has shape \(2, 5\), expected \(5,\) like `params"),
+        (
+            torch.ones(4),
+            None,
+            ValueError,
+            r"has shape \(4,\), expected \(5,\) like `params\['w'\]`",
+        ),
+        (torch.ones(5, 1), None, ValueError, r"has shape \(5, 1\), expected \(5,\)"),
+        (
+            torch.tensor([3, 5, 9, 1, 1]),
+            None,
+            TypeError,
+            r"`updates\['w'\]` must be real floating-point like `params\['w'\]`, got torch.int64",
+        ),
+        (torch.ones(5, dtype=torch.complex64), None, TypeError, "got torch.complex64"),
+        (torch.ones(5, device="meta"), None, ValueError, r"`updates\['w'\]` is on meta, expected"),
+        (torch.ones(5), 1.0, TypeError, r"`params` must be a pytree of tensors; `params\['w'\]`"),
+    ],
+    ids=["one", "matrix", "shorter", "column", "int", "complex", "device", "params-float"],
+)
+def test_direct_update_refuses_grads_that_do_not_fit_the_params(
+    grads, params, error, message, inplace
+):
+    """Called alone (not under `anderson`, which checks the grads first), grads of another
+    shape, dtype or device than the params are refused, naming the leaf, before anything is
+    written. Without the check the in-place update wrote the state's params and grads and
+    then raised torch's error, a (5, 1) update came back as (5, 1), an integer one was
+    truncated (updates 0) and a complex one lost its imaginary part."""
+    opt = aa.lbfgs(0.1, memory_size=3)
+    p = {"w": torch.zeros(5)}
+    state = opt.init(p)
+    _, state = opt.update({"w": torch.ones(5)}, state, params=p, inplace=False)
+    params = {"w": torch.ones(5) if params is None else params}
+    grads = {"w": grads}
+    watched = _watch(state, params, grads)
+    with pytest.raises(error, match=rf"^lbfgs: .*{message}"):
+        opt.update(grads, state, params=params, inplace=inplace)
+    assert _unchanged(watched)
+
+
+@pytest.mark.parametrize("inplace", ["no", 1, None])
+def test_update_refuses_a_non_bool_inplace(inplace):
+    """`inplace="no"` is truthy: without the check it ran in place. Refused before anything
+    is written."""
+    opt = aa.lbfgs(0.1, memory_size=3)
+    params = {"w": torch.zeros(5)}
+    state = opt.init(params)
+    grads = {"w": torch.ones(5)}
+    watched = _watch(state, params, grads)
+    with pytest.raises(TypeError, match=r"^lbfgs: `inplace` must be a bool, got"):
+        opt.update(grads, state, params=params, inplace=inplace)
+    assert _unchanged(watched)
+
+
+def test_in_place_update_of_expanded_grads():
+    """Expanded grads (`torch.func.grad` of a sum returns them) cannot hold the update: in
+    place it is returned in a new tensor, the caller's grads keep their values and versions,
+    and updates and state equal, bit for bit, those of the same grads made contiguous.
+    Without this the final write into the grads raised after the state was written."""
+    opt = aa.lbfgs(0.5, memory_size=3)
+    params = {"a": torch.tensor([1.0, -2.0, 0.5]), "b": torch.ones(2, 2)}
+    state, twin = opt.init(params), opt.init(params)
+    for _ in range(4):
+        # The gradients of 0.5 (sum a)^2 and of 0.5 |column sums of b|^2, both expanded.
+        grads = {
+            "a": grad(lambda a: 0.5 * a.sum() ** 2)(params["a"]),
+            "b": params["b"].sum(0, keepdim=True).expand(2, 2),
+        }
+        assert grads["a"].stride() == (0,) and grads["b"].stride() == (0, 1)
+        watched = _watch(grads, params)
+        updates, state = opt.update(grads, state, params=params, inplace=True)
+        assert _unchanged(watched)
+        dense = {key: g.clone() for key, g in grads.items()}
+        expected, twin = opt.update(dense, twin, params=params, inplace=True)
+        for key in expected:
+            assert torch.equal(updates[key], expected[key])
+            assert updates[key].shape == params[key].shape
+        assert all(torch.equal(t, u) for t, u in zip(state, twin))
+        params = {key: params[key] + updates[key] for key in params}
+    assert int(state.num_pairs) > 0

@@ -339,3 +339,113 @@ def test_averager_online_continues_from_the_extrapolation():
         averager.extrapolate(load=False, online=True)
     with pytest.raises(ValueError, match="bn_loader"):
         averager.extrapolate(bn_loader=[data[0]])
+
+
+# -- arguments unlike the window, refused before anything is written --------------------------
+def _versions(tree):
+    return [(t, t.clone(), t._version) for t in torch.utils._pytree.tree_leaves(tree)]
+
+
+def _assert_unchanged(saved):
+    for t, value, version in saved:
+        assert t._version == version and torch.equal(t, value)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("call", ["update", "snapshot", "restart_at"])
+@pytest.mark.parametrize(
+    "params, error, match",
+    [
+        ([torch.zeros(2, 5), torch.zeros(4)], ValueError, r"`params` is a list of 2 where"),
+        ({"w": torch.zeros(2, 5), "c": torch.zeros(4)}, ValueError, r"keys \['c', 'w'\]"),
+        (
+            {"w": torch.zeros(2, 5, dtype=torch.float64), "b": torch.zeros(4)},
+            TypeError,
+            r"`params\['w'\]` has dtype torch.float64, expected torch.float32",
+        ),
+        (
+            {"w": torch.zeros(2, 5), "b": torch.zeros(4, device="meta")},
+            ValueError,
+            r"`params\['b'\]` is on device meta, expected cpu",
+        ),
+    ],
+    ids=["list", "other-keys", "float64", "device"],
+)
+def test_params_unlike_the_window_are_refused_before_anything_is_written(
+    params, error, match, call, inplace
+):
+    """The structure, dtypes and devices of the params given to `init` (the window keeps
+    each leaf's own): a list for a dict, other keys, float64 leaves (which `last` would take
+    while the rings stay float32) or another device are named, and the state keeps every
+    value and version."""
+    opt = aa.rna(3, every=2, residual="gradient")
+    snaps = trajectory(4, dtype=torch.float32)
+    state = opt.init(snaps[0])
+    for x in snaps:
+        state = opt.update(state, x, x, inplace=True)
+    saved = _versions(state)
+    kwargs = {} if call == "restart_at" else {"inplace": inplace}
+    args = (snaps[0],) if call == "update" else ()
+    with pytest.raises(error, match=f"rna: .*{match}"):
+        getattr(opt, call)(state, params, *args, **kwargs)
+    if call == "update":  # the same leaves as grads, after valid params
+        with pytest.raises(error, match=f"rna: .*{match.replace('params', 'grads')}"):
+            opt.update(state, snaps[0], params, inplace=inplace)
+    _assert_unchanged(saved)
+
+
+def test_a_window_dtype_or_device_of_its_own_takes_params_of_any():
+    """With `dtype` (`device`) given, every leaf is cast (moved) into the window: float64
+    params in a float32 window are the float32 ones rounded, as before."""
+    snaps = trajectory(5)
+    opt = aa.rna(3, dtype=torch.float32, device="cpu")
+    state = run(opt, snaps)
+    reference = run(opt, [{k: v.float() for k, v in s.items()} for s in snaps])
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(state), torch.utils._pytree.tree_leaves(reference)
+    ):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "params, error, match",
+    [
+        ({"0.weight": torch.full((1,), 7.0)}, ValueError, r"has shape \(1,\), expected \(8, 4\)"),
+        ({"0.weight": torch.ones(4)}, ValueError, r"has shape \(4,\), expected \(8, 4\)"),
+        (
+            {"0.bias": torch.zeros(8), "0.weight": torch.ones(5, 5)},
+            ValueError,
+            r"`params\['0.weight'\]` has shape \(5, 5\)",
+        ),
+        (
+            {"0.bias": torch.zeros(8), "3.bias": torch.ones(2, dtype=torch.int64)},
+            TypeError,
+            r"`params\['3.bias'\]` must be a floating-point tensor.*torch.int64",
+        ),
+        ({"0.bias": torch.zeros(8, device="meta")}, TypeError, r"got torch.float32 on meta"),
+        ({"0.bias": [0.0] * 8}, TypeError, r"floating-point tensor with values, got <class"),
+        ([torch.zeros(8)], TypeError, r"`params` must be a dict, got list"),
+        ({"0.bias": torch.zeros(8), "nope": torch.zeros(1)}, ValueError, r"lacks: \['nope'\]"),
+    ],
+    ids=["one-element", "row", "half-way", "integer", "meta", "list-value", "list", "name"],
+)
+def test_recompute_bn_refuses_bad_params_before_the_first_copy(params, error, match):
+    """Values are never broadcast (a (1,) tensor filled the weight, a row every row), a bad
+    entry after a good one no longer leaves the good one written, and integers are refused:
+    the module keeps every parameter and buffer, values and versions."""
+    net = bn_net()
+    saved = _versions(dict(net.named_parameters())) + _versions(dict(net.named_buffers()))
+    with pytest.raises(error, match=f"recompute_bn: .*{match}"):
+        aa.recompute_bn([torch.randn(16, 4)], net, params)
+    _assert_unchanged(saved)
+
+
+def test_recompute_bn_casts_values_to_the_modules_dtype():
+    """As `load_state_dict`: a float64 extrapolation loads into a float32 module, rounded."""
+    torch.manual_seed(4)
+    loader = [torch.randn(16, 4) for _ in range(2)]
+    params = {k: v.detach().double() + 0.1 for k, v in bn_net().named_parameters()}
+    buffers = aa.recompute_bn(loader, bn_net(), params)
+    reference = aa.recompute_bn(loader, bn_net(), {k: v.float() for k, v in params.items()})
+    for name, value in buffers.items():
+        assert value.dtype == reference[name].dtype and torch.equal(value, reference[name])

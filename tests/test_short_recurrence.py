@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from torch.func import vmap
+from untouched import assert_untouched, snapshot
 
 import aadl_func as aa
 
@@ -647,3 +648,67 @@ def test_an_eager_call_stays_within_its_operation_budget():
     with CountOps():
         opt.update(state, x, grads, loss=loss)
     assert CountOps.count <= 135, CountOps.count
+
+
+def _filled_state(opt, params):
+    """A state after three updates from a copy of `params` (its window holds pairs)."""
+    x = {k: v.clone() for k, v in params.items()}
+    state = opt.init(x)
+    for k in range(3):
+        x, state = opt.update(state, x, {n: (k + 1) * v + 0.5 for n, v in x.items()})
+    return state
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize(
+    ("grad", "error", "match"),
+    [
+        # once broadcast against the (5,) params
+        (torch.ones(1), ValueError, r"`grads\['w'\]` has shape \(1,\), expected \(5,\)"),
+        (torch.tensor(1.0), ValueError, r"`grads\['w'\]` has shape \(\), expected \(5,\)"),
+        (torch.ones(5, 1), ValueError, r"`grads\['w'\]` has shape \(5, 1\), expected \(5,\)"),
+        # once cast (the complex one losing its imaginary part)
+        (torch.ones(5, dtype=torch.int64), TypeError, r"`grads\['w'\]` has dtype torch.int64"),
+        (torch.ones(5, dtype=torch.complex64), TypeError, r"`grads\['w'\]` has dtype torch.comp"),
+        (torch.ones(5, dtype=torch.float64), TypeError, r"`grads\['w'\]` has dtype torch.float64"),
+        (1.0, TypeError, r"`grads` must be a pytree of tensors; `grads\['w'\]` is float"),
+    ],
+    ids=["shape-1", "shape-0d", "shape-5x1", "int64", "complex64", "float64", "float"],
+)
+def test_grads_must_have_the_params_shapes_and_dtypes(grad, error, match, inplace):
+    opt = aa.short_recurrence(aa.sgd(0.1))
+    params = {"a": torch.linspace(-1.0, 1.0, 3), "w": torch.linspace(0.0, 1.0, 5)}
+    state = _filled_state(opt, params)
+    grads = {"a": torch.ones(3), "w": grad}
+    taken = snapshot(state, params, grads)
+    with pytest.raises(error, match=r"^short_recurrence.update: " + match):
+        opt.update(state, params, grads, inplace=inplace)
+    assert_untouched(taken)
+
+
+@pytest.mark.parametrize("inplace", ["no", 1, None, torch.tensor(True)])
+def test_inplace_must_be_a_bool(inplace):
+    opt = aa.short_recurrence(aa.sgd(0.1))
+    params = {"w": torch.linspace(0.0, 1.0, 5)}
+    state, grads = _filled_state(opt, params), {"w": torch.ones(5)}
+    taken = snapshot(state, params, grads)
+    with pytest.raises(TypeError, match=r"^short_recurrence.update: `inplace` must be a bool"):
+        opt.update(state, params, grads, inplace=inplace)
+    assert_untouched(taken)
+
+
+def test_in_place_refuses_an_expanded_params_leaf_before_writing_any():
+    """An expanded leaf (stride 0) cannot be written once per element: refused up front,
+    not after the leaves before it were written (torch's raw RuntimeError). Out of place it
+    is an ordinary input."""
+    opt = aa.short_recurrence(aa.sgd(0.1))
+    params = {"a": torch.linspace(-1.0, 1.0, 3), "w": torch.zeros(1).expand(5)}
+    grads = {"a": torch.ones(3), "w": torch.ones(5)}
+    state = _filled_state(opt, {k: v.contiguous() for k, v in params.items()})
+    taken = snapshot(state, params, grads)
+    with pytest.raises(ValueError, match=r"`params\['w'\]` has elements that share memory"):
+        opt.update(state, params, grads, inplace=True)
+    assert_untouched(taken)
+    out, _ = opt.update(state, params, grads)
+    dense, _ = opt.update(state, {k: v.contiguous() for k, v in params.items()}, grads)
+    assert all(torch.equal(out[k], dense[k]) for k in out)

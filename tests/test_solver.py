@@ -19,6 +19,7 @@ functions through a NumPy wrapper, so the comparisons are of the two solvers onl
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import numpy as np
@@ -576,6 +577,68 @@ def test_bad_problems():
         )
     with pytest.raises(TypeError, match="`adjoint_options`"):
         aa.implicit_fixed_point(lambda z, t: z, torch.zeros(2), torch.ones(2), adjoint_options=1)
+
+
+@pytest.mark.parametrize(
+    ("adjoint_options", "error", "match"),
+    [
+        ({"foo": 1}, TypeError, "unexpected keyword argument `foo`"),
+        ({"tol": -1}, ValueError, "`tol` must be finite and >= 0.0, got -1.0"),
+        ({"max_iter": True}, TypeError, "`max_iter` must be an int, got bool"),
+        ({"history_depth": 1}, ValueError, "`history_depth` must be >= 2, got 1"),
+        ({"mode": "aadl", "history_depth": 2}, ValueError, "`history_depth` must be >= 3"),
+        ({"line_search": "wolfe"}, ValueError, "`line_search` must be None, False, True"),
+        ({"reg": math.nan}, ValueError, "`reg` must be finite and >= 0.0"),
+        ({"inner": aa.sgd(0.1)}, TypeError, "`inner` is set by the solver"),
+        (
+            {"on_nonconvergence": "raise"},
+            TypeError,
+            "unexpected keyword argument `on_nonconvergence`; pass it to implicit_fixed_point",
+        ),
+    ],
+)
+@pytest.mark.parametrize("gradient", ["implicit", "phantom"])
+def test_implicit_adjoint_options_are_checked_before_the_forward_solve(
+    adjoint_options, error, match, gradient
+):
+    """`adjoint_options` were once checked only by the backward pass's adjoint solve, after
+    the forward solve, in `fixed_point`'s name: now before `f` is ever called, naming
+    `implicit_fixed_point` and `adjoint_options`."""
+    calls = []
+
+    def f(z, theta):
+        calls.append(1)
+        return 0.5 * z + theta
+
+    theta = torch.ones(3, dtype=D, requires_grad=True)
+    prefix = r"^implicit_fixed_point: `adjoint_options`: "
+    with pytest.raises(error, match=prefix + re.escape(match)):
+        aa.implicit_fixed_point(
+            f, torch.zeros(3, dtype=D), theta, adjoint_options=adjoint_options, gradient=gradient
+        )
+    assert calls == [] and theta.grad is None
+
+
+def test_implicit_forward_options_are_checked_before_f_is_called():
+    calls = []
+
+    def f(z, theta):
+        calls.append(1)
+        return 0.5 * z + theta
+
+    theta = torch.ones(3, dtype=D, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^implicit_fixed_point: `tol` must be finite"):
+        aa.implicit_fixed_point(f, torch.zeros(3, dtype=D), theta, tol=-1.0)
+    with pytest.raises(TypeError, match=r"^implicit_fixed_point: unexpected keyword .*`foo`"):
+        aa.implicit_fixed_point(f, torch.zeros(3, dtype=D), theta, foo=1)
+    assert calls == []
+    # Valid options, given for both solves, still solve and differentiate.
+    z, info = aa.implicit_fixed_point(
+        f, torch.zeros(3, dtype=D), theta, tol=1e-12, adjoint_options={"tol": 1e-12, "rtol": 0.0}
+    )
+    z.sum().backward()
+    assert bool(info.converged)
+    torch.testing.assert_close(theta.grad, torch.full((3,), 2.0, dtype=D))
 
 
 # -- implicit differentiation ----------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import optree
 import pytest
 import torch
 from references import Recurrence, aadl_extrapolate, rounding_bounds, solve_roundoff
@@ -726,3 +727,158 @@ def test_a_closure_that_returns_no_loss_is_named_and_changes_nothing(value, safe
         opt.step(closure)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert all(s is None for s in opt.anderson_states) and not opt.optimizer.state
+
+
+# -- params changed after the first step -----------------------------------------------------
+
+
+def _tensors_of(acc):
+    """Every tensor a refused step must leave as it was, with its value and version counter:
+    the params, the torch optimizer's state and the windows."""
+    tensors = [p for group in acc.param_groups for p in group["params"]]
+    tensors += [v for s in acc.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    for window in acc.anderson_states:
+        tensors += [t for t in optree.tree_leaves(window) if isinstance(t, torch.Tensor)]
+    return [(t, t.detach().clone(), t._version) for t in tensors]
+
+
+def _double(model, opt):
+    model.double()
+    return model.float
+
+
+def _replace(model, opt):  # a new param of another shape in place of the head's weight
+    params = opt.param_groups[1]["params"]
+    old, params[0] = params[0], nn.Parameter(torch.zeros(2, 48))
+    return lambda: params.__setitem__(0, old)
+
+
+def _append(model, opt):  # one param more in the head's group
+    opt.param_groups[1]["params"].append(nn.Parameter(torch.zeros(3)))
+    return opt.param_groups[1]["params"].pop
+
+
+def _accelerated_cnn(via_accelerate, seed=5):
+    """A float32 CNN, two param groups, SGD with momentum: the model, the torch optimizer,
+    the accelerator and the step to call (the patched `optimizer.step` via `accelerate`)."""
+    model, X, Y = make_cnn(torch.float32, seed=seed)
+    inner = torch.optim.SGD(groups_of(model), momentum=0.9)
+    if via_accelerate:
+        acc = accelerate(inner, history_depth=3, wait_iterations=0, relaxation=1.0)
+        return model, X, Y, inner, acc, inner.step
+    acc = AcceleratedOptimizer(inner, history_depth=3)
+    return model, X, Y, inner, acc, acc.step
+
+
+def _mse_closure(model, inner, X, Y, calls=None):
+    """The closure of a full-batch MSE step in the model's current dtype (`calls`: a list
+    that records each call)."""
+
+    def closure():
+        if calls is not None:
+            calls.append(1)
+        inner.zero_grad()
+        dtype = model.head.weight.dtype
+        loss = mse(model, X.to(dtype), Y.to(dtype))
+        loss.backward()
+        return loss
+
+    return closure
+
+
+@pytest.mark.parametrize("via_accelerate", [False, True])
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (_double, TypeError, r"param group 0 changed .*`params\[0\]` has dtype torch.float64"),
+        (_replace, ValueError, r"param group 1 changed .*`params\[0\]` has shape \(2, 48\)"),
+        (_append, ValueError, r"param group 1 changed .*different pytree structure"),
+    ],
+    ids=["double", "replaced", "appended"],
+)
+def test_params_that_no_longer_fit_their_window_are_refused_before_the_torch_step(
+    change, error, match, via_accelerate
+):
+    """The core would refuse them after the torch optimizer had stepped the params and its
+    momentum; the step refuses them first, changing nothing (params, momentum and windows
+    keep their values and versions; the closure is not called), so that once the change is
+    undone the run goes on bit for bit as one that never saw it."""
+    runs = []
+    for changed in (True, False):
+        model, X, Y, inner, acc, step = _accelerated_cnn(via_accelerate)
+        calls = []
+        closure = _mse_closure(model, inner, X, Y, calls)
+        for _ in range(4):
+            step(closure)
+        if changed:
+            undo = change(model, inner)
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.ones_like(p)
+            tensors, windows, num_state = _tensors_of(acc), acc.anderson_states, len(acc.state)
+            calls.clear()
+            with pytest.raises(error, match=match) as raised:
+                step(closure)
+            assert "AcceleratedOptimizer.step" in str(raised.value)
+            assert "changed since its window was made" in str(raised.value)
+            assert "nothing was stepped" in str(raised.value)
+            assert calls == [] and len(acc.state) == num_state
+            assert all(a is b for a, b in zip(acc.anderson_states, windows))
+            for t, value, version in tensors:
+                assert t._version == version and torch.equal(t, value)
+            undo()
+        for _ in range(3):
+            step(closure)
+        assert [int(s.count) for s in acc.anderson_states] == [7, 7]
+        runs.append((model, acc))
+    assert_same_params(runs[0][0], runs[1][0])
+    assert int(runs[0][1].anderson_states[1].num_mixed) > 0
+
+
+@pytest.mark.parametrize("via_accelerate", [False, True])
+def test_after_model_double_the_windows_start_afresh_as_the_error_says(via_accelerate):
+    """`model.double()` after the first step: the error's recipe (the state dict without its
+    "anderson" entry loaded back) keeps the torch optimizer's state, cast by torch to the new
+    dtype, and starts every window afresh for the float64 params."""
+    model, X, Y, inner, acc, step = _accelerated_cnn(via_accelerate)
+    closure = _mse_closure(model, inner, X, Y)
+    for _ in range(4):
+        step(closure)
+    model.double()
+    with pytest.raises(TypeError, match=r"del sd\['anderson'\]"):
+        step(closure)
+    opt = inner if via_accelerate else acc
+    sd = opt.state_dict()
+    del sd["anderson"]
+    opt.load_state_dict(sd)
+    for _ in range(5):
+        step(closure)
+    assert [int(s.count) for s in acc.anderson_states] == [5, 5]
+    assert all(s.anchor[0].dtype == torch.float64 for s in acc.anderson_states)
+    assert all(s["momentum_buffer"].dtype == torch.float64 for s in inner.state.values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_window_check_lets_every_valid_step_through():
+    """No false alarm where the params and the window legitimately differ in place or dtype:
+    a window on another device than the params' (`history_device`, here the same CPU spelled
+    out) or in another dtype (`history_dtype`), empty groups and groups added later."""
+    model, X, Y = make_cnn(torch.float32, seed=6)
+    inner = torch.optim.Adam(groups_of(model))
+    acc = AcceleratedOptimizer(
+        inner, history_depth=3, history_device="cpu", history_dtype=torch.float64
+    )
+
+    def closure():
+        acc.zero_grad()
+        loss = mse(model, X, Y)
+        loss.backward()
+        return loss
+
+    for k in range(6):
+        if k == 2:
+            acc.add_param_group({"params": []})
+        if k == 3:
+            acc.add_param_group({"params": [nn.Parameter(torch.ones(3))]})
+        acc.step(closure)
+    assert [None if s is None else int(s.count) for s in acc.anderson_states] == [6, 6, None, 3]

@@ -67,8 +67,16 @@ import optree
 import torch
 from torch import Tensor
 
+from aadl_func._src import tree
 from aadl_func._src.state import allow_weights_only
-from aadl_func._src.validation import check_float, check_int, float_leaves
+from aadl_func._src.validation import (
+    check_counter,
+    check_devices_like,
+    check_float,
+    check_int,
+    float_leaves,
+    same_device,
+)
 
 __all__ = ["AdaSAM", "AdaSAMState", "adasam"]
 
@@ -148,8 +156,20 @@ def adasam(
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or out of range, naming it (at
-            construction); at `update`, a `state` that is not an `AdaSAMState` or
-            `grads` whose structure or shapes differ from `params`'.
+            construction); at `update`, before anything is computed: a `state` that is not
+            an `AdaSAMState` (with 0-d int64 counters) or was made for params of another
+            structure, shape, dtype or device or another `history_depth`, and `grads` whose
+            pytree structure, shapes, dtypes or devices differ from `params`' (grads are not
+            cast: float64 grads for float32 params are refused with a `TypeError`).
+
+    Non-finite numbers: a NaN or infinite gradient (or params) makes the least-squares
+    system non-finite; it is not solved (no `linalg` error), and the call takes the plain
+    step $x_k + \beta r_k$, which carries the NaN into the returned
+    params exactly as SGD with learning rate `lr` would; the mixed step is taken only when
+    $\langle p_k, r_k \rangle$ is finite, so the mixing itself never turns finite inputs
+    into non-finite params. The returned state records the non-finite point too (its
+    averages keep it, so later calls take plain steps only): to skip such a batch, keep
+    the `params` and `state` you passed in (`update` never changes them).
     """
     beta = check_float(_OWNER, "lr", lr, minimum=0.0, strict=True)
     alpha = check_float(_OWNER, "alpha", alpha, minimum=0.0)
@@ -216,8 +236,9 @@ def _update(
     r"""One step, the module docstring's steps 1-5; the plain step $\beta r_k$ where the
     descent check fails (and always on the first call)."""
     x, spec = float_leaves(_OWNER, "params", params)
-    g, _ = float_leaves(_OWNER, "grads", grads)
-    _check(state, x, g, spec, h.m)
+    g, g_spec = float_leaves(_OWNER, "grads", grads)
+    _check(state, x, spec, g, g_spec)
+    _check_state(state, x, spec, h.m)
     k = state.count
     first = k == 0
     r = [-(gi + h.weight_decay * xi) if h.weight_decay else -gi for gi, xi in zip(g, x)]
@@ -277,12 +298,19 @@ def _mixed_step(
     drs: list[Tensor],
 ) -> list[Tensor]:
     r"""Steps 2-4: $\delta_k$ and $\Gamma_k$ in float64 ($rr = \|r_k\|^2$), then
-    $p_k = \beta r_k - \alpha (X_k + \beta R_k) \Gamma_k$."""
+    $p_k = \beta r_k - \alpha (X_k + \beta R_k) \Gamma_k$.
+
+    A system that is not finite (a NaN or infinite gradient or params, an overflow) is
+    replaced by zeros before the pseudo-inverse, whose eigensolver would raise on it; its
+    $p_k$ is then not finite (or $\langle p_k, r_k \rangle$ is not), so the descent check
+    takes the plain step. A mask, not a branch, so it also runs under vmap."""
     delta = h.damp * rr / (_dot(dx_avg, dx_avg) + h.eps)
     rtr = _gram(drs, drs)
     xtx = _gram(dxs, dxs)
     rtb = _gram(drs, [ri.unsqueeze(0) for ri in r])[:, 0]
-    coeffs = torch.linalg.pinv(rtr + delta * xtx, hermitian=True) @ rtb
+    system = rtr + delta * xtx
+    system = torch.where(torch.isfinite(system).all(), system, torch.zeros_like(system))
+    coeffs = torch.linalg.pinv(system, hermitian=True) @ rtb
     return [
         h.beta * ri - h.alpha * _combine(xr + h.beta * rr_, coeffs)
         for ri, xr, rr_ in zip(r, dxs, drs)
@@ -290,26 +318,52 @@ def _mixed_step(
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _check(state: Any, x: list[Tensor], g: list[Tensor], spec: Any, m: int) -> None:
-    """Metadata checks, before any arithmetic: `state` and `grads` fit the params."""
+def _check(state: Any, x: list[Tensor], spec: Any, g: list[Tensor], g_spec: Any) -> None:
+    """Metadata checks, before any arithmetic: `state` is an `AdaSAMState` with 0-d int64
+    counters, and `grads` has the pytree structure, shapes, dtypes and devices of `params`."""
     if not isinstance(state, AdaSAMState):
         raise TypeError(
             f"{_OWNER}: `state` must be an AdaSAMState (from this optimizer's init), got "
             f"{type(state).__name__}"
         )
-    if len(g) != len(x) or any(a.shape != b.shape for a, b in zip(g, x)):
-        raise ValueError(f"{_OWNER}: `grads` must have the structure and shapes of `params`")
+    for name in ("count", "num_mixed", "num_fallback"):
+        check_counter(_OWNER, f"state.{name}", getattr(state, name))
+    # Structure, then each leaf's shape (ValueError) and dtype (TypeError), by key path.
+    tree.check_like("grads", g, g_spec, x, spec, check_dtype=True, owner=_OWNER)
+    check_devices_like(_OWNER, "grads", g, spec, x)
+
+
+def _check_state(state: AdaSAMState, x: list[Tensor], spec: Any, m: int) -> None:
+    """The state's parameter-like fields fit the params: their pytree structure, and each
+    leaf's shape (with the leading `history_depth` of the rings), dtype and device."""
     for name, field in zip(AdaSAMState._fields[1:7], state[1:7]):
         leaves, field_spec = optree.tree_flatten(field)
-        if field_spec.num_leaves != spec.num_leaves:
-            raise ValueError(f"{_OWNER}: `state.{name}` does not fit `params` (another model?)")
+        if not tree.same_structure(field_spec, spec):
+            raise ValueError(
+                f"{_OWNER}: `state.{name}` does not fit `params` (another model?): "
+                + tree.structure_difference(field_spec, spec, f"state.{name}", "params")
+            )
         window = name in ("dxs", "drs")
         for leaf, p in zip(leaves, x):
+            if not isinstance(leaf, Tensor):
+                raise TypeError(
+                    f"{_OWNER}: `state.{name}` must hold tensors, got {type(leaf).__name__}"
+                )
             shape = (m, *p.shape) if window else p.shape
             if leaf.shape != shape:
                 raise ValueError(
                     f"{_OWNER}: `state.{name}` has a leaf of shape {tuple(leaf.shape)}, "
                     f"expected {tuple(shape)} (made for other params or another history_depth)"
+                )
+            if leaf.dtype != p.dtype:
+                raise TypeError(
+                    f"{_OWNER}: `state.{name}` has a leaf of dtype {leaf.dtype}, expected "
+                    f"{p.dtype} like `params` (made for params of another dtype)"
+                )
+            if not same_device(leaf.device, p.device):
+                raise ValueError(
+                    f"{_OWNER}: `state.{name}` has a leaf on device {leaf.device}, expected "
+                    f"{p.device} like `params` (made on another device)"
                 )
 
 

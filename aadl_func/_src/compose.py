@@ -31,7 +31,7 @@ import optree
 import torch
 
 from aadl_func._src import tree
-from aadl_func._src.inner import InnerOptimizer
+from aadl_func._src.inner import InnerOptimizer, holds_updates
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.transforms import EmptyState, Transform, decay_leaf
 from aadl_func._src.transforms import chain as chain_stages
@@ -60,6 +60,13 @@ def chain(*transforms: Any) -> InnerOptimizer:
 
     Returns:
       An `InnerOptimizer` whose state is a `ChainState`.
+
+    With `inplace=True` nothing the caller holds is written before every transformation
+    succeeded: they run out of place, then the returned updates are written into the
+    gradient buffers and the new states into the old states' buffers (counters, 0-d, are
+    returned new, as the transformations make them). A transformation that raises (no
+    `params` for a decay, a failing schedule, a user's) thus leaves the params, the grads
+    and the state as they were.
     """
     if not transforms:
         raise ValueError("chain: pass at least one transformation")
@@ -83,10 +90,71 @@ def chain(*transforms: Any) -> InnerOptimizer:
                 f"chain.update: `state` must be the ChainState of {len(transforms)} "
                 f"transformations this chain's init made, got {type(state).__name__}"
             )
-        updates, states = composed.update(updates, state.states, (params, inplace))
-        return updates, ChainState(states)
+        # Out of place either way: an in-place call writes the results into the caller's
+        # tensors only once every stage succeeded (`_commit`).
+        new_updates, states = composed.update(updates, state.states, (params, False))
+        if not inplace:
+            return new_updates, ChainState(states)
+        return _commit(updates, state.states, new_updates, states)
 
     return InnerOptimizer(init, update)
+
+
+def _commit(
+    grads: PyTree, old_states: tuple, updates: PyTree, new_states: tuple
+) -> tuple[PyTree, ChainState]:
+    """An in-place chain's results, written into the caller's tensors once every stage
+    succeeded: the updates into the gradient buffers (torchopt's semantics: they hold the
+    returned updates), the new states into the old states' buffers.
+
+    A new leaf is written into the old one where both are tensors of one shape, dtype and
+    device and the old one can be written (not an `expand`-ed gradient); otherwise the
+    new leaf is returned as it is (so are a stage's non-tensor leaves, e.g. numbers). A
+    state's 0-d tensors, its counters, are returned new, as the stages make them in place
+    too (`count + 1`): the caller's counter keeps its value, and one that `vmap` broadcast
+    (stride 0, torchopt's) is never written into.
+    """
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    states = tuple(
+        new if new is old else _written(old, new, writes, scalars=False)
+        for old, new in zip(old_states, new_states)
+    )
+    out = _written(grads, updates, writes, scalars=True)
+    # All at once: a source that is also a target (a stage that returned a buffer it was
+    # given, e.g. a gradient kept in its state) is read before anything is written.
+    targets = {id(dst) for dst, _ in writes}
+    if any(id(src) in targets for _, src in writes):
+        writes = [(dst, src.clone() if id(src) in targets else src) for dst, src in writes]
+    for dst, src in writes:
+        dst.copy_(src)
+    return out, ChainState(states)
+
+
+def _written(old: PyTree, new: PyTree, writes: list, *, scalars: bool) -> PyTree:
+    """`new`, with each tensor leaf that `old` has a tensor of the same layout for (and,
+    unless `scalars`, at least one dimension) replaced by that tensor, the copy recorded in
+    `writes`; `new` itself if the structures differ."""
+    old_leaves, old_spec = optree.tree_flatten(old, none_is_leaf=True)
+    new_leaves, new_spec = optree.tree_flatten(new, none_is_leaf=True)
+    if not tree.same_structure(old_spec, new_spec):
+        return new
+    leaves = []
+    for dst, src in zip(old_leaves, new_leaves):
+        if (
+            isinstance(dst, torch.Tensor)
+            and isinstance(src, torch.Tensor)
+            and dst is not src
+            and (scalars or dst.ndim > 0)
+            and dst.shape == src.shape
+            and dst.dtype == src.dtype
+            and dst.device == src.device
+            and holds_updates(dst)
+        ):
+            writes.append((dst, src))
+            leaves.append(dst)
+        else:
+            leaves.append(src)
+    return optree.tree_unflatten(new_spec, leaves)
 
 
 def _as_stage(transform: Any) -> Transform:
@@ -105,7 +173,8 @@ def clip_by_global_norm(max_norm: float) -> InnerOptimizer:
 
     As `torch.nn.utils.clip_grad_norm_()`: with $\nu$ the 2-norm of the leaves'
     2-norms, every leaf is multiplied by $\min(1, \mathrm{max\_norm} / (\nu +
-    10^{-6}))$. Under `vmap` each member is clipped by its own norm.
+    10^{-6}))$. Under `vmap` each member is clipped by its own norm. The updates must be
+    floating-point (or complex) tensors (`TypeError` otherwise, before anything is written).
     """
     max_norm = check_float("clip_by_global_norm", "max_norm", max_norm, minimum=0.0, strict=True)
 
@@ -118,6 +187,12 @@ def clip_by_global_norm(max_norm: float) -> InnerOptimizer:
         leaves, spec = tree.flatten(updates, "updates", owner="clip_by_global_norm")
         if not leaves:
             return updates, state
+        for i, u in enumerate(leaves):
+            if not (u.is_floating_point() or u.is_complex()):
+                raise TypeError(
+                    "clip_by_global_norm: `updates` must be floating-point (or complex) "
+                    f"tensors, got {u.dtype} at `{tree.leaf_path(spec, i, 'updates')}`"
+                )
         norms = torch.stack([torch.linalg.vector_norm(u) for u in leaves])
         total = torch.linalg.vector_norm(norms)
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -142,7 +217,10 @@ def add_decayed_weights(
     Args:
       weight_decay: `>= 0`.
       mask: None (every leaf), a pytree of bools like `params`, or a function
-        `params -> pytree of bools` (called at every update, on the params).
+        `params -> pytree of bools` (called at every update, on the params). The mask has
+        the pytree structure of `params` (its leaves are matched by key, e.g. by a dict's
+        keys, not by position); another structure raises `ValueError`, a leaf that is
+        not a `bool` `TypeError`.
     """
     weight_decay = check_float("add_decayed_weights", "weight_decay", weight_decay, minimum=0.0)
 
@@ -158,15 +236,7 @@ def add_decayed_weights(
         u_leaves, spec = tree.flatten(updates, "updates", owner=owner)
         p_leaves, p_spec = tree.flatten(params, "params", owner=owner)
         tree.check_like("params", p_leaves, p_spec, u_leaves, spec, "updates", owner=owner)
-        selected = mask(params) if callable(mask) else mask
-        if selected is None:
-            chosen = [True] * len(u_leaves)
-        else:
-            chosen = optree.tree_flatten(selected, none_is_leaf=False)[0]
-            if len(chosen) != len(u_leaves) or not all(isinstance(c, bool) for c in chosen):
-                raise TypeError(
-                    f"{owner}: `mask` must be (or return) a pytree of bools like `params`"
-                )
+        chosen = _mask_leaves(mask, params, p_spec)
         out = []
         for u, p, use in zip(u_leaves, p_leaves, chosen):
             # A decay of 0 is a no-op: adding 0 * params would make -0.0 into 0.0, inf into NaN.
@@ -177,6 +247,34 @@ def add_decayed_weights(
         return tree.unflatten(spec, out), state
 
     return InnerOptimizer(init, update)
+
+
+def _mask_leaves(mask: Any, params: PyTree, spec: Any) -> list[bool]:
+    """`add_decayed_weights`'s mask (or what it returns for `params`) as one bool per leaf of
+    `params` (structure `spec`), matched by key: a mask of another structure is refused
+    rather than applied by leaf position."""
+    owner = "add_decayed_weights"
+    if mask is None:
+        return [True] * spec.num_leaves
+    name = "mask(params)" if callable(mask) else "mask"
+    selected = mask(params) if callable(mask) else mask
+    chosen, m_spec = optree.tree_flatten(selected, none_is_leaf=False)
+    if not tree.same_structure(m_spec, spec):
+        raise ValueError(
+            f"{owner}: `mask` must be (or return) a pytree of bools with the structure of "
+            "`params`: "
+            # (the walk calls any leaf "a tensor"; a mask's leaves are bools)
+            + tree.structure_difference(m_spec, spec, name, "params").replace(
+                "` is a tensor where", "` is a leaf where", 1
+            )
+        )
+    for i, c in enumerate(chosen):
+        if not isinstance(c, bool):
+            raise TypeError(
+                f"{owner}: `mask` must be (or return) a pytree of bools like `params`; "
+                f"`{tree.leaf_path(m_spec, i, name)}` is {type(c).__name__}"
+            )
+    return chosen
 
 
 allow_weights_only(ChainState, EmptyState)

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
+from aadl_func._src.leaf_memory import self_overlapping
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.transforms import (
     StepInputs,
@@ -63,6 +64,7 @@ from aadl_func._src.transforms import (
 )
 from aadl_func._src.validation import (
     check_betas,
+    check_bool,
     check_buffers,
     check_hyperparameter,
     check_nesterov,
@@ -95,8 +97,11 @@ class InnerOptimizer(NamedTuple):
         update: `update(updates, state, params=None, inplace=True) -> (updates, new_state)`.
             Maps gradients `updates` (same pytree structure as `params`) to the parameter
             deltas, so that `new_params = params + updates` leaf by leaf. With
-            `inplace=True` the gradient and state buffers may be overwritten and reused;
-            with `inplace=False` no input is mutated.
+            `inplace=True` the gradient and state buffers may be overwritten and reused
+            (a gradient that cannot be written, such as the `expand`-ed tensors
+            `torch.func.grad` returns for a sum, is left alone and its update returned in
+            a new tensor); with `inplace=False` no input is mutated. `inplace` must be a
+            bool, and the gradients floating point.
     """
 
     init: Callable[[PyTree], Any]
@@ -240,6 +245,7 @@ def _optimizer(
     ) -> tuple[PyTree, Any]:
         if not isinstance(state, state_type):
             check_state_type(fn, state, state_type, "state", fn)
+        check_bool(fn, "inplace", inplace)
         grads, spec = tree.flatten(updates, "updates", owner=fn)
         # Hyperparameters first: a schedule that fails must fail before a buffer is written.
         count = state.count
@@ -253,6 +259,7 @@ def _optimizer(
             _check_shapes(fn, grads, spec, ["params"], [param_leaves])
         buffers = [flatten_like(fn, path, b, spec) for path, b in zip(paths, state[1:])]
         _check_shapes(fn, grads, spec, paths, buffers)
+        grads = _grads_to_write(fn, grads, spec, inplace)
         stage_states = tuple([make(buffers[start:end]) for make, start, end in layout])
         step = StepInputs(count, param_leaves, step_lr, decay, inplace)
         new_updates, stage_states = transform.update(grads, stage_states, step)
@@ -290,6 +297,39 @@ def _check_shapes(
             f"{fn}: `{tree.leaf_path(spec, i, 'updates')}` has shape {tuple(shapes[i])}, "
             f"expected {tuple(found[i])} like `{tree.leaf_path(spec, i, name)}`{hint}"
         )
+
+
+def _grads_to_write(fn: str, grads: list[Tensor], spec: Any, inplace: bool) -> list[Tensor]:
+    """The gradient leaves the stages start from, checked before any buffer is written: each
+    is floating-point or complex (an integer one would be truncated by the in-place stages,
+    or fail halfway, after the state was written). In place, a leaf that cannot hold its
+    update (`holds_updates()`) is replaced by a copy, which the update is written into and
+    returned: the caller's tensor is left as it was, and the state is written as usual."""
+    for i, g in enumerate(grads):
+        if not (g.is_floating_point() or g.is_complex()):
+            raise TypeError(
+                f"{fn}: `{tree.leaf_path(spec, i, 'updates')}` must be floating-point or "
+                f"complex, got {g.dtype}"
+            )
+    if not inplace:
+        return grads
+    return [
+        g if holds_updates(g) else g.clone(memory_format=torch.contiguous_format) for g in grads
+    ]
+
+
+def holds_updates(t: Tensor) -> bool:
+    """Whether the gradient leaf `t` can be written in place with its update (torchopt's
+    `inplace=True`): not when two of its elements share memory, as in an `expand`-ed
+    tensor (`torch.func.grad` returns one for a sum or a mean), which torch refuses to write
+    (a zero stride), or an overlapping `as_strided` view, where the update would be written
+    once per alias. From the shape and strides only (no tensor op for a dense or sliced
+    layout), so it also runs under `torch.func.vmap` and `torch.compile`."""
+    if t.is_contiguous():
+        return True
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        return False
+    return not self_overlapping(t)
 
 
 def _check_values(paths: list[str], state: Any, count: int | None, name: str, owner: str) -> None:

@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
-from aadl_func._src.inner import InnerOptimizer
+from aadl_func._src.inner import InnerOptimizer, _check_shapes, holds_updates
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import (
+    check_bool,
     check_field_shapes,
     check_float,
     check_int,
@@ -209,6 +210,31 @@ def _init(params: PyTree, memory_size: int) -> LbfgsState:
     )
 
 
+def _check_grads(grads: list[Tensor], params: list[Any], spec: Any) -> None:
+    """Each gradient leaf fits its params leaf (a tensor): same shape, real floating point
+    (an integer one would be truncated, a complex one lose its imaginary part) and same
+    device. Checked before any buffer is written: a leaf of another shape would broadcast
+    or fail after the state was written, and one of the same size would be returned in its
+    own shape. Metadata only."""
+    fn = "lbfgs"
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            where = tree.leaf_path(spec, i, "params")
+            raise TypeError(
+                f"{fn}: `params` must be a pytree of tensors; `{where}` is {type(p).__name__}"
+            )
+    _check_shapes(fn, grads, spec, ["params"], [params])
+    for i, (g, p) in enumerate(zip(grads, params)):
+        if g.is_floating_point() and g.device == p.device:
+            continue
+        where, like = tree.leaf_path(spec, i, "updates"), tree.leaf_path(spec, i, "params")
+        if not g.is_floating_point():
+            raise TypeError(
+                f"{fn}: `{where}` must be real floating-point like `{like}`, got {g.dtype}"
+            )
+        raise ValueError(f"{fn}: `{where}` is on {g.device}, expected {p.device} like `{like}`")
+
+
 def _check_state(
     memory_size: int, state: Any, leaves: list[Tensor], spec: Any, *, name: str, owner: str
 ) -> None:
@@ -286,11 +312,14 @@ def lbfgs(
         updates: PyTree, state: LbfgsState, params: PyTree | None = None, inplace: bool = True
     ) -> tuple[PyTree, LbfgsState]:
         check_state_type(fn, state, LbfgsState, "state", fn)
+        check_bool(fn, "inplace", inplace)
         g_leaves, spec = tree.flatten(updates, "updates", owner=fn)
         if params is None:
             raise ValueError(f"{fn}: `params` are required (the pairs are made from them)")
         p_leaves = flatten_like(fn, "params", params, spec)
-        # Before any write: a state made for another memory or other params is refused whole.
+        # Before any write: grads that do not fit the params, and a state made for another
+        # memory or other params, are refused whole.
+        _check_grads(g_leaves, p_leaves, spec)
         _check_state(memory_size, state, p_leaves, spec, name="state", owner=fn)
         dtype = state.s_memory.dtype
         x, g = _flat(p_leaves, dtype), _flat(g_leaves, dtype)
@@ -302,7 +331,8 @@ def lbfgs(
         )
         steps = _unflat(direction * -lr, g_leaves)
         if inplace:  # torchopt's semantics: the gradient buffers hold the returned updates
-            steps = [u.copy_(s) for u, s in zip(g_leaves, steps)]
+            # (where they can: an expanded one is left alone, its update is the new tensor)
+            steps = [u.copy_(s) if holds_updates(u) else s for u, s in zip(g_leaves, steps)]
         return optree.tree_unflatten(spec, steps), new_state
 
     update.check_state = functools.partial(_check_state, memory_size)  # type: ignore[attr-defined]

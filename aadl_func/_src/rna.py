@@ -59,14 +59,14 @@ cost $O(n)$); neither branches in Python on tensor values.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
 from torch import Tensor, nn
 
-from aadl_func._src import grad_mode
+from aadl_func._src import grad_mode, tree
 from aadl_func._src.core.lstsq import solve_weights
 from aadl_func._src.exec.ops import OPS
 from aadl_func._src.state import allow_weights_only
@@ -77,6 +77,7 @@ from aadl_func._src.validation import (
     check_device,
     check_dtype,
     check_int,
+    check_leaf_devices,
     check_state_type,
     float_leaves,
 )
@@ -166,6 +167,12 @@ def rna(
             on the CPU.
         dtype: the window's floating dtype (`None`: each leaf's own).
 
+    The `params` (and `grads`) given to `update`, `snapshot` and `restart_at` must have the
+    pytree structure and shapes of the params given to `init`, and their dtypes (devices)
+    unless the window has a `dtype` (`device`) of its own, into which every leaf is cast
+    (moved); otherwise a `ValueError` or, for a dtype, a `TypeError` names the leaf, raised
+    before anything is written.
+
     Returns:
         `RNA`, the functions over an [`RNAState`][aadl_func.RNAState].
     """
@@ -176,7 +183,6 @@ def rna(
     device = check_device(_OWNER, "device", device)
     dtype = check_dtype(_OWNER, "dtype", dtype)
     window = _Window(m, residual == "gradient", device, dtype)
-    use_grads = window.use_grads
 
     def init(params: Params) -> RNAState:
         return _init(window, params)
@@ -187,10 +193,10 @@ def rna(
         """One optimizer step was taken (`params`: after it; `grads`: the gradient it
         used, required with gradient residuals). Takes a snapshot of `params` when the
         count reaches a multiple of `every`."""
-        _check_state(state, m, use_grads)
+        _check_state(state, window)
         check_bool(_OWNER, "inplace", inplace)
-        leaves = _check_like(state, params, "params")
-        if use_grads:
+        leaves = _check_like(window, state, params, "params")
+        if window.use_grads:
             state = _add_grads(window, state, grads, inplace)
         state = state._replace(count=state.count + 1)
         if every is None:
@@ -200,21 +206,21 @@ def rna(
 
     def snapshot(state: RNAState, params: Params, *, inplace: bool = False) -> RNAState:
         """Takes a snapshot of `params` now."""
-        _check_state(state, m, use_grads)
+        _check_state(state, window)
         check_bool(_OWNER, "inplace", inplace)
-        leaves = _check_like(state, params, "params")
+        leaves = _check_like(window, state, params, "params")
         return _take(window, state, leaves, torch.ones((), dtype=torch.bool), inplace)
 
     def restart_at(state: RNAState, params: Params) -> RNAState:
         """The online variant: training continues from `params` (an extrapolation), so the
         next residual is measured from it: `last` becomes `params` and the gradient sum
         restarts. The ring keeps its pairs."""
-        _check_state(state, m, use_grads)
-        return _restart_at(window, state, _check_like(state, params, "params"))
+        _check_state(state, window)
+        return _restart_at(window, state, _check_like(window, state, params, "params"))
 
     def weights(state: RNAState, lam: float) -> Tensor:
         """The coefficients $c$ (`(p,)` float64 on the CPU, oldest first)."""
-        _check_state(state, m, use_grads)
+        _check_state(state, window)
         lam = _check_lambda("lam", lam)
         order = _order(state, m)
         return _coefficients(_gram(_leaves(state.residuals), order), lam)
@@ -232,7 +238,7 @@ def rna(
         in the grid); `loss_fn(params)` returns a held-out loss (a number or a 0-d tensor).
         The window's Gram is computed once for the whole grid. Raises if no
         candidate's loss is finite."""
-        _check_state(state, m, use_grads)
+        _check_state(state, window)
         check_callable(_OWNER, "loss_fn", loss_fn)
         return _lowest_loss(state, loss_fn, _check_lambdas(lambdas), _order(state, m))
 
@@ -276,7 +282,7 @@ def _add_grads(window: _Window, state: RNAState, grads: Params, inplace: bool) -
     """`grads` added to the gradient sum (gradient residuals)."""
     if grads is None:
         raise ValueError(f"{_OWNER}: `grads` is required with residual='gradient'")
-    g = _check_like(state, grads, "grads")
+    g = _check_like(window, state, grads, "grads")
     sums = _leaves(state.grad_sum)
     store = window.store
     add = (lambda s, x: s.add_(store(x))) if inplace else (lambda s, x: s + store(x))
@@ -456,26 +462,27 @@ def _select(mask: Tensor, new: list[Tensor], old: list[Tensor], inplace: bool) -
     return [torch.where(mask.to(o.device), n, o) for n, o in zip(new, old)]
 
 
-def _check_state(state: Any, m: int, use_grads: bool) -> None:
+def _check_state(state: Any, window: _Window) -> None:
     check_state_type("rna", state, RNAState, "state", _OWNER)
     ring = _leaves(state.points)
-    if not ring or ring[0].shape[0] != m:
+    if not ring or ring[0].shape[0] != window.m:
         raise ValueError(
-            f"{_OWNER}: `state` was made with another history_depth (expected {m} slots)"
+            f"{_OWNER}: `state` was made with another history_depth (expected {window.m} slots)"
         )
-    if use_grads != (state.grad_sum != ()):
+    if window.use_grads != (state.grad_sum != ()):
         raise ValueError(f"{_OWNER}: `state` was made with another `residual`")
 
 
-def _check_like(state: RNAState, tree: Any, name: str) -> list[Tensor]:
-    """`tree`'s leaves, checked against the window's structure and shapes before any
-    arithmetic."""
-    leaves, spec = float_leaves(_OWNER, name, tree)
-    last = _leaves(state.last)
-    if spec.num_leaves != len(last) or any(a.shape != b.shape for a, b in zip(leaves, last)):
-        raise ValueError(
-            f"{_OWNER}: `{name}` must have the structure and shapes of the params given to init"
-        )
+def _check_like(window: _Window, state: RNAState, value: Any, name: str) -> list[Tensor]:
+    """`value`'s leaves, checked against `state.last` (laid out as the params given to `init`)
+    before anything is written: pytree structure and shapes, and, where the window keeps
+    each leaf's own dtype or device (`dtype` or `device` None), dtypes or devices (a leaf
+    of another would pass it to `last` but not to the rings)."""
+    leaves, spec = float_leaves(_OWNER, name, value)
+    last, ref = optree.tree_flatten(state.last)
+    tree.check_like(name, leaves, spec, last, ref, "state.last", window.dtype is None, _OWNER)
+    if window.device is None:
+        check_leaf_devices(_OWNER, name, leaves, [x.device for x in last], "like state.last", spec)
     return leaves
 
 
@@ -509,17 +516,43 @@ def recompute_bn(
     `torch.optim.swa_utils.update_bn(loader, module, device)` after copying `params` into
     `module` (which must hold real tensors, not `meta` ones). Returns the module's buffers
     (`{name: tensor}`), ready for `torch.func.functional_call(module, (params, buffers),
-    ...)`."""
+    ...)`.
+
+    Each value of `params` is copied as `load_state_dict` copies it: of the param's shape
+    (never broadcast), cast to its dtype (an extrapolation in the window's dtype loads into a
+    module of another), and copied to its device. Every entry is checked before the first
+    copy, so a bad one leaves the module as it was.
+
+    Raises:
+      TypeError: `params` is not a dict, or a value is not a floating-point tensor holding
+        values (an integer tensor, a `meta` one).
+      ValueError: a name the module's parameters lack, or a value of another shape.
+    """
     from torch.optim.swa_utils import update_bn
 
-    if params is not None:
-        own = dict(module.named_parameters())
-        unknown = sorted(set(params) - set(own))
-        if unknown:
-            raise ValueError(f"recompute_bn: `params` has names the module lacks: {unknown}")
-        _copy_all((own[name], value) for name, value in params.items())
+    _copy_all(_checked_pairs(module, {} if params is None else params))
     update_bn(loader, module, device=device)
     return dict(module.named_buffers())
+
+
+def _checked_pairs(module: nn.Module, params: Any) -> list[tuple[Tensor, Tensor]]:
+    """`(module's param, value)` per entry of `params`, every one checked before the first
+    copy. As in `load_state_dict`, a value has the param's shape and is cast to its dtype and
+    copied to its device; it is never broadcast, and must be floating (not an integer) and
+    hold values (not on the meta device)."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"recompute_bn: `params` must be a dict, got {type(params).__name__}")
+    own = dict(module.named_parameters())
+    if unknown := sorted(params.keys() - own.keys(), key=str):
+        raise ValueError(f"recompute_bn: `params` has names the module lacks: {unknown}")
+    for name, value in params.items():
+        where, shape = f"recompute_bn: `params[{name!r}]`", tuple(own[name].shape)
+        if not (isinstance(value, Tensor) and value.is_floating_point() and not value.is_meta):
+            got = f"{value.dtype} on {value.device}" if isinstance(value, Tensor) else type(value)
+            raise TypeError(f"{where} must be a floating-point tensor with values, got {got}")
+        if value.shape != shape:
+            raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {shape}")
+    return [(own[name], value) for name, value in params.items()]
 
 
 def _copy_all(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:

@@ -94,8 +94,11 @@ from torch import Tensor
 from aadl_func._src import tree
 from aadl_func._src.core import accept
 from aadl_func._src.lbfgs import _compute_dtype, _flat, _unflat
+from aadl_func._src.leaf_memory import check_writable
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import (
+    check_bool,
+    check_devices_like,
     check_field_shapes,
     check_float,
     check_int,
@@ -350,10 +353,7 @@ def _update(
 ) -> tuple[PyTree, ShortRecurrenceState]:
     """One call; the numbered steps are those of `short_recurrence`'s docstring."""
     # 0. Everything is checked before anything is computed or written.
-    check_state_type(_OWNER, state, ShortRecurrenceState, "state", "short_recurrence.update")
-    p_leaves, spec = tree.flatten(params, "params", owner="short_recurrence.update")
-    g_leaves = flatten_like("short_recurrence.update", "grads", grads, spec)
-    _check_state(state, p_leaves)
+    p_leaves, spec, g_leaves = _check_update(state, params, grads, inplace)
     loss_given = loss is not None
     loss = _checked_loss(loss, state.pending_loss)
     dtype = state.params.dtype
@@ -484,6 +484,35 @@ def _init(inner: Any, max_wait: int, params: PyTree) -> ShortRecurrenceState:
     )
 
 
+def _check_update(
+    state: Any, params: PyTree, grads: PyTree, inplace: Any
+) -> tuple[list[Tensor], Any, list[Tensor]]:
+    """`update`'s arguments but `loss`, from their metadata alone: the state's type and
+    vectors, `grads` against `params` (structure, then each leaf's shape, dtype and device:
+    nothing is broadcast or cast), and `inplace` (a bool; if True, params leaves that can be
+    written once each). Returns `(params leaves, params spec, grads leaves)`."""
+    owner = "short_recurrence.update"
+    check_state_type(_OWNER, state, ShortRecurrenceState, "state", owner)
+    check_bool(owner, "inplace", inplace)
+    p_leaves, spec = tree.flatten(params, "params", owner=owner)
+    g_leaves = flatten_like(owner, "grads", grads, spec)
+    _check_state(state, p_leaves)
+    for i, g in enumerate(g_leaves):
+        if not isinstance(g, Tensor):
+            raise TypeError(
+                f"{owner}: `grads` must be a pytree of tensors; "
+                f"`{tree.leaf_path(spec, i, 'grads')}` is {type(g).__name__}"
+            )
+    # Same spec: the grads' key paths are the params'. Shapes: ValueError; dtypes: TypeError.
+    tree.check_like("grads", g_leaves, spec, p_leaves, spec, check_dtype=True, owner=owner)
+    check_devices_like(owner, "grads", g_leaves, spec, p_leaves)
+    if inplace and not tree.any_transformed(p_leaves):
+        # An expanded leaf (or an inference tensor) would fail its write after the leaves
+        # before it were written.
+        check_writable(owner, "params", p_leaves, spec)
+    return p_leaves, spec, g_leaves
+
+
 def _check_state(state: ShortRecurrenceState, leaves: list[Tensor]) -> None:
     """The state's vectors fit the params `leaves` (their number and promoted dtype)."""
     owner = "short_recurrence.update"
@@ -545,6 +574,13 @@ def short_recurrence(
         TypeError: `inner` lacks `init`/`update`, or an argument has the wrong type.
         ValueError: `relaxation <= 0`, `curvature_eps < 0` (or not finite), or
             `max_wait < 0`.
+
+    `update` checks its arguments before the inner optimizer runs or anything is written,
+    naming the argument: `state` (its type, and vectors that fit the params), `grads` (the
+    params' pytree structure, and each leaf their shape, dtype and device: grads are neither
+    broadcast nor cast, so integer, complex or differently-typed grads are a `TypeError`),
+    `loss`, and `inplace` (a bool; with True, a params leaf whose elements share memory, as
+    an `expand`-ed tensor's do, is a `ValueError`).
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(

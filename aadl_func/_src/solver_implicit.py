@@ -11,6 +11,7 @@ or differentiates a few damped steps recorded from $z^*$ (torchdeq's phantom gra
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -186,7 +187,10 @@ def implicit_fixed_point(
       z0: the starting point (no gradient flows to it: $z^*$ does not depend on it).
       theta: a pytree of tensors, the parameters (or the layer's input `x`).
       adjoint_options: [`fixed_point()`][aadl_func.fixed_point] options for the adjoint solve
-        (default: the forward's).
+        (default: the forward's). Checked, like the forward's `options`, before `f` is first
+        called (not in the backward pass), with errors that start
+        `` implicit_fixed_point: `adjoint_options`: ``; `on_nonconvergence` is not one of
+        them (this function's own argument covers both solves).
       gradient: `"implicit"` (default) or `"phantom"` (above).
       phantom_steps: $k \ge 1$, the recorded steps of `gradient="phantom"`.
       phantom_damping: $\tau \in (0, 1]$ of `gradient="phantom"`.
@@ -217,6 +221,11 @@ def implicit_fixed_point(
     on_failure = check_choice(
         owner, "on_nonconvergence", on_nonconvergence, ("warn", "raise", "ignore")
     )
+    # Both solves' options, checked before `f` is first called (the adjoint solve's would
+    # otherwise be checked only in the backward pass, after the forward solve).
+    _check_solve_options(owner, options)
+    if adjoint_options is not None:
+        _check_solve_options(f"{owner}: `adjoint_options`", adjoint_options)
     adjoint = dict(options if adjoint_options is None else adjoint_options)
     adjoint["on_nonconvergence"] = on_failure
     if gradient == "phantom":
@@ -227,6 +236,40 @@ def implicit_fixed_point(
         hint = "raise `max_iter` or loosen `tol`; the gradient is that of the returned point"
         _report(on_failure, info, "the forward fixed point z* = f(z*, theta)", hint)
     return z, info
+
+
+# `fixed_point`'s own keyword options and their defaults; any other is one of `anderson`'s.
+_SOLVE_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(fixed_point).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
+
+
+def _check_solve_options(where: str, options: dict[str, Any]) -> None:
+    """`options` for a [`fixed_point()`][aadl_func.fixed_point] solve, validated as
+    `fixed_point` validates them (`solver_options`), in the name `where`
+    (`implicit_fixed_point`, or `` implicit_fixed_point: `adjoint_options` ``), before any
+    solve runs. `on_nonconvergence` is `implicit_fixed_point`'s own, for both solves."""
+    for name in options:
+        if not isinstance(name, str):
+            raise TypeError(f"{where}: option names must be str, got {type(name).__name__}")
+    if "on_nonconvergence" in options:
+        raise TypeError(
+            f"{where}: unexpected keyword argument `on_nonconvergence`; pass it to "
+            "implicit_fixed_point itself (it covers the forward and the adjoint solve)"
+        )
+    known = {name: options.get(name, default) for name, default in _SOLVE_DEFAULTS.items()}
+    rest = {name: value for name, value in options.items() if name not in _SOLVE_DEFAULTS}
+    batch_dims = check_int(where, "batch_dims", known["batch_dims"], 0)
+    solver_options.options(
+        where, known["tol"], known["rtol"], known["max_iter"], known["line_search"],
+        known["callback"], known["masked"], known["return_best"], known["gtol"], batch_dims,
+    )  # fmt: skip
+    solver_options.anderson_options(
+        where, known["history_depth"], known["relaxation"], known["reg"],
+        known["reg_relative"], known["mode"], rest,
+    )  # fmt: skip
 
 
 def _implicit(

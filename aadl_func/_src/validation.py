@@ -29,6 +29,8 @@ __all__ = [
     "same_device",
     "check_leaf_dtypes",
     "check_leaf_devices",
+    "check_devices_like",
+    "check_counter",
     "check_non_negative",
     "check_hyperparameter",
     "check_schedule_value",
@@ -147,6 +149,19 @@ def check_leaf_devices(
             raise ValueError(
                 f"{owner}: `{_leaf_name(name, i, spec)}` is on device {leaf.device}, expected "
                 f"{device} ({expected})"
+            )
+
+
+def check_devices_like(
+    owner: str, name: str, leaves: list, spec: Any, ref_leaves: list, ref_name: str = "params"
+) -> None:
+    """Raises `ValueError` naming the first leaf of `leaves` (pytree `spec`, shared with
+    `ref_leaves`) on another device than its reference leaf, both by their key paths."""
+    for i, (leaf, ref) in enumerate(zip(leaves, ref_leaves)):
+        if not same_device(leaf.device, ref.device):
+            raise ValueError(
+                f"{owner}: `{tree.leaf_path(spec, i, name)}` is on device {leaf.device}, "
+                f"expected {ref.device} like `{tree.leaf_path(spec, i, ref_name)}`"
             )
 
 
@@ -280,14 +295,18 @@ def check_state_type(fn: str, state: Any, cls: type, name: str, owner: str) -> N
             f"{owner}: `{name}` must be an {cls.__name__} (the state of {fn}), got "
             f"{type(state).__name__}; was it made by another configuration?"
         )
-    count = state.count
-    if not (isinstance(count, Tensor) and count.dim() == 0 and count.dtype == torch.int64):
+    check_counter(owner, f"{name}.count", state.count)
+
+
+def check_counter(owner: str, name: str, value: Any) -> None:
+    """`value` (a state's counter) is a 0-d int64 tensor."""
+    if not (isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.int64):
         got = (
-            f"a {count.dtype} tensor of shape {tuple(count.shape)}"
-            if isinstance(count, Tensor)
-            else type(count).__name__
+            f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            if isinstance(value, Tensor)
+            else type(value).__name__
         )
-        raise TypeError(f"{owner}: `{name}.count` must be a 0-d int64 tensor, got {got}")
+        raise TypeError(f"{owner}: `{name}` must be a 0-d int64 tensor, got {got}")
 
 
 def check_buffers(buffers: Any, name: str, leaves: list[Tensor], spec: Any, owner: str) -> None:

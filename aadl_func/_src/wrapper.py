@@ -26,7 +26,12 @@ from aadl_func._src.atomic import InterruptGuard, guarded
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 from aadl_func._src.wrapper_checkpoint import plain_values, restore_windows, saved_windows
-from aadl_func._src.wrapper_groups import TakenStep, marks, torch_step_unless_rejected
+from aadl_func._src.wrapper_groups import (
+    TakenStep,
+    check_windows_fit,
+    marks,
+    torch_step_unless_rejected,
+)
 from aadl_func._src.wrapper_loss import (
     check_loss_argument,
     check_no_sufficient_decrease,
@@ -266,6 +271,11 @@ class AcceleratedOptimizer(Optimizer):
             optimizer writes anything; or `loss` is not one; or `safeguard="deferred"`
             got neither `closure` nor `loss`.
           ValueError: `loss` without `safeguard="deferred"`, or with `closure`.
+          TypeError, ValueError: a group's params no longer fit its window: another number
+            of params, or a param of another shape, dtype, device or layout than when the
+            window was made (after `model.double()`, `model.to(device)`, a param replaced).
+            The core's own error, with how to start the windows afresh; raised before the
+            closure and the wrapped optimizer run.
         """
         # Without autograd, as torch.optim's steps; grad mode put back however the step ends
         # (`grad_mode.kept`: `@torch.no_grad()` alone can skip its `__exit__`).
@@ -276,6 +286,9 @@ class AcceleratedOptimizer(Optimizer):
     ) -> Any:
         """`step`'s body, under `torch.no_grad()`."""
         loss = check_loss_argument(self._safeguard, closure, loss)
+        if not torch.compiler.is_compiling():  # (compiled: the core checks at trace time)
+            # The params against their windows, before the closure and the torch step.
+            check_windows_fit(self._config, self.param_groups, self._sync_windows())
         if closure is not None:
             closure = returns_a_loss(closure)  # the safeguards compare its losses
         if self._safeguard == "deferred" and closure is not None:

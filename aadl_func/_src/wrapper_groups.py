@@ -11,10 +11,12 @@ import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import flags
+from aadl_func._src import distributed, flags
+from aadl_func._src.checks import check_update_inputs
+from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 
-__all__ = ["TakenStep", "marks", "torch_step_unless_rejected"]
+__all__ = ["TakenStep", "check_windows_fit", "marks", "torch_step_unless_rejected"]
 
 # A dtype in which the difference of two values of the key dtype is exact (up to exponent gaps
 # of 2^13 for half precision, 2^29 for float32): the displacement loses nothing.
@@ -49,6 +51,65 @@ class TakenStep:
             return wide.sub_(start)
 
         return optree.tree_map(displacement, updates, params), state
+
+
+def check_windows_fit(
+    config: AndersonOptions,
+    param_groups: list[dict[str, Any]],
+    windows: list[AndersonState | None],
+) -> None:
+    """Raises if a group's params no longer fit the window the core made for them: another
+    number of params, or a param of another shape, dtype, device or layout (after
+    `model.double()`, `model.to(device)`, a param replaced by a new tensor). Called before
+    the torch step, so that nothing is written: the core would raise the same, but only
+    after the torch optimizer had stepped the params and its buffers.
+
+    The common case is one comparison per param with the window's anchor, which keeps the
+    params' shapes, dtypes and (without `history_device`) devices; only a group that differs
+    goes through the core's own check (`check_update_inputs`), whose error is raised with
+    what to do about it."""
+    check_device = config.history_device is None  # else the window is there, wherever they are
+    for index, (group, window) in enumerate(zip(param_groups, windows)):
+        params = group["params"]
+        if window is None or not params:
+            continue
+        anchor = window.anchor
+        for p, a in zip(params, anchor):
+            if (
+                p.shape != a.shape
+                or p.dtype != a.dtype
+                or p.layout is not _STRIDED
+                or (check_device and p.device != a.device)
+            ):
+                break
+        else:
+            if len(params) == len(anchor):
+                continue
+        _check_group(config, index, params, window)
+
+
+_STRIDED = torch.strided
+
+
+def _check_group(
+    config: AndersonOptions, index: int, params: list[Tensor], window: AndersonState
+) -> None:
+    """The core's check of param group `index` against its window, as `update` would make it
+    (sharded params: their local shards, which the core checks itself)."""
+    if any(distributed.is_dtensor(p) for p in params):
+        return
+    values = [p.detach() for p in params]
+    try:
+        check_update_inputs(config, window, values, values, None, False)
+    except (TypeError, ValueError) as error:
+        raise type(error)(
+            f"AcceleratedOptimizer.step: the params of param group {index} changed since its "
+            f"window was made ({error}); nothing was stepped. Params converted in place "
+            "(model.double(), model.to(device)): start the windows afresh, keeping the torch "
+            "optimizer's state, with `sd = optimizer.state_dict(); del sd['anderson']; "
+            "optimizer.load_state_dict(sd)`; params replaced by new ones: make the optimizer "
+            "anew for them"
+        ) from None
 
 
 def marks(window: AndersonState) -> tuple[int, int]:
