@@ -251,6 +251,17 @@ def test_compiled_update_is_one_graph_and_equals_eager(case):
 
 # -- no device-to-host copy: params on a device without data ------------------------------
 @needs_compile
+def test_compiled_update_names_params_of_another_structure():
+    """The structure check's message walks the two specs; under dynamo those are its Python
+    analog of optree's spec, which has no `kind` (this raised AttributeError)."""
+    opt = aa.anderson(aa.sgd(0.1), history_depth=3)
+    state = opt.init({"a": torch.zeros(3), "b": torch.zeros(2)})
+    compiled = torch.compile(lambda s, p, g: opt.update(s, p, g), backend="eager")
+    with pytest.raises(ValueError, match=r"`params` is a dict with keys \['a'\] where"):
+        compiled(state, {"a": torch.zeros(3)}, {"a": torch.zeros(3)})
+
+
+@needs_compile
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
 def test_compiled_step_on_a_device_without_data(mode):
     """On the ``meta`` device every tensor is shape only: reading a value on the host (a

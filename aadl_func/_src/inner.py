@@ -80,6 +80,8 @@ __all__ = [
     "SgdState",
     "adam",
     "adamw",
+    "check_update_shapes",
+    "holds_updates",
     "sgd",
 ]
 
@@ -256,9 +258,9 @@ def _optimizer(
             if params is None:
                 raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
             param_leaves = flatten_like(fn, "params", params, spec)
-            _check_shapes(fn, grads, spec, ["params"], [param_leaves])
+            check_update_shapes(fn, grads, spec, ["params"], [param_leaves])
         buffers = [flatten_like(fn, path, b, spec) for path, b in zip(paths, state[1:])]
-        _check_shapes(fn, grads, spec, paths, buffers)
+        check_update_shapes(fn, grads, spec, paths, buffers)
         grads = _grads_to_write(fn, grads, spec, inplace)
         stage_states = tuple([make(buffers[start:end]) for make, start, end in layout])
         step = StepInputs(count, param_leaves, step_lr, decay, inplace)
@@ -279,7 +281,7 @@ def _optimizer(
     return InnerOptimizer(init=init, update=update)
 
 
-def _check_shapes(
+def check_update_shapes(
     fn: str, grads: list[Tensor], spec: Any, names: list[str], trees: list[list[Any]]
 ) -> None:
     """Each tensor of the `trees` (leaves of the state buffers, or of `params`, named by

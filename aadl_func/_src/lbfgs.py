@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from aadl_func._src import tree
-from aadl_func._src.inner import InnerOptimizer, _check_shapes, holds_updates
+from aadl_func._src.inner import InnerOptimizer, check_update_shapes, holds_updates
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import (
     check_bool,
@@ -223,7 +223,7 @@ def _check_grads(grads: list[Tensor], params: list[Any], spec: Any) -> None:
             raise TypeError(
                 f"{fn}: `params` must be a pytree of tensors; `{where}` is {type(p).__name__}"
             )
-    _check_shapes(fn, grads, spec, ["params"], [params])
+    check_update_shapes(fn, grads, spec, ["params"], [params])
     for i, (g, p) in enumerate(zip(grads, params)):
         if g.is_floating_point() and g.device == p.device:
             continue

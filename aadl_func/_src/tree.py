@@ -90,22 +90,35 @@ def leaf_path(spec: Any, index: int, name: str) -> str:
     return spec.accessors()[index].codify(name)
 
 
+def _kind(spec: Any) -> Any:
+    """The node's `optree.PyTreeKind`. Under `torch.compile`, dynamo stands in a Python analog
+    for optree's spec that has no `kind`: it is read from the node type's registration."""
+    kind = getattr(spec, "kind", None)
+    if kind is not None:
+        return kind
+    if spec.is_leaf():
+        return optree.PyTreeKind.LEAF
+    handler = optree.register_pytree_node.get(spec.type, namespace=getattr(spec, "namespace", ""))
+    return optree.PyTreeKind.CUSTOM if handler is None else handler.kind
+
+
 def _describe_node(spec: Any) -> str:
     if spec.is_leaf():
         return "a tensor"
-    if spec.kind == optree.PyTreeKind.NONE:
+    kind = _kind(spec)
+    if kind == optree.PyTreeKind.NONE:
         return "None"
-    kind = spec.type.__name__
-    if spec.kind in _KEYED:
-        return f"a {kind} with keys {list(spec.entries())}"
-    if spec.kind in _FIELDS:
-        return f"a {kind}"
-    return f"a {kind} of {spec.num_children}"
+    name = spec.type.__name__
+    if kind in _KEYED:
+        return f"a {name} with keys {list(spec.entries())}"
+    if kind in _FIELDS:
+        return f"a {name}"
+    return f"a {name} of {spec.num_children}"
 
 
 def _entry_path(spec: Any, position: int) -> str:
     entry = spec.entries()[position]
-    if spec.kind in _FIELDS:
+    if _kind(spec) in _FIELDS:
         return f".{spec.type._fields[position]}"
     return f"[{entry!r}]"
 
@@ -120,7 +133,7 @@ def structure_difference(spec: Any, ref_spec: Any, name: str, ref_name: str) -> 
     def walk(node: Any, ref: Any, path: str) -> str | None:
         same_node = (
             node.is_leaf() == ref.is_leaf()
-            and node.kind == ref.kind
+            and _kind(node) == _kind(ref)
             and (node.is_leaf() or node.type == ref.type)
             and node.num_children == ref.num_children
             and list(node.entries()) == list(ref.entries())
