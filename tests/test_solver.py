@@ -565,6 +565,14 @@ def test_bad_problems():
         aa.fixed_point(lambda x: x[:2], torch.zeros(3))
     with pytest.raises(ValueError, match=r"F\(x\).*structure"):
         aa.root(lambda x: (x, x), torch.zeros(3))
+    # A map's values are cast to x0's dtype, but not from complex to real (that dropped the
+    # imaginary parts with only torch's warning), nor moved across devices (a raw error).
+    with pytest.raises(TypeError, match=r"`g\(x\)\['z'\]` is complex .* where `x0\['z'\]` is real"):
+        aa.fixed_point(lambda x: {"z": x["z"].to(torch.complex64)}, {"z": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"`F\(x\)` is on device meta, expected cpu like `x0`"):
+        aa.root(lambda x: x.to("meta"), torch.zeros(3))
+    x, _ = aa.fixed_point(lambda x: (0.5 * x + 1).double(), torch.zeros(3))  # cast: as before
+    assert x.dtype == torch.float32
     for alpha, error in ((0.0, ValueError), (math.inf, ValueError), ("1", TypeError)):
         with pytest.raises(error, match="`alpha`"):
             aa.root(lambda x: x, torch.zeros(3), alpha=alpha)

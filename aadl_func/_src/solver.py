@@ -130,6 +130,8 @@ class _Problem:
         name = "g(x)" if self.kind == "fixed_point" else "F(x)"
         leaves, spec = tree.flatten(out, name, owner=self.owner)
         tree.check_like(name, leaves, spec, self.ref, self.spec, "x0", owner=self.owner)
+        if any(o.dtype != r.dtype or o.device != r.device for o, r in zip(leaves, self.ref)):
+            _check_cast(self.owner, name, leaves, self.ref, self.spec)
         leaves = [o if o.dtype == r.dtype else o.to(r.dtype) for o, r in zip(leaves, self.ref)]
         value = _norm(leaves, self.batch_dims) if self.value_norms else None
         if self.kind == "fixed_point":
@@ -146,6 +148,22 @@ class _Problem:
         else:
             step = [_cast(per_problem(self.scale, t) * t, t.dtype) for t in r]
         return step, _norm(r, self.batch_dims), value
+
+
+def _check_cast(owner: str, name: str, leaves: list[Tensor], ref: list[Tensor], spec: Any) -> None:
+    """The map's values of another dtype than `x0`'s are cast to it, but not from complex to
+    real (the imaginary parts would be dropped), and none may be on another device."""
+    for i, (o, r) in enumerate(zip(leaves, ref)):
+        where, like = tree.leaf_path(spec, i, name), tree.leaf_path(spec, i, "x0")
+        if o.is_complex() and not r.is_complex():
+            raise TypeError(
+                f"{owner}: `{where}` is complex ({o.dtype}) where `{like}` is real "
+                f"({r.dtype}): its imaginary part would be dropped; pass a complex `x0`"
+            )
+        if o.device != r.device:
+            raise ValueError(
+                f"{owner}: `{where}` is on device {o.device}, expected {r.device} like `{like}`"
+            )
 
 
 def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
