@@ -533,8 +533,8 @@ def test_clip_by_global_norm_names_updates_that_are_not_floating_point(dtype):
     grads = {"w": torch.full((3,), 5.0), "n": torch.ones(3, dtype=dtype)}
     held = _holdings(grads)
     text = (
-        "clip_by_global_norm: `updates` must be floating-point (or complex) tensors, got "
-        f"{dtype} at `updates['n']`"
+        "clip_by_global_norm: `updates['n']` must be a floating-point or complex tensor, "
+        f"got {dtype}"
     )
     with pytest.raises(TypeError, match=re.escape(text)):
         t.update(grads, t.init(None), inplace=True)

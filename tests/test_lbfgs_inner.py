@@ -309,7 +309,12 @@ def _unchanged(watched):
             r"`updates\['w'\]` must be real floating-point like `params\['w'\]`, got torch.int64",
         ),
         (torch.ones(5, dtype=torch.complex64), None, TypeError, "got torch.complex64"),
-        (torch.ones(5, device="meta"), None, ValueError, r"`updates\['w'\]` is on meta, expected"),
+        (
+            torch.ones(5, device="meta"),
+            None,
+            ValueError,
+            r"`updates\['w'\]` is on device meta, expected",
+        ),
         (torch.ones(5), 1.0, TypeError, r"`params` must be a pytree of tensors; `params\['w'\]`"),
     ],
     ids=["one", "matrix", "shorter", "column", "int", "complex", "device", "params-float"],

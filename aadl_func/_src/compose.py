@@ -35,7 +35,7 @@ from aadl_func._src.inner import InnerOptimizer, holds_updates
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.transforms import EmptyState, Transform, decay_leaf
 from aadl_func._src.transforms import chain as chain_stages
-from aadl_func._src.validation import check_float
+from aadl_func._src.validation import check_float, check_floating_leaves
 
 __all__ = ["ChainState", "add_decayed_weights", "chain", "clip_by_global_norm"]
 
@@ -187,12 +187,7 @@ def clip_by_global_norm(max_norm: float) -> InnerOptimizer:
         leaves, spec = tree.flatten(updates, "updates", owner="clip_by_global_norm")
         if not leaves:
             return updates, state
-        for i, u in enumerate(leaves):
-            if not (u.is_floating_point() or u.is_complex()):
-                raise TypeError(
-                    "clip_by_global_norm: `updates` must be floating-point (or complex) "
-                    f"tensors, got {u.dtype} at `{tree.leaf_path(spec, i, 'updates')}`"
-                )
+        check_floating_leaves("clip_by_global_norm", "updates", leaves, spec)
         norms = torch.stack([torch.linalg.vector_norm(u) for u in leaves])
         total = torch.linalg.vector_norm(norms)
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)

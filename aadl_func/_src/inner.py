@@ -66,6 +66,7 @@ from aadl_func._src.validation import (
     check_betas,
     check_bool,
     check_buffers,
+    check_floating_leaves,
     check_hyperparameter,
     check_nesterov,
     check_non_negative,
@@ -233,13 +234,7 @@ def _optimizer(
 
     def init(params: PyTree) -> Any:
         leaves, spec = tree.flatten(params, "params", owner=fn)
-        for i, leaf in enumerate(leaves):
-            # torch.optim's arithmetic: an integer or bool buffer would round every update.
-            if not (leaf.is_floating_point() or leaf.is_complex()):
-                raise TypeError(
-                    f"{fn}: `params` must be floating-point or complex tensors, got "
-                    f"{leaf.dtype} at `{tree.leaf_path(spec, i, 'params')}`"
-                )
+        check_floating_leaves(fn, "params", leaves, spec)
         return _pack(state_type, spec, _zero_count(leaves), transform.init(leaves))
 
     def update(
@@ -307,12 +302,7 @@ def _grads_to_write(fn: str, grads: list[Tensor], spec: Any, inplace: bool) -> l
     or fail halfway, after the state was written). In place, a leaf that cannot hold its
     update (`holds_updates()`) is replaced by a copy, which the update is written into and
     returned: the caller's tensor is left as it was, and the state is written as usual."""
-    for i, g in enumerate(grads):
-        if not (g.is_floating_point() or g.is_complex()):
-            raise TypeError(
-                f"{fn}: `{tree.leaf_path(spec, i, 'updates')}` must be floating-point or "
-                f"complex, got {g.dtype}"
-            )
+    check_floating_leaves(fn, "updates", grads, spec)
     if not inplace:
         return grads
     return [

@@ -26,6 +26,7 @@ from aadl_func._src.inner import InnerOptimizer, check_update_shapes, holds_upda
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.validation import (
     check_bool,
+    check_devices_like,
     check_field_shapes,
     check_float,
     check_int,
@@ -224,15 +225,13 @@ def _check_grads(grads: list[Tensor], params: list[Any], spec: Any) -> None:
                 f"{fn}: `params` must be a pytree of tensors; `{where}` is {type(p).__name__}"
             )
     check_update_shapes(fn, grads, spec, ["params"], [params])
-    for i, (g, p) in enumerate(zip(grads, params)):
-        if g.is_floating_point() and g.device == p.device:
-            continue
-        where, like = tree.leaf_path(spec, i, "updates"), tree.leaf_path(spec, i, "params")
+    for i, g in enumerate(grads):
         if not g.is_floating_point():
+            where, like = tree.leaf_path(spec, i, "updates"), tree.leaf_path(spec, i, "params")
             raise TypeError(
                 f"{fn}: `{where}` must be real floating-point like `{like}`, got {g.dtype}"
             )
-        raise ValueError(f"{fn}: `{where}` is on {g.device}, expected {p.device} like `{like}`")
+    check_devices_like(fn, "updates", grads, spec, params)
 
 
 def _check_state(

@@ -44,7 +44,7 @@ from aadl_func._src.core.scalars import wide
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.solver_info import CALLBACK, CONVERGED, MAX_ITER, NONFINITE, REASONS, SolverInfo
 from aadl_func._src.solver_masked import per_problem
-from aadl_func._src.validation import check_callable, check_float, check_int
+from aadl_func._src.validation import check_callable, check_devices_like, check_float, check_int
 
 __all__ = ["REASONS", "SolverInfo", "fixed_point", "root"]
 
@@ -154,16 +154,13 @@ def _check_cast(owner: str, name: str, leaves: list[Tensor], ref: list[Tensor], 
     """The map's values of another dtype than `x0`'s are cast to it, but not from complex to
     real (the imaginary parts would be dropped), and none may be on another device."""
     for i, (o, r) in enumerate(zip(leaves, ref)):
-        where, like = tree.leaf_path(spec, i, name), tree.leaf_path(spec, i, "x0")
         if o.is_complex() and not r.is_complex():
             raise TypeError(
-                f"{owner}: `{where}` is complex ({o.dtype}) where `{like}` is real "
-                f"({r.dtype}): its imaginary part would be dropped; pass a complex `x0`"
+                f"{owner}: `{tree.leaf_path(spec, i, name)}` is complex ({o.dtype}) where "
+                f"`{tree.leaf_path(spec, i, 'x0')}` is real ({r.dtype}): its imaginary part "
+                "would be dropped; pass a complex `x0`"
             )
-        if o.device != r.device:
-            raise ValueError(
-                f"{owner}: `{where}` is on device {o.device}, expected {r.device} like `{like}`"
-            )
+    check_devices_like(owner, name, leaves, spec, ref, "x0")
 
 
 def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -30,6 +30,7 @@ __all__ = [
     "check_leaf_dtypes",
     "check_leaf_devices",
     "check_devices_like",
+    "check_floating_leaves",
     "check_counter",
     "check_non_negative",
     "check_hyperparameter",
@@ -149,6 +150,18 @@ def check_leaf_devices(
             raise ValueError(
                 f"{owner}: `{_leaf_name(name, i, spec)}` is on device {leaf.device}, expected "
                 f"{device} ({expected})"
+            )
+
+
+def check_floating_leaves(owner: str, name: str, leaves: list, spec: Any) -> None:
+    """Raises `TypeError` naming the first leaf (by its key path in `spec`) that is not a
+    floating-point or complex tensor: torch.optim's arithmetic, which an integer or bool
+    buffer or update would round or truncate."""
+    for i, leaf in enumerate(leaves):
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{owner}: `{tree.leaf_path(spec, i, name)}` must be a floating-point or "
+                f"complex tensor, got {leaf.dtype}"
             )
 
 

@@ -53,6 +53,9 @@ class TakenStep:
         return optree.tree_map(displacement, updates, params), state
 
 
+_STRIDED = torch.strided
+
+
 def check_windows_fit(
     config: AndersonOptions,
     param_groups: list[dict[str, Any]],
@@ -86,9 +89,6 @@ def check_windows_fit(
             if len(params) == len(anchor):
                 continue
         _check_group(config, index, params, window)
-
-
-_STRIDED = torch.strided
 
 
 def _check_group(
