@@ -1010,3 +1010,38 @@ def test_standalone_update_rejects_another_state():
         adamw().update(clone_tree(params), sgd(0.1).init(params), params)
     with pytest.raises(TypeError, match="`updates` is None"):
         sgd(0.1).update(None, sgd(0.1).init(params))
+
+
+LEAF_UPDATE_CASES = {
+    "sgd-momentum-nesterov": lambda: sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda: adam(1e-2),
+    "adam-schedule": lambda: adam(lambda t: 1e-2 / (1.0 + t), betas=(0.5, 0.99)),
+    "adamw": lambda: adamw(1e-2, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(LEAF_UPDATE_CASES))
+def test_update_leaves_is_the_pure_update(name):
+    """`update.update_leaves` (anderson's steady call, on leaves it checked) gives the bytes
+    of `update(..., inplace=False)` over several steps, leaves its inputs alone, and declines
+    (None) a state whose buffers no longer fit the grads, where `update` raises."""
+    opt = LEAF_UPDATE_CASES[name]()
+    params = make_params(torch.float32)
+    leaves, spec = optree.tree_flatten(params)
+    state = opt.init(params)
+    for noise in noise_sequence(params, 5):
+        grads = gradients(params, noise)
+        g_leaves = optree.tree_leaves(grads)
+        before = clone_tree((state, grads, params))
+        updates, expected = opt.update(grads, state, params=params, inplace=False)
+        got_updates, got = opt.update.update_leaves(g_leaves, state, leaves, spec)
+        assert_tree_equal(optree.tree_unflatten(spec, got_updates), updates)
+        assert_tree_equal(got, expected)
+        assert type(got) is type(expected)
+        assert_tree_equal((state, grads, params), before)
+        state = expected
+    cut = optree.tree_map(lambda t: t.reshape(-1)[:1], state[1])  # another shape
+    replaced = state._replace(**{state._fields[1]: cut})
+    assert opt.update.update_leaves(g_leaves, replaced, leaves, spec) is None
+    with pytest.raises(ValueError, match="has shape"):
+        opt.update(grads, replaced, params=params, inplace=False)

@@ -10,6 +10,7 @@ from the package's own directory, and nothing is built or written at run time.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -128,6 +129,96 @@ def test_append_differences_writes_torch_sub_bits_and_returns_the_row(n):
     assert all(torch.equal(rows[j], others[j]) for j in range(q) if j != slot)
     assert_dots_close(row, rows, rows[slot])
     assert rows[slot]._version > versions[0] and anchor._version > versions[1]
+
+
+def leaf_windows(sizes: list[int], q: int, seed: int) -> tuple[list, list, list]:
+    """Per leaf of each size: ``q`` slots in one buffer (as ``anderson.init`` lays them
+    out), a newest iterate and an anchor."""
+    slots, newest, anchor = [], [], []
+    for i, n in enumerate(sizes):
+        slots.append([r.clone() for r in random_rows(q, n, torch.float32, seed=seed + i)])
+        slots[-1] = list(torch.stack(slots[-1]).unbind(0))
+        new, old = random_rows(2, n, torch.float32, seed=seed + 100 + i)
+        newest.append(new.clone())
+        anchor.append(old.clone())
+    return slots, newest, anchor
+
+
+@needs_kernel
+@pytest.mark.parametrize("sizes", [[5], [native.BLOCK + 3, 7, 64], [50_001, 1, 3 * native.BLOCK]])
+def test_leaf_rows_sum_the_leaves_rows_in_leaf_order(sizes):
+    """`LeafRows` (one native call for a whole tree) against one `append_differences` /
+    `float64_dots` per leaf added up in Python in leaf order (the steady call's sums before
+    it): the same bytes in the window and the same row, for any thread count; and the row
+    within summation rounding of NumPy's float64 dots."""
+    q, slot = 5, 2
+    slots, newest, anchor = leaf_windows(sizes, q, seed=len(sizes))
+    ref_slots = [[s.clone() for s in leaf] for leaf in slots]
+    ref_anchor = [a.clone() for a in anchor]
+    parts = native.append_differences(list(zip(ref_slots, newest, ref_anchor)), slot)
+    expected = parts[0].tolist()
+    for part in parts[1:]:
+        expected = [a + b for a, b in zip(expected, part.tolist())]
+    dots = [0.0] * q
+    for leaf in ref_slots:
+        dots = [a + b for a, b in zip(dots, native.float64_dots(leaf, leaf[slot]).tolist())]
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            window = [[s.clone() for s in leaf] for leaf in slots]
+            anchors = [a.clone() for a in anchor]
+            rows = native.LeafRows(window, anchors)
+            assert rows.append(slot, newest) == expected
+            assert rows.dots(slot) == dots
+            for got, want in zip(window + [anchors], ref_slots + [ref_anchor]):
+                assert all(torch.equal(a, b) for a, b in zip(got, want))
+    finally:
+        torch.set_num_threads(previous)
+    flat = [torch.cat([leaf[j] for leaf in ref_slots]) for j in range(q)]
+    assert_dots_close(torch.tensor(expected, dtype=torch.float64), flat, flat[slot])
+
+
+@needs_kernel
+def test_commit_rows_writes_what_torch_writes():
+    """`commit_rows` against the same writes done by torch: row and column `slot` of both
+    Grams, `dr_rhs`, the counters; every other byte as it was."""
+    q, slot = 6, 4
+    generator = torch.Generator().manual_seed(0)
+    gram, dr_gram = (torch.randn(q, q, generator=generator, dtype=torch.float64) for _ in "ab")
+    dr_rhs = torch.randn(q, generator=generator, dtype=torch.float64)
+    count, head = torch.tensor(41), torch.tensor(3)
+    g, h, c = (torch.randn(q, generator=generator, dtype=torch.float64) for _ in "ghc")
+    g[1], h[2], c[0] = -0.0, float("nan"), float("inf")  # stored as they are
+    want = [t.clone() for t in (gram, dr_gram, dr_rhs)]
+    for matrix, row in zip(want, (g, h)):
+        matrix[slot], matrix[:, slot] = row, row
+    want[2].copy_(c)
+    values = (ctypes.c_double * (3 * q))(*g.tolist(), *h.tolist(), *c.tolist())
+    native.commit_rows([gram, dr_gram, dr_rhs], slot, values,
+                       native.pointers([count, head]), (ctypes.c_int64 * 2)(42, 5))  # fmt: skip
+    for got, expected in zip((gram, dr_gram, dr_rhs), want):
+        assert got.numpy().tobytes() == expected.numpy().tobytes()
+    assert (int(count), int(head)) == (42, 5)
+
+
+@needs_kernel
+def test_finite_f32_flags_every_infinity_and_nan():
+    """`finite_f32` against `torch.isfinite`: the largest finite value, subnormals and -0.0
+    are finite; both infinities and NaNs of any payload and sign are not, wherever they sit
+    (first, last, inside a block of 8)."""
+    bits = [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001]
+    special = torch.from_numpy(np.array(bits, dtype=np.uint32).view(np.float32))
+    finite = torch.tensor([3.4028235e38, -3.4028235e38, 1e-45, -0.0, 1.0])
+    assert native.finite_f32(finite) and torch.isfinite(finite).all()
+    for n in (1, 9, 1000):
+        base = torch.randn(n)
+        assert native.finite_f32(base)
+        for value in special:
+            for at in {0, n // 2, n - 1}:
+                x = base.clone()
+                x[at] = value
+                assert not native.finite_f32(x) and not torch.isfinite(x).all()
 
 
 @needs_kernel

@@ -181,5 +181,78 @@ int64_t aadl_append_f32(float *const *rows, int64_t q, int64_t slot, const float
     return 0;
 }
 
+/* The threads for one leaf's pass: those of native.py's _threads() (at most max_threads,
+ * one per block, one per parallel_min row elements, at least one). */
+static int64_t leaf_threads(int64_t q, int64_t n, int64_t block, int64_t max_threads,
+                            int64_t parallel_min) {
+    int64_t num_blocks = (n + block - 1) / block, t = q * n / parallel_min;
+    if (t > num_blocks) t = num_blocks;
+    if (t > max_threads) t = max_threads;
+    return t < 1 ? 1 : t;
+}
+
+/* The Gram row of a whole params tree, one leaf after another, for the steady call
+ * (aadl_func/_src/exec/steady.py), which otherwise makes one call per leaf and sums their
+ * rows in Python; the same sums in the same order:
+ *
+ *   append (newest != NULL): aadl_append_f32 of each leaf l, out = row_0 + row_1 + ...
+ *   dots   (newest == NULL): aadl_dots_f32 of rows[l][slot] with rows[l],
+ *                            out = ((0 + row_0) + row_1) + ...
+ *
+ * rows[l]: leaf l's q slots; n[l] its size; partial[l] its (blocks x q) scratch; scratch
+ * one more q doubles. Returns 0, or the first failing kernel's code. */
+int64_t aadl_leaves_f32(int64_t leaves, float *const *const *rows, int64_t q, int64_t slot,
+                        const float *const *newest, float *const *anchor, const int64_t *n,
+                        int64_t block, int64_t max_threads, int64_t parallel_min,
+                        double *const *partial, double *scratch, double *out) {
+    if (slot < 0 || slot >= q) return -1;
+    if (newest == NULL)
+        for (int64_t r = 0; r < q; r++) out[r] = 0.0;
+    for (int64_t l = 0; l < leaves; l++) {
+        int64_t threads = leaf_threads(q, n[l], block, max_threads, parallel_min);
+        int64_t code;
+        if (newest != NULL)
+            code = aadl_append_f32(rows[l], q, slot, newest[l], anchor[l], n[l], block, threads,
+                                   partial[l], l == 0 ? out : scratch);
+        else
+            code = aadl_dots_f32((const float *const *)rows[l], q, rows[l][slot], n[l], block,
+                                 threads, partial[l], scratch);
+        if (code != 0) return code;
+        if (newest == NULL || l > 0)
+            for (int64_t r = 0; r < q; r++) out[r] += scratch[r];
+    }
+    return 0;
+}
+
+/* The writes of the steady call's commit point (aadl_func/_src/exec/steady.py), which
+ * torch would do as one small operation each: row and column `slot` of the q x q
+ * row-major matrices gram and dr_gram set to g and h (real symmetric Grams, so the row is
+ * also the column), dr_rhs set to c, where values = [g, h, c] (3q doubles), and
+ * *counters[i] = counts[i] for i < k. Plain stores: the same bytes as torch's copies. */
+int64_t aadl_commit_f64(double *gram, double *dr_gram, double *dr_rhs, int64_t q, int64_t slot,
+                        const double *values, int64_t *const *counters, const int64_t *counts,
+                        int64_t k) {
+    if (slot < 0 || slot >= q || k < 0) return -1;
+    const double *g = values, *h = values + q, *c = values + 2 * q;
+    for (int64_t i = 0; i < q; i++) {
+        gram[slot * q + i] = g[i];
+        gram[i * q + slot] = g[i];
+        dr_gram[slot * q + i] = h[i];
+        dr_gram[i * q + slot] = h[i];
+        dr_rhs[i] = c[i];
+    }
+    for (int64_t i = 0; i < k; i++) *counters[i] = counts[i];
+    return 0;
+}
+
+/* 1 if each of the n float32 values x[i] is finite (neither infinite nor NaN), else 0: the
+ * test `-max <= min(x)` and `max(x) <= max` of float32's largest finite `max`. */
+int64_t aadl_finite_f32(const float *x, int64_t n) {
+    const uint32_t *bits = (const uint32_t *)x;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (uint32_t)((bits[i] & 0x7f800000u) == 0x7f800000u);
+    return bad ? 0 : 1;
+}
+
 /* Lets the loader check that it got this file's build (bumped with any change of API). */
-int64_t aadl_dots_version(void) { return 3; }
+int64_t aadl_dots_version(void) { return 4; }

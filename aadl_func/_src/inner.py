@@ -270,10 +270,47 @@ def _optimizer(
 
     update.check_state = check_state  # type: ignore[attr-defined]
     update.check_values = check_values  # type: ignore[attr-defined]
+    update.update_leaves = _leaf_update(  # type: ignore[attr-defined]
+        fn, state_type, transform, layout, lr, weight_decay if needs_params else None
+    )
     # Whether an in-place update writes state buffers (momentum, moments), not only the
     # gradient buffers: anderson's in-place step then asks for it out of place (atomic.py).
     update.writes_state = bool(names)  # type: ignore[attr-defined]
     return InnerOptimizer(init=init, update=update)
+
+
+def _leaf_update(
+    fn: str,
+    state_type: type,
+    transform: Transform,
+    layout: list,
+    lr: ScalarOrSchedule,
+    weight_decay: ScalarOrSchedule | None,
+) -> Callable[..., tuple[list[Tensor], Any] | None]:
+    """`_optimizer()`'s update on checked leaves (`update_leaves`); `weight_decay` None
+    when the chain reads no params."""
+
+    def update_leaves(
+        grads: list[Tensor], state: Any, params: list[Tensor], spec: Any
+    ) -> tuple[list[Tensor], Any] | None:
+        """`update(..., inplace=False)` on the leaves of params and grads a caller checked
+        already (anderson's steady call: same shapes, float, no shared memory): the update
+        leaves and the new state, by the same operations. The state's buffers are still
+        matched to the grads (a buffer replaced since would broadcast), else None."""
+        buffers = [optree.tree_leaves(b, none_is_leaf=False) for b in state[1:]]
+        shapes = [g.shape for g in grads]
+        if any([b.shape for b in leaves] != shapes for leaves in buffers):
+            return None
+        count = state.count
+        step_lr = _value_at(fn, "lr", lr, count)
+        needs_params = weight_decay is not None
+        decay = _value_at(fn, "weight_decay", weight_decay, count) if needs_params else 0.0
+        stage_states = tuple([make(buffers[start:end]) for make, start, end in layout])
+        step = StepInputs(count, params if needs_params else None, step_lr, decay, False)
+        new_updates, stage_states = transform.update(grads, stage_states, step)
+        return new_updates, _pack(state_type, spec, count + 1, stage_states)
+
+    return update_leaves
 
 
 def check_update_shapes(

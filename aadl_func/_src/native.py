@@ -57,7 +57,7 @@ __all__ = [
 
 # Built by setup.py (the extension "aadl_func._src._dots") with the interpreter's suffix.
 LIBRARY = Path(__file__).with_name("_dots" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
-_VERSION = 3  # aadl_dots_version() of the source this module was written for
+_VERSION = 4  # aadl_dots_version() of the source this module was written for
 
 # Elements per block (at most the C side's AADL_MAX_BLOCK): the float64 copy of a vector
 # block (16 KiB) stays in L1 while every row streams past it.
@@ -218,6 +218,13 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         function.restype = i64
     library.aadl_append_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr]
     library.aadl_append_f32.restype = i64
+    library.aadl_commit_f64.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64]
+    library.aadl_commit_f64.restype = i64
+    library.aadl_leaves_f32.argtypes = [i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr,
+                                        ptr, ptr]  # fmt: skip
+    library.aadl_leaves_f32.restype = i64
+    library.aadl_finite_f32.argtypes = [ptr, i64]
+    library.aadl_finite_f32.restype = i64
     return library
 
 
@@ -249,6 +256,81 @@ def _threads(q: int, n: int, num_blocks: int) -> int:
 
 def _pointers(rows: Sequence[Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(rows))(*[r.data_ptr() for r in rows])
+
+
+class LeafRows:
+    """The Gram row of a whole float32 window, leaf by leaf in one native call
+    (`aadl_leaves_f32`), for a caller that keeps the window's layout between calls (the
+    steady call's plan): `slots[l]` are leaf `l`'s `q` contiguous slots and `anchor[l]` its
+    anchor. The same sums as one `_call()` per leaf added up in leaf order."""
+
+    def __init__(self, slots: Sequence[Sequence[Tensor]], anchor: Sequence[Tensor]):
+        self.leaves, self.q = len(slots), len(slots[0])
+        self._slots = [_pointers(s) for s in slots]  # kept alive: `rows` points into them
+        self.rows = (ctypes.c_void_p * self.leaves)(*map(ctypes.addressof, self._slots))
+        self.anchor = _pointers(anchor)
+        self.sizes = (ctypes.c_int64 * self.leaves)(*[s[0].numel() for s in slots])
+        self._partial = [torch.empty(-(-s[0].numel() // BLOCK), self.q, dtype=torch.float64)
+                         for s in slots]  # fmt: skip
+        self.partial = _pointers(self._partial)
+        self.scratch, self.out = (
+            torch.empty(self.q, dtype=torch.float64),
+            torch.empty(self.q, dtype=torch.float64),
+        )
+
+    def append(self, slot: int, newest: Sequence[Tensor]) -> list[float]:
+        """`append_differences()` of every leaf (`rows[slot] = newest - anchor`, `anchor =
+        newest`), the rows summed: `row_0 + row_1 + ...`. The caller bumps the version
+        counters."""
+        return self._run(slot, _pointers(newest))
+
+    def dots(self, slot: int) -> list[float]:
+        """The dots of every leaf's slot `slot` with its slots, summed from zero:
+        `((0 + row_0) + row_1) + ...`."""
+        return self._run(slot, None)
+
+    def _run(self, slot: int, newest: ctypes.Array | None) -> list[float]:
+        code = _load()[0].aadl_leaves_f32(
+            self.leaves, self.rows, self.q, slot, newest, self.anchor, self.sizes, BLOCK,
+            torch.get_num_threads(), _PARALLEL_MIN, self.partial, self.scratch.data_ptr(),
+            self.out.data_ptr(),
+        )  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"aadl_func native kernel failed with code {code}")
+        return self.out.tolist()
+
+
+def pointers(tensors: Sequence[Tensor]) -> ctypes.Array:
+    """The tensors' data pointers as a C array (for `commit_rows()`)."""
+    return _pointers(tensors)
+
+
+def commit_rows(
+    committed: Sequence[Tensor],
+    slot: int,
+    values: ctypes.Array,
+    counters: ctypes.Array,
+    counts: ctypes.Array,
+) -> None:
+    """The steady call's commit-point writes (`aadl_commit_f64` in _dots.c): with
+    `committed` = `[gram, dr_gram, dr_rhs, *counters]` (contiguous float64 `(q, q)`,
+    `(q, q)`, `(q,)` CPU tensors and int64 scalars), row and column `slot` of the two Grams
+    set to `values[:q]` and `values[q:2q]`, `dr_rhs` to `values[2q:]`, and the counters at
+    `counters` to `counts`. The caller checked the layouts (the steady call's plan) and
+    bumps the version counters."""
+    gram, dr_gram, dr_rhs = committed[:3]
+    code = _load()[0].aadl_commit_f64(
+        gram.data_ptr(), dr_gram.data_ptr(), dr_rhs.data_ptr(), dr_rhs.shape[0], slot, values,
+        counters, counts, len(counts),
+    )  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"aadl_func native kernel failed with code {code}")
+
+
+def finite_f32(t: Tensor) -> bool:
+    """Whether every value of the contiguous float32 CPU tensor `t` is finite (one pass,
+    without the `aminmax` and two reads that `passes.finite()` takes)."""
+    return _load()[0].aadl_finite_f32(t.data_ptr(), t.numel()) == 1
 
 
 def _call(

@@ -39,9 +39,9 @@ class Plan:
     """What a steady call needs of its state, kept from the previous call."""
 
     __slots__ = (
-        "options", "params", "shapes", "spec", "anchor", "slots", "columns", "pointers", "outputs",
+        "options", "params", "shapes", "spec", "anchor", "slots", "columns", "rows",
         "count", "head", "mixed", "pending", "gram", "dr_gram", "dr_rhs", "tracked", "versions",
-        "keeps", "adopts",
+        "keeps", "adopts", "leaf_update", "committed", "counters",
         "classic", "iterates", "runs", "storages",
     )  # fmt: skip
 
@@ -64,12 +64,8 @@ class Plan:
             [(0, passes._rows_of_one_buffer(i)), (len(ring), m)] if self.classic else None
             for i, m in zip(self.iterates, matrices)
         ]
-        self.pointers = [native._pointers(s) for s in self.slots]
-        q = len(ring)
-        self.outputs = [
-            (torch.empty(-(-p.numel() // native.BLOCK), q, dtype=torch.float64),
-             torch.empty(q, dtype=torch.float64)) for p in leaves
-        ]  # fmt: skip
+        # The Gram-row passes over every leaf, one native call each (`native.LeafRows`).
+        self.rows = native.LeafRows(self.slots, self.anchor)
         self.count, self.head, self.mixed = (
             int(t) for t in (state.count, state.head, state.num_mixed)
         )
@@ -84,10 +80,16 @@ class Plan:
             *self.anchor, *[s[0] for s in self.slots], *[s[0] for s in self.iterates if s],
         ]  # fmt: skip
         self.versions = versions(self)
+        # What the commit point writes natively (`native.commit_rows()`).
+        self.committed = [state.gram, state.dr_gram, state.dr_rhs, state.count, state.head]
+        self.counters = native.pointers([state.count, state.head])
         # The window's memory, which no params leaf may share.
         self.storages = {t.untyped_storage().data_ptr() for t in self.tracked}
         self.keeps = protocols.keeps_buffers(options.inner)
         self.adopts = protocols.adopts_buffers(options.inner)
+        # A built-in inner optimizer's update on checked leaves (out of place), else None.
+        leaf_update = getattr(options.inner.update, "update_leaves", None)
+        self.leaf_update = leaf_update if self.keeps else None
 
     def ring(self) -> tuple:
         """The residuals' window as the executor's ring: per slot, its leaves."""
@@ -133,8 +135,9 @@ def new_plan(
         return None
     if options.rules.eager_steps is None or not native.available() or options.num_slots < 2:
         return None
-    if not (state.gram.is_cpu and state.gram.dtype == torch.float64):
-        return None
+    grams = (state.gram, state.dr_gram, state.dr_rhs)
+    if not all(t.is_cpu and t.dtype == torch.float64 and t.is_contiguous() for t in grams):
+        return None  # (`native.commit_rows()` writes them as C arrays)
     if any(type(p) is not Tensor or p.dtype != _FLOAT32 for p in leaves):
         return None
     plan = Plan(options, state, leaves, spec)

@@ -47,6 +47,7 @@ kernel; a full window.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from itertools import chain
 from typing import Any
@@ -56,12 +57,12 @@ from torch import Tensor
 from torch._C import _functorch
 
 from aadl_func._src import kernels, native, tree, update_call
-from aadl_func._src.atomic import InterruptGuard, Progress, guarded
+from aadl_func._src.atomic import InterruptGuard, Progress, guarded, write_back
 from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.lstsq import known_ridge, solve_known
-from aadl_func._src.core.scalars import float32_tensor, float64_tensor
+from aadl_func._src.core.scalars import float32_tensor
 from aadl_func._src.core.variants import aadl, classic
 from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.core.variants.classic import classic_coefficients
@@ -122,7 +123,7 @@ def run(
     if rejected and options.restart_on_reject:
         return None  # the window restarts: the general path's
     guard = InterruptGuard()
-    call = _Call(plan, state, params, leaves, grads, guard, loss, value)
+    call = _Call(plan, state, params, leaves, grads, g_leaves, guard, loss, value)
     out = guarded(guard, call.revert if rejected else call.run)
     if call.steady:
         plan.versions = plans.versions(plan)
@@ -139,6 +140,15 @@ def _float32_weights(head: int, *chrono: list[float] | Tensor) -> Tensor:
     return passes.ring_order(head, *chrono).to(_FLOAT32)
 
 
+def _finite(x: list[Tensor], solved: Any) -> bool:
+    """`passes.finite(x, params, solved)` for float32 params: `x` (contiguous float32 CPU
+    tensors, the params or the mix laid out like them), each read by the native kernel in
+    one pass."""
+    if not (solved if isinstance(solved, bool) else bool(solved.item())):
+        return False
+    return all(map(native.finite_f32, x))
+
+
 class _Call:
     """One steady call: the executor's stages (`aadl_func._src.exec.eager._Step`'s `aadl()`
     and `classic()`) over the plan's tensors and values."""
@@ -150,12 +160,13 @@ class _Call:
         params: Any,
         leaves: list[Tensor],
         grads: Any,
+        g_leaves: list[Tensor],
         guard: InterruptGuard,
         loss: Tensor | None,
         loss_value: float | None,
     ) -> None:
         self.plan, self.state, self.guard = plan, state, guard
-        self.params, self.leaves, self.grads = params, leaves, grads
+        self.params, self.leaves, self.grads, self.g_leaves = params, leaves, grads, g_leaves
         self.loss, self.loss_value = loss, loss_value
         self.count = plan.count + 1  # this call's number
         self.mixes = update_call.mixes_on(plan.options, self.count)
@@ -164,18 +175,24 @@ class _Call:
         self.updates: list[Tensor] = []
         self.inner_state: Any = state.inner_state
         self.steady = True  # the plan still describes the state after the call
+        self.committing: tuple | None = None  # the commit point's writes, while under way
 
     def run(self) -> list[Tensor]:
-        plan, state, options = self.plan, self.state, self.plan.options
-        inner = options.inner
-        # The inner update out of place when it keeps buffers (committed with the plain step).
-        updates, self.inner_state = inner.update(
-            self.grads, state.inner_state, params=self.params, inplace=not plan.keeps,
-        )  # fmt: skip
-        u_leaves, u_spec = tree.flatten(updates, "inner updates")
-        tree.check_like("inner updates", u_leaves, u_spec, self.leaves, plan.spec,
-                        owner="anderson.update")  # fmt: skip
-        self.updates = u_leaves
+        plan, state = self.plan, self.state
+        # The inner update out of place when it keeps buffers (committed with the plain step);
+        # a built-in's on the leaves, which the plan checked as its checks would.
+        leaf_update = plan.leaf_update
+        done = leaf_update and leaf_update(self.g_leaves, state.inner_state, self.leaves, plan.spec)
+        if done:
+            self.updates, self.inner_state = done
+        else:
+            updates, self.inner_state = plan.options.inner.update(
+                self.grads, state.inner_state, params=self.params, inplace=not plan.keeps,
+            )  # fmt: skip
+            u_leaves, u_spec = tree.flatten(updates, "inner updates")
+            tree.check_like("inner updates", u_leaves, u_spec, self.leaves, plan.spec,
+                            owner="anderson.update")  # fmt: skip
+            self.updates = u_leaves
         try:
             return self._steps()
         except BaseException:
@@ -208,7 +225,7 @@ class _Call:
         try:  # 5. the mix, accumulated in the params (which hold y, the anchor)
             for p, columns in zip(params, plan.columns):
                 (p if p.dim() == 1 else p.view(-1)).addmv_(columns, weights)
-            ok = passes.finite(params, params, solved)
+            ok = _finite(params, solved)
         except BaseException:
             _write(params, plan.anchor)
             raise
@@ -259,7 +276,7 @@ class _Call:
             flat = result if result.dim() == 1 else result.view(-1)
             kernels.combine_leaf(None, [*iterates, *slots], coefficients, flat, runs)
             x_hist.append(result.add_(a))
-        ok = passes.finite(x_hist, self.leaves, solved)
+        ok = _finite(x_hist, solved)
         return self._finish(ok, x_hist if ok else self.leaves)
 
     def _unstored(self) -> list[Tensor]:
@@ -288,23 +305,35 @@ class _Call:
 
     def _commit_plain(self, head: int, g: list, h: list, c: list) -> None:
         """The commit point (`_Step.commit_plain()`): the plain step's state, with the
-        Grams the append made, becomes the caller's (and the plan's values)."""
-        plan, state = self.plan, self.state
-        gram, dr_gram = [list(r) for r in plan.gram], [list(r) for r in plan.dr_gram]
-        plain = state._replace(
-            count=self.count,
-            inner_state=self.inner_state,
-            head=head,
-            gram=passes._with_row(gram, head, g),
-            dr_gram=passes._with_row(dr_gram, head, h),
-            dr_rhs=float64_tensor(c),
-            **self._cleared(),
-        )
-        inplace.commit_to(state, self.progress, plain, self.inner_state, plan.adopts, plain=True)
+        Grams the append made, becomes the caller's (and the plan's values). Its writes
+        (`_plain_writes()`) are done again by `_recover()` if an exception cuts them short,
+        which finishes the commit, as `exec.inplace.recover()` finishes the executor's."""
+        plan = self.plan
+        self.committing = (head, g, h, c)
+        self._plain_writes(head, g, h, c)
+        # Each outcome recorded in one statement, so that no line runs between the two.
+        self.progress.plain, self.committing = True, None
         self.guard.checkpoint()
-        plan.count, plan.head, plan.gram, plan.dr_gram = self.count, head, gram, dr_gram
-        plan.pending = _INF
-        plan.dr_rhs = list(c)
+        plan.count, plan.head, plan.pending, plan.dr_rhs = self.count, head, _INF, list(c)
+        for matrix, row in ((plan.gram, g), (plan.dr_gram, h)):
+            matrix[head] = list(row)
+            for i, value in enumerate(row):
+                matrix[i][head] = value
+
+    def _plain_writes(self, head: int, g: list, h: list, c: list) -> None:
+        """The commit point's writes into the caller's state: the Gram rows, `dr_rhs`, the
+        counters (one native call: the bytes of torch's copies and fills), the cleared bar
+        and the inner optimizer's new buffers. Doing them again gives the same state."""
+        plan, state = self.plan, self.state
+        q = len(g)
+        torch.autograd.graph.increment_version(plan.committed)  # as torch's writes would
+        native.commit_rows(plan.committed, head, (ctypes.c_double * (3 * q))(*g, *h, *c),
+                           plan.counters, (ctypes.c_int64 * 2)(self.count, head))  # fmt: skip
+        if plan.pending != _INF:
+            state.pending_loss.fill_(_INF)
+        if self.inner_state is not state.inner_state:
+            write = inplace.adopt if plan.adopts else write_back
+            write(state.inner_state, self.inner_state)
 
     def _cleared(self) -> dict[str, float]:
         """The commit point's `pending_loss` (`deferred.cleared()`): +inf, written only where
@@ -410,6 +439,10 @@ class _Call:
     def _recover(self) -> None:
         """An exception anywhere: one complete outcome, as the executor's
         (`_Step.recover()`)."""
+        if self.committing is not None:  # the commit point's writes, finished
+            self._plain_writes(*self.committing)
+            self.progress.plain, self.committing = True, None
+            return
         if self.progress.param_versions is None and self.progress.pending is None:
             return  # nothing written
         plan = self.plan
@@ -427,29 +460,14 @@ class _Call:
     def _dots(self, head: int) -> list[float]:
         """Mode "classic": the Gram row of the residual in slot `head`, summed over the
         leaves from 0.0 (`passes._known_dots_row()`, on the plan's pointers and buffers)."""
-        plan = self.plan
-        kernel = native._load()[0].aadl_dots_f32
-        q = len(plan.gram)
-        row = [0.0] * q
-        for slots, pointers, buffers in zip(plan.slots, plan.pointers, plan.outputs):
-            newest = slots[head]
-            part = native._call(kernel, q, newest.numel(), pointers, q, newest.data_ptr(),
-                                buffers=buffers)  # fmt: skip
-            row = [a + b for a, b in zip(row, part.tolist())]
-        return row
+        return self.plan.rows.dots(head)
 
     def _append(self, head: int) -> list[float]:
         """The fused append of every leaf (`native.append_differences()` on the plan's
         pointers): the Gram row of the new difference, summed over the leaves."""
         plan = self.plan
-        kernel = native._load()[0].aadl_append_f32
-        q, row = len(plan.gram), None
-        for p, a, slots, pointers, buffers in zip(
-            self.leaves, plan.anchor, plan.slots, plan.pointers, plan.outputs
-        ):
-            # Written behind torch's back: bump the version counters as an in-place op would.
-            torch.autograd.graph.increment_version([slots[head], a])
-            part = native._call(kernel, q, p.numel(), pointers, q, head, p.data_ptr(),
-                                a.data_ptr(), buffers=buffers).tolist()  # fmt: skip
-            row = part if row is None else [x + y for x, y in zip(row, part)]
-        return row
+        # Written behind torch's back: bump the version counters as an in-place op would.
+        torch.autograd.graph.increment_version(
+            [t for slots, a in zip(plan.slots, plan.anchor) for t in (slots[head], a)]
+        )
+        return plan.rows.append(head, self.leaves)
