@@ -206,12 +206,12 @@ def test_commit_rows_writes_what_torch_writes():
 def test_finite_f32_flags_every_infinity_and_nan():
     """`finite_f32` against `torch.isfinite`: the largest finite value, subnormals and -0.0
     are finite; both infinities and NaNs of any payload and sign are not, wherever they sit
-    (first, last, inside a block of 8)."""
+    (first, last, inside a block of 8), on one thread or several."""
     bits = [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001]
     special = torch.from_numpy(np.array(bits, dtype=np.uint32).view(np.float32))
     finite = torch.tensor([3.4028235e38, -3.4028235e38, 1e-45, -0.0, 1.0])
     assert native.finite_f32(finite) and torch.isfinite(finite).all()
-    for n in (1, 9, 1000):
+    for n in (1, 9, 1000, 1 << 17):  # the last one shared among threads
         base = torch.randn(n)
         assert native.finite_f32(base)
         for value in special:

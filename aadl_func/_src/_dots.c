@@ -246,10 +246,12 @@ int64_t aadl_commit_f64(double *gram, double *dr_gram, double *dr_rhs, int64_t q
 }
 
 /* 1 if each of the n float32 values x[i] is finite (neither infinite nor NaN), else 0: the
- * test `-max <= min(x)` and `max(x) <= max` of float32's largest finite `max`. */
-int64_t aadl_finite_f32(const float *x, int64_t n) {
+ * test `-max <= min(x)` and `max(x) <= max` of float32's largest finite `max`. Shared among
+ * `threads` OpenMP threads (the answer does not depend on how many). */
+int64_t aadl_finite_f32(const float *x, int64_t n, int64_t threads) {
     const uint32_t *bits = (const uint32_t *)x;
     uint32_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad) num_threads(threads)
     for (int64_t i = 0; i < n; i++) bad |= (uint32_t)((bits[i] & 0x7f800000u) == 0x7f800000u);
     return bad ? 0 : 1;
 }
