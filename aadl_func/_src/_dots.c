@@ -13,6 +13,9 @@
  * GCC/Clang vector extensions, no target-specific flags: two float64 lanes per operation,
  * which keeps up with memory.
  *
+ * For the steady call (aadl_func/_src/exec/steady.py) the file also has the fused append of a
+ * whole params tree, the stores of its commit point and the finiteness test of its mix.
+ *
  * setup.py compiles this file when the package is installed; the Python side
  * (aadl_func/_src/native.py) loads it with ctypes and checks every argument. Nothing here
  * allocates or keeps state.

@@ -9,6 +9,11 @@ in a register instead; it computes the same exact products (a product of two flo
 is exact in float64) and sums them in float64 in a fixed order, so its result does not
 depend on the number of threads.
 
+For the steady call (`aadl_func._src.exec.steady`), whose window layout a plan keeps, the
+kernel also does what would otherwise be a small torch operation each: the fused append and
+Gram row of a whole params tree in one call (`LeafRows`), the commit point's stores into the
+Grams and counters (`commit_rows()`) and the finiteness test of the mix (`finite_f32()`).
+
 The C file is compiled when the package is installed (`setup.py`: an optional extension,
 plain `-O3`, no CPU-specific flags) into a shared library next to this module, and loaded
 from there with `ctypes` on first use; it is not a Python module. Nothing is built,
@@ -45,11 +50,15 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "LeafRows",
     "append_differences",
     "available",
     "can_append",
+    "commit_rows",
+    "finite_f32",
     "float64_dots",
     "kernel_info",
+    "pointers",
     "set_enabled",
     "status",
     "warn_if_missing",

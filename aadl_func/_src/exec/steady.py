@@ -15,7 +15,12 @@ checked path): the grads against the params, and params tensors other than the p
 wrapper passes fresh copies) for their shapes, layout and memory.
 
 The call is the executor's, operation for operation, so it gives its bits
-(tests/test_steady_step.py holds every byte of params and state to it). Mode "aadl": the
+(tests/test_steady_step.py holds every byte of params and state to it), except for its
+bookkeeping, which the native kernel does in fewer calls with the same bytes: the whole
+tree's append and Gram row (`native.LeafRows`), the commit point's stores into the Grams and
+counters (`native.commit_rows()`, done again by `_Call._recover()` if an exception cuts
+them short) and the finiteness test of the mix (`native.finite_f32()`); a built-in inner
+optimizer's update runs on the leaves the plan checked (`update.update_leaves`). Mode "aadl": the
 inner update, `y = x + u` into the params, the fused append (the newest difference into its
 slot, the anchor, the Gram row), the Grams as Python floats, the commit point, the small
 solve (`aadl_func._src.core.lstsq.solve_known()`), `x^+ = y - sum_j c_j \Delta x_j`
