@@ -333,3 +333,24 @@ def test_finite_takes_the_largest_float32_and_skips_empty_leaves():
     assert passes.finite(leaves, params, True) is _numpy_finite(leaves, params) is True
     assert passes.finite(leaves, params, False) is False  # the solve failed
     assert passes.finite([torch.zeros(0)], [torch.zeros(0)], True) is True
+
+
+@pytest.mark.parametrize("m", [1, 4, 9, 20])
+@pytest.mark.parametrize("reg", [0.0, 1e-9])
+@pytest.mark.parametrize("spread", [1.0, 1e-7], ids=["plain", "near-singular"])
+def test_the_matrix_route_gives_the_list_route_bits(m, reg, spread):
+    """`solve_known_matrix` (H as a tensor, scaled by one tensor division: the steady call's
+    route for windows over 8 slots) returns the bytes of `solve_known` (H as lists, scaled by
+    Python divisions), on the Grams of residuals whose differences are well or barely
+    independent, with and without a ridge."""
+    generator = torch.Generator().manual_seed(m)
+    f = torch.randn(50, 1, generator=generator, dtype=torch.float64) * 1e3
+    f = f + spread * torch.randn(50, m + 1, generator=generator, dtype=torch.float64)
+    df = f.diff(dim=1)
+    h, c = df.T @ df, df.T @ f[:, -1]
+    residual_sq = (f * f).sum(0).tolist()
+    lists = solve.solve_known(h.tolist(), c.tolist(), residual_sq, reg)
+    matrix = solve.solve_known_matrix(h.contiguous(), c.tolist(), residual_sq, reg)
+    assert lists is not None and matrix is not None
+    assert lists[0].numpy().tobytes() == matrix[0].numpy().tobytes()
+    assert lists[1] == matrix[1]

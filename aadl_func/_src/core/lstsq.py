@@ -52,6 +52,7 @@ __all__ = [
     "solve_coefficients",
     "solve_differences",
     "solve_known",
+    "solve_known_matrix",
     "solve_factor_known",
     "RCOND",
     "RTOL",
@@ -447,8 +448,26 @@ def solve_known(
     unit = max(residual_sq)
     unit = unit if unit > 0 else 1.0
     h = float64_tensor([v / unit for row in dr_gram for v in row], len(dr_gram))
-    c = float64_tensor([v / unit for v in dr_rhs])
-    reg = reg / unit
+    return _solve_scaled(h, [v / unit for v in dr_rhs], reg / unit)
+
+
+def solve_known_matrix(
+    dr_gram: Tensor, dr_rhs: Sequence[float], residual_sq: Sequence[float], reg: float = 0.0
+) -> tuple[Tensor, list[float]] | None:
+    r"""`solve_known()` with $H$ given as a contiguous `(m, m)` float64 CPU tensor, for a
+    caller that knows every value finite (a window whose Gram rows were each checked when
+    they were appended): the same bits, with the scaling $H / \max_i \|f_i\|^2$ one tensor
+    division (IEEE, as each Python division) instead of `m^2` Python ones, which a window of
+    20 or more columns notices. None when the solve is not finite."""
+    unit = max(residual_sq)
+    unit = unit if unit > 0 else 1.0
+    return _solve_scaled(dr_gram / unit, [v / unit for v in dr_rhs], reg / unit)
+
+
+def _solve_scaled(h: Tensor, c: list[float], reg: float) -> tuple[Tensor, list[float]] | None:
+    """The rest of `solve_known()`: the eigendecomposition of the scaled `h`, its
+    cut-off inverse applied to the scaled `c`, the affine weights."""
+    c = float64_tensor(c)
     eigvals, eigvecs = torch.linalg.eigh(h)
     inverse = []
     for value in eigvals.tolist():

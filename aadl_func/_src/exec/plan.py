@@ -11,6 +11,8 @@ left it with (`versions()`). `new_plan()` makes one for a state in the steady st
 
 from __future__ import annotations
 
+import math
+from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
@@ -41,7 +43,7 @@ class Plan:
     __slots__ = (
         "options", "params", "shapes", "spec", "anchor", "slots", "columns", "rows",
         "count", "head", "mixed", "pending", "gram", "dr_gram", "dr_rhs", "tracked", "versions",
-        "keeps", "adopts", "leaf_update", "committed", "counters",
+        "keeps", "adopts", "leaf_update", "committed", "counters", "finite", "_taken",
         "classic", "iterates", "runs", "storages",
     )  # fmt: skip
 
@@ -72,6 +74,12 @@ class Plan:
         self.pending = float(state.pending_loss)  # the deferred safeguard's bar, or +inf
         self.gram, self.dr_gram = state.gram.tolist(), state.dr_gram.tolist()
         self.dr_rhs = state.dr_rhs.tolist()
+        # Every Gram value finite, as each row appended from now on is checked to be (a
+        # non-finite one restarts the window with zeros): the small solve may skip the test.
+        self.finite = all(
+            math.isfinite(v) for v in (*chain(*self.gram), *chain(*self.dr_gram), *self.dr_rhs)
+        )
+        self._taken: dict[int, Tensor] = {}
         # Every tensor the plan copies or writes behind torch's back (a leaf's slots share
         # one buffer's version counter), and their version counters as the last call left them.
         self.tracked = [
@@ -90,6 +98,16 @@ class Plan:
         # A built-in inner optimizer's update on checked leaves (out of place), else None.
         leaf_update = getattr(options.inner.update, "update_leaves", None)
         self.leaf_update = leaf_update if self.keeps else None
+
+    def taken(self, head: int) -> Tensor:
+        """The flat indices of the `(q - 1, q - 1)` differences' Gram in chronological order
+        when the newest residual is in slot `head` (for `torch.take` on `dr_gram`)."""
+        index = self._taken.get(head)
+        if index is None:
+            q = len(self.gram)
+            later = [(head + 1 + j) % q for j in range(1, q)]
+            index = self._taken[head] = torch.tensor([[i * q + j for j in later] for i in later])
+        return index
 
     def ring(self) -> tuple:
         """The residuals' window as the executor's ring: per slot, its leaves."""

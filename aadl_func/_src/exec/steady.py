@@ -66,7 +66,7 @@ from aadl_func._src.atomic import InterruptGuard, Progress, guarded, write_back
 from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
-from aadl_func._src.core.lstsq import known_ridge, solve_known
+from aadl_func._src.core.lstsq import known_ridge, solve_known, solve_known_matrix
 from aadl_func._src.core.scalars import float32_tensor
 from aadl_func._src.core.variants import aadl, classic
 from aadl_func._src.core.variants.aadl import aadl_coefficients
@@ -83,6 +83,9 @@ __all__ = ["run"]
 
 _FLOAT32 = torch.float32
 _INF = math.inf
+# Above this many window slots the small solve takes `H` from the state's tensor
+# (`solve_known_matrix()`); below, the Python lists cost less than the gather.
+_MATRIX_SOLVE = 8
 
 
 def run(
@@ -380,12 +383,17 @@ class _Call:
         q = len(gram)
         slots = [(head + 1 + j) % q for j in range(q)]  # oldest first
         later = slots[1:]  # the newer ends of the differences (the columns of gamma)
-        known = solve_known(
-            [[dr_gram[i][j] for j in later] for i in later],
+        args = (
             [dr_rhs[i] for i in later],
             [gram[s][s] for s in slots],
             known_ridge(plan.options, [dr_gram[i][i] for i in later]),
         )
+        if q > _MATRIX_SOLVE and plan.finite:
+            # H in chronological order taken from the committed tensor (the lists' values):
+            # one gather instead of (q - 1)^2 Python reads and divisions.
+            known = solve_known_matrix(torch.take(self.state.dr_gram, plan.taken(head)), *args)
+        else:
+            known = solve_known([[dr_gram[i][j] for j in later] for i in later], *args)
         if known is not None:
             return known[1], True
         # A value that is not finite: the tensor route decides, as in the executor.
