@@ -26,10 +26,33 @@ import torch
 FSDP2_ON_CPU = torch.__version__ >= (2, 7)
 
 
+# What a rank prints when it aborts in std::terminate while the process group's threads are
+# torn down, after its results were saved (not an exception of the test).
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def launch(script: str, world: int, work: Path, timeout_s: float) -> list[dict]:
-    """Runs ``script``'s workers in ``world`` gloo processes; each rank's saved results."""
+    """Runs ``script``'s workers in ``world`` gloo processes; each rank's saved results.
+
+    A launch in which a rank aborted in gloo's teardown (seen in full-suite runs under load,
+    never alone; also ``tests/test_distributed_example.py``) is run once more, in a fresh
+    directory, and that one must succeed."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
+    results = _launch_once(script, world, work, timeout_s)
+    if isinstance(results, list):
+        return results
+    again = work / "again"
+    again.mkdir()
+    results = _launch_once(script, world, again, timeout_s)
+    if not isinstance(results, list):
+        pytest.fail(results)
+    return results
+
+
+def _launch_once(script: str, world: int, work: Path, timeout_s: float) -> list[dict] | str:
+    """One launch: each rank's saved results, or, when a rank only aborted in the teardown,
+    what it printed (a failure of any other kind fails the test here)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     # Each worker writes to a file, not a pipe: a pipe read one worker after the other can
     # fill up and block the worker not read yet, halfway through a step its peer waits on.
@@ -58,8 +81,11 @@ def launch(script: str, world: int, work: Path, timeout_s: float) -> list[dict]:
     results = []
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
         path = work / f"rank{rank}.pt"
+        failure = f"worker {rank} failed (exit {proc.returncode}):\n{out[-4000:]}"
+        if proc.returncode != 0 and path.exists() and out.strip().endswith(TEARDOWN_ABORT):
+            return failure
         if proc.returncode != 0 or not path.exists():
-            pytest.fail(f"worker {rank} failed (exit {proc.returncode}):\n{out[-4000:]}")
+            pytest.fail(failure)
         with torch.serialization.safe_globals(_numpy_globals()):
             results.append(torch.load(path, weights_only=True))
     return results

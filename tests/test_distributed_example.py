@@ -17,14 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo import FSDP2_ON_CPU
+from gloo import FSDP2_ON_CPU, TEARDOWN_ABORT
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "distributed.py"
 EPOCHS = 20
 TIMEOUT_S = 300
-# What a rank prints when it aborts in std::terminate while the process group's threads are
-# torn down (not an exception of the training).
-TEARDOWN_ABORT = "terminate called without an active exception"
 
 pytest.importorskip("sklearn")
 
