@@ -129,6 +129,17 @@ def run_scenarios(run, names, rank: int, world: int, work: Path, timeout_s: floa
             results[name] = traceback.format_exc()
     torch.save(results, work / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Ends the worker without the interpreter's finalization, where gloo's threads can still
+    abort the process after its work is done ("terminate called without an active
+    exception": they hold tensors whose release needs the interpreter being torn down; a
+    known torch issue). Output is flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def distribute(tensor: torch.Tensor, mesh, placements):
