@@ -200,7 +200,7 @@ def test_grads_the_steady_call_does_not_fit_go_the_checked_way(monkeypatch):
 # (the window written, not yet committed: the plain step with the window restarted).
 FAULTS = {
     "solve": lambda: [(steady, "solve_known"), (weights, "solve_known")],
-    "mix": lambda: [(passes, "finite"), (steady, "_finite")],
+    "mix": lambda: [(passes, "finite")],
     "append": lambda: [(steady, "known_rows"), (passes, "known_rows")],
 }
 

@@ -231,6 +231,7 @@ def _optimizer(
         raise AssertionError(f"{fn}: the stages' fields {names} do not fit {state_type}")
     paths = [f"state.{name}" for name in names]
     needs_params = not _is_zero(weight_decay)
+    stages = _Stages(fn, state_type, transform, layout, lr, weight_decay if needs_params else None)
 
     def init(params: PyTree) -> Any:
         leaves, spec = tree.flatten(params, "params", owner=fn)
@@ -246,10 +247,9 @@ def _optimizer(
         grads, spec = tree.flatten(updates, "updates", owner=fn)
         # Hyperparameters first: a schedule that fails must fail before a buffer is written.
         count = state.count
-        step_lr = _value_at(fn, "lr", lr, count)
-        decay, param_leaves = 0.0, None
+        step_lr, decay = stages.hyperparameters(count)
+        param_leaves = None
         if needs_params:
-            decay = _value_at(fn, "weight_decay", weight_decay, count)
             if params is None:
                 raise ValueError(f"{fn}: `params` are required when `weight_decay` != 0")
             param_leaves = flatten_like(fn, "params", params, spec)
@@ -257,12 +257,10 @@ def _optimizer(
         buffers = [flatten_like(fn, path, b, spec) for path, b in zip(paths, state[1:])]
         check_update_shapes(fn, grads, spec, paths, buffers)
         grads = _grads_to_write(fn, grads, spec, inplace)
-        stage_states = tuple([make(buffers[start:end]) for make, start, end in layout])
         step = StepInputs(count, param_leaves, step_lr, decay, inplace)
-        new_updates, stage_states = transform.update(grads, stage_states, step)
+        new_updates, new_state = stages.run(grads, buffers, spec, step)
         if inplace:  # torchopt's semantics: the gradient buffers hold the returned updates
             new_updates = [u if u is g else g.copy_(u) for g, u in zip(grads, new_updates)]
-        new_state = _pack(state_type, spec, count + 1, stage_states)
         return optree.tree_unflatten(spec, new_updates), new_state
 
     def check_values(state: Any, *, count: int | None, name: str, owner: str) -> None:
@@ -270,28 +268,44 @@ def _optimizer(
 
     update.check_state = check_state  # type: ignore[attr-defined]
     update.check_values = check_values  # type: ignore[attr-defined]
-    update.update_leaves = _leaf_update(  # type: ignore[attr-defined]
-        fn, state_type, transform, layout, lr, weight_decay if needs_params else None
-    )
+    update.update_leaves = stages.update_leaves  # type: ignore[attr-defined]
     # Whether an in-place update writes state buffers (momentum, moments), not only the
     # gradient buffers: anderson's in-place step then asks for it out of place (atomic.py).
     update.writes_state = bool(names)  # type: ignore[attr-defined]
     return InnerOptimizer(init=init, update=update)
 
 
-def _leaf_update(
-    fn: str,
-    state_type: type,
-    transform: Transform,
-    layout: list,
-    lr: ScalarOrSchedule,
-    weight_decay: ScalarOrSchedule | None,
-) -> Callable[..., tuple[list[Tensor], Any] | None]:
-    """`_optimizer()`'s update on checked leaves (`update_leaves`); `weight_decay` None
-    when the chain reads no params."""
+class _Stages(NamedTuple):
+    """What an optimizer's update runs once its inputs are checked, shared by `update` and
+    `update_leaves`: the chain of stages, the public state's type and the run of its fields
+    each stage takes (`layout`), and the hyperparameters (`weight_decay` None when no stage
+    reads the params)."""
+
+    fn: str
+    state_type: type
+    transform: Transform
+    layout: list
+    lr: ScalarOrSchedule
+    weight_decay: ScalarOrSchedule | None
+
+    def hyperparameters(self, count: Tensor) -> tuple[float | Tensor, float | Tensor]:
+        """`(lr, weight_decay)` for the update after `count` updates (schedules called)."""
+        step_lr = _value_at(self.fn, "lr", self.lr, count)
+        if self.weight_decay is None:
+            return step_lr, 0.0
+        return step_lr, _value_at(self.fn, "weight_decay", self.weight_decay, count)
+
+    def run(
+        self, grads: list[Tensor], buffers: list[list[Tensor]], spec: Any, step: StepInputs
+    ) -> tuple[list[Tensor], Any]:
+        """The stages on the leaves (`buffers`: the state's fields' leaves, in order): the
+        update leaves and the new public state."""
+        stage_states = tuple([make(buffers[start:end]) for make, start, end in self.layout])
+        new_updates, stage_states = self.transform.update(grads, stage_states, step)
+        return new_updates, _pack(self.state_type, spec, step.count + 1, stage_states)
 
     def update_leaves(
-        grads: list[Tensor], state: Any, params: list[Tensor], spec: Any
+        self, grads: list[Tensor], state: Any, params: list[Tensor], spec: Any
     ) -> tuple[list[Tensor], Any] | None:
         """`update(..., inplace=False)` on the leaves of params and grads a caller checked
         already (anderson's steady call: same shapes, float, no shared memory): the update
@@ -302,15 +316,10 @@ def _leaf_update(
         if any([b.shape for b in leaves] != shapes for leaves in buffers):
             return None
         count = state.count
-        step_lr = _value_at(fn, "lr", lr, count)
-        needs_params = weight_decay is not None
-        decay = _value_at(fn, "weight_decay", weight_decay, count) if needs_params else 0.0
-        stage_states = tuple([make(buffers[start:end]) for make, start, end in layout])
-        step = StepInputs(count, params if needs_params else None, step_lr, decay, False)
-        new_updates, stage_states = transform.update(grads, stage_states, step)
-        return new_updates, _pack(state_type, spec, count + 1, stage_states)
-
-    return update_leaves
+        step_lr, decay = self.hyperparameters(count)
+        reads_params = self.weight_decay is not None
+        step = StepInputs(count, params if reads_params else None, step_lr, decay, False)
+        return self.run(grads, buffers, spec, step)
 
 
 def check_update_shapes(

@@ -19,7 +19,7 @@ The call is the executor's, operation for operation, so it gives its bits
 bookkeeping, which the native kernel does in fewer calls with the same bytes: the whole
 tree's append and Gram row (`native.LeafRows`), the commit point's stores into the Grams and
 counters (`native.commit_rows()`, done again by `_Call._recover()` if an exception cuts
-them short) and the finiteness test of the mix (`native.finite_f32()`); a built-in inner
+them short); a built-in inner
 optimizer's update runs on the leaves the plan checked (`update.update_leaves`). Mode "aadl": the
 inner update, `y = x + u` into the params, the fused append (the newest difference into its
 slot, the anchor, the Gram row), the Grams as Python floats, the commit point, the small
@@ -148,15 +148,6 @@ def _float32_weights(head: int, *chrono: list[float] | Tensor) -> Tensor:
     return passes.ring_order(head, *chrono).to(_FLOAT32)
 
 
-def _finite(x: list[Tensor], solved: Any) -> bool:
-    """`passes.finite(x, params, solved)` for float32 params: `x` (contiguous float32 CPU
-    tensors, the params or the mix laid out like them), each read by the native kernel in
-    one pass."""
-    if not (solved if isinstance(solved, bool) else bool(solved.item())):
-        return False
-    return all(map(native.finite_f32, x))
-
-
 class _Call:
     """One steady call: the executor's stages (`aadl_func._src.exec.eager._Step`'s `aadl()`
     and `classic()`) over the plan's tensors and values."""
@@ -233,7 +224,7 @@ class _Call:
         try:  # 5. the mix, accumulated in the params (which hold y, the anchor)
             for p, columns in zip(params, plan.columns):
                 (p if p.dim() == 1 else p.view(-1)).addmv_(columns, weights)
-            ok = _finite(params, solved)
+            ok = passes.finite(params, params, solved)
         except BaseException:
             _write(params, plan.anchor)
             raise
@@ -284,7 +275,7 @@ class _Call:
             flat = result if result.dim() == 1 else result.view(-1)
             kernels.combine_leaf(None, [*iterates, *slots], coefficients, flat, runs)
             x_hist.append(result.add_(a))
-        ok = _finite(x_hist, solved)
+        ok = passes.finite(x_hist, self.leaves, solved)
         return self._finish(ok, x_hist if ok else self.leaves)
 
     def _unstored(self) -> list[Tensor]:
@@ -472,12 +463,13 @@ class _Call:
 
     def _dots(self, head: int) -> list[float]:
         """Mode "classic": the Gram row of the residual in slot `head`, summed over the
-        leaves from 0.0 (`passes._known_dots_row()`, on the plan's pointers and buffers)."""
+        leaves from 0.0 (`passes._known_dots_row()`, one kernel call: `native.LeafRows`)."""
         return self.plan.rows.dots(head)
 
     def _append(self, head: int) -> list[float]:
-        """The fused append of every leaf (`native.append_differences()` on the plan's
-        pointers): the Gram row of the new difference, summed over the leaves."""
+        """The fused append of every leaf (`native.append_differences()`, one kernel call for
+        the tree: `native.LeafRows`): the Gram row of the new difference, summed over the
+        leaves."""
         plan = self.plan
         # Written behind torch's back: bump the version counters as an in-place op would.
         torch.autograd.graph.increment_version(
