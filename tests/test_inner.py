@@ -12,6 +12,7 @@ import torch
 from torch.func import grad, vmap
 
 from aadl_func import AdamState, InnerOptimizer, SgdState, adam, adamw, sgd
+from aadl_func._src.transforms import adam_leaves
 
 STEPS = 50
 
@@ -1017,16 +1018,24 @@ LEAF_UPDATE_CASES = {
     "adam": lambda: adam(1e-2),
     "adam-schedule": lambda: adam(lambda t: 1e-2 / (1.0 + t), betas=(0.5, 0.99)),
     "adamw": lambda: adamw(1e-2, weight_decay=0.1),
+    "adamw-no-decay": lambda: adamw(1e-2, betas=(0.0, 0.999), weight_decay=0.0),
 }
+# Adam with a number lr and no decay takes its known rule (`transforms.adam_leaves`) for
+# float32 and float64 leaves, and the stages for bfloat16 ones: each dtype against `update`.
+LEAF_UPDATE_DTYPES = [(name, torch.float32) for name in LEAF_UPDATE_CASES] + [
+    (name, dtype)
+    for name in ("adam", "adamw-no-decay")
+    for dtype in (torch.float64, torch.bfloat16)
+]
 
 
-@pytest.mark.parametrize("name", list(LEAF_UPDATE_CASES))
-def test_update_leaves_is_the_pure_update(name):
+@pytest.mark.parametrize(("name", "dtype"), LEAF_UPDATE_DTYPES)
+def test_update_leaves_is_the_pure_update(name, dtype):
     """`update.update_leaves` (anderson's steady call, on leaves it checked) gives the bytes
     of `update(..., inplace=False)` over several steps, leaves its inputs alone, and declines
     (None) a state whose buffers no longer fit the grads, where `update` raises."""
     opt = LEAF_UPDATE_CASES[name]()
-    params = make_params(torch.float32)
+    params = make_params(dtype)
     leaves, spec = optree.tree_flatten(params)
     state = opt.init(params)
     for noise in noise_sequence(params, 5):
@@ -1045,3 +1054,13 @@ def test_update_leaves_is_the_pure_update(name):
     assert opt.update.update_leaves(g_leaves, replaced, leaves, spec) is None
     with pytest.raises(ValueError, match="has shape"):
         opt.update(grads, replaced, params=params, inplace=False)
+
+
+def test_adam_known_rule_declines_other_leaves():
+    """`transforms.adam_leaves` computes nothing for a leaf it does not take (complex, half
+    precision), so that `update_leaves` runs the stages, which handle them."""
+    for dtype in (torch.complex64, torch.bfloat16, torch.float16):
+        g = torch.ones(3, dtype=dtype)
+        m, v = torch.zeros_like(g), torch.zeros_like(g)
+        assert adam_leaves([torch.ones(3), g], [torch.zeros(3), m], [torch.zeros(3), v], 0,
+                           lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8) is None  # fmt: skip

@@ -140,15 +140,20 @@ def test_steady_calls_give_the_executor_bits(monkeypatch, options, inner, mode):
 
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
 def test_a_write_between_calls_is_noticed(monkeypatch, mode):
-    """The caller writes the state between calls (the Grams, a counter, the anchor): the next
-    call reads the tensors again, as the executor does (a plan kept across such a write would
-    solve the wrong problem)."""
+    """The caller writes the state between calls (the Grams, a counter, the anchor, the inner
+    optimizer's buffers and count): the next call reads the tensors again, as the executor
+    does (a plan kept across such a write would solve the wrong problem, or step Adam with
+    stale moments or bias corrections)."""
 
     def between(k, params, state):
         if k == 20:
             state.gram.mul_(2.0)
+        if k == 22:
+            state.inner_state.exp_avg["w"].mul_(0.5)
         if k == 25:
             state.num_mixed.zero_()
+        if k == 27:
+            state.inner_state.count.add_(3)
         if k == 30:
             state.anchor["w"].add_(1e-3)
         return params

@@ -43,6 +43,7 @@ state's layout and are validated once, at construction.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -50,12 +51,14 @@ import optree
 import torch
 from torch import Tensor
 
-from aadl_func._src import tree
+from aadl_func._src import inner_bound, tree
+from aadl_func._src.inner_bound import BoundRule
 from aadl_func._src.leaf_memory import self_overlapping
 from aadl_func._src.state import allow_weights_only
 from aadl_func._src.transforms import (
     StepInputs,
     Transform,
+    adam_leaves,
     add_decayed_weights,
     chain,
     scale_by_adam,
@@ -211,8 +214,10 @@ def _optimizer(
     lr: ScalarOrSchedule,
     weight_decay: ScalarOrSchedule,
     check_state: Callable[..., None],
+    known_rule: Callable[..., tuple | None] | None = None,
 ) -> InnerOptimizer:
-    """The torchopt protocol around `chain(*stages)`, over the leaves of the pytrees.
+    """The torchopt protocol around `chain(*stages)`, over the leaves of the pytrees
+    (`known_rule`: see `_Stages`).
 
     The state is a `state_type`: the update count, shared by the stages, then the stages'
     buffers as pytrees, field after field in chain order (fields no stage has keep their
@@ -231,7 +236,9 @@ def _optimizer(
         raise AssertionError(f"{fn}: the stages' fields {names} do not fit {state_type}")
     paths = [f"state.{name}" for name in names]
     needs_params = not _is_zero(weight_decay)
-    stages = _Stages(fn, state_type, transform, layout, lr, weight_decay if needs_params else None)
+    stages = _Stages(
+        fn, state_type, transform, layout, lr, weight_decay if needs_params else None, known_rule
+    )
 
     def init(params: PyTree) -> Any:
         leaves, spec = tree.flatten(params, "params", owner=fn)
@@ -269,6 +276,7 @@ def _optimizer(
     update.check_state = check_state  # type: ignore[attr-defined]
     update.check_values = check_values  # type: ignore[attr-defined]
     update.update_leaves = stages.update_leaves  # type: ignore[attr-defined]
+    update.bind_leaves = stages.bind_leaves  # type: ignore[attr-defined]
     # Whether an in-place update writes state buffers (momentum, moments), not only the
     # gradient buffers: anderson's in-place step then asks for it out of place (atomic.py).
     update.writes_state = bool(names)  # type: ignore[attr-defined]
@@ -279,7 +287,11 @@ class _Stages(NamedTuple):
     """What an optimizer's update runs once its inputs are checked, shared by `update` and
     `update_leaves`: the chain of stages, the public state's type and the run of its fields
     each stage takes (`layout`), and the hyperparameters (`weight_decay` None when no stage
-    reads the params)."""
+    reads the params). `known_rule`: the whole chain's out-of-place update for a known
+    count, `known_rule(grads, *buffers, done) -> (updates, *buffers)` or None (a leaf it
+    does not take), which `update_leaves` runs instead of the stages (Adam's,
+    `transforms.adam_leaves()`: the same operations without the chain's protocol, which an
+    optimizer step of a small model notices)."""
 
     fn: str
     state_type: type
@@ -287,6 +299,7 @@ class _Stages(NamedTuple):
     layout: list
     lr: ScalarOrSchedule
     weight_decay: ScalarOrSchedule | None
+    known_rule: Callable[..., tuple | None] | None = None
 
     def hyperparameters(self, count: Tensor) -> tuple[float | Tensor, float | Tensor]:
         """`(lr, weight_decay)` for the update after `count` updates (schedules called)."""
@@ -316,10 +329,24 @@ class _Stages(NamedTuple):
         if any([b.shape for b in leaves] != shapes for leaves in buffers):
             return None
         count = state.count
+        if self.known_rule is not None:
+            done = tree.static_value(count)
+            out = None if done is None else self.known_rule(grads, *buffers, done)
+            if out is not None:
+                fields = [optree.tree_unflatten(spec, leaves) for leaves in out[1:]]
+                return out[0], self.state_type(count + 1, *fields)
         step_lr, decay = self.hyperparameters(count)
         reads_params = self.weight_decay is not None
         step = StepInputs(count, params if reads_params else None, step_lr, decay, False)
         return self.run(grads, buffers, spec, step)
+
+    def bind_leaves(self, state: Any, params: list[Tensor], spec: Any) -> BoundRule | None:
+        """The known rule bound to `state`'s buffers (`inner_bound.bind()`), for a caller
+        that tracks them between calls (anderson's steady plan); None without a rule or
+        for a state it does not fit."""
+        if self.known_rule is None:
+            return None
+        return inner_bound.bind(self.known_rule, self.state_type, state, params, spec)
 
 
 def check_update_shapes(
@@ -511,7 +538,10 @@ def _adam(
         stages = [scale_by_adam(beta1, beta2, eps), *decay]
     else:  # Adam: an L2 penalty added to the gradient
         stages = [*decay, scale_by_adam(beta1, beta2, eps)]
-    return _optimizer(fn, AdamState, stages, lr, weight_decay, check_state)
+    known_rule = None
+    if stages == [stages[-1]] and isinstance(lr, float):  # the scaling alone, a fixed lr
+        known_rule = functools.partial(adam_leaves, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+    return _optimizer(fn, AdamState, stages, lr, weight_decay, check_state, known_rule)
 
 
 def adam(

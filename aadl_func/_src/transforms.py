@@ -40,6 +40,7 @@ __all__ = [
     "StepInputs",
     "TraceState",
     "Transform",
+    "adam_leaves",
     "add_decayed_weights",
     "chain",
     "decay_leaf",
@@ -49,6 +50,8 @@ __all__ = [
 ]
 
 _REDUCED_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
+# The real dtypes whose Adam step is computed in their own precision (`adam_leaves()`).
+_KNOWN_DTYPES = (torch.float32, torch.float64)
 
 
 class StepInputs(NamedTuple):
@@ -309,8 +312,7 @@ def _adam_leaf(
         m = m.copy_(torch.lerp(m, g, 1.0 - beta1))
         v = v.copy_(torch.addcmul(v.mul_(beta2), g, g, value=1.0 - beta2))
     else:
-        m = torch.lerp(m, g, 1.0 - beta1)
-        v = torch.addcmul(v.mul(beta2), g, g, value=1.0 - beta2)
+        m, v = _moments(g, m, v, beta1, beta2)
 
     # Half precision computes the scalings in float32, like torch.optim's kernels; the
     # corrections are cast to the compute dtype. (sqrt is out of place: its backward needs
@@ -322,8 +324,7 @@ def _adam_leaf(
     if not isinstance(neg_step_size, float):
         neg_step_size = neg_step_size.to(opmath)
     if opmath == dtype:
-        denom = torch.div(v.sqrt(), bias_correction2_sqrt).add_(eps)
-        step = torch.mul(m, neg_step_size).div_(denom)
+        step = _direction(m, v, neg_step_size, bias_correction2_sqrt, eps)
     else:
         denom = torch.div(v.sqrt().to(opmath), bias_correction2_sqrt).to(dtype).add_(eps)
         step = torch.mul(m.to(opmath), neg_step_size).div_(denom.to(opmath)).to(dtype)
@@ -331,6 +332,58 @@ def _adam_leaf(
     if is_complex:
         m, v, step = torch.view_as_complex(m), torch.view_as_complex(v), torch.view_as_complex(step)
     return step, m, v
+
+
+def adam_leaves(
+    grads: list[Tensor],
+    exp_avg: list[Tensor],
+    exp_avg_sq: list[Tensor],
+    done: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]] | None:
+    """`scale_by_adam()`'s out-of-place update, `(updates, exp_avg, exp_avg_sq)`, for a
+    caller that knows the update count `done` (a Python int), a number `lr` and plain
+    real float32/float64 leaves outside any transform (anderson's steady call, through
+    `update_leaves`): the same operations as `_adam_leaf()`'s, without its per-leaf
+    questions. None, having computed nothing, for another kind of leaf."""
+    if any(g.dtype not in _KNOWN_DTYPES for g in grads):
+        return None  # complex, half precision: `_adam_leaf()` answers
+    neg_step_size, bias_correction2_sqrt = _known_bias_corrections(done, beta1, beta2, lr)
+    updates, ms, vs = [], [], []
+    for g, m, v in zip(grads, exp_avg, exp_avg_sq, strict=True):
+        m, v = _moments(g, m, v, beta1, beta2)
+        updates.append(_direction(m, v, neg_step_size, bias_correction2_sqrt, eps))
+        ms.append(m)
+        vs.append(v)
+    return updates, ms, vs
+
+
+def _moments(g: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
+    r"""$m + (1 - \beta_1)(g - m)$ and $\beta_2 v + (1 - \beta_2) g^2$, as new tensors."""
+    return torch.lerp(m, g, 1.0 - beta1), torch.addcmul(v.mul(beta2), g, g, value=1.0 - beta2)
+
+
+def _direction(
+    m: Tensor, v: Tensor, neg_step_size: float | Tensor, bias_correction2_sqrt: float | Tensor,
+    eps: float,
+) -> Tensor:  # fmt: skip
+    r"""Adam's step $-s\, m / (\sqrt{v} / b_2 + \epsilon)$ in the moments' dtype."""
+    denom = torch.div(v.sqrt(), bias_correction2_sqrt).add_(eps)
+    return torch.mul(m, neg_step_size).div_(denom)
+
+
+def _known_bias_corrections(
+    done: int, beta1: float, beta2: float, lr: float
+) -> tuple[float, float]:
+    """`_bias_corrections()` for a known count and a number `lr`: Python floats, with
+    torch.optim's arithmetic."""
+    bias_correction1 = 1.0 - beta1 ** (done + 1)
+    bias_correction2 = 1.0 - beta2 ** (done + 1)
+    return -(lr / bias_correction1), bias_correction2**0.5
 
 
 def _bias_corrections(
@@ -346,9 +399,7 @@ def _bias_corrections(
     """
     done = tree.static_value(count)
     if done is not None and isinstance(lr, float):
-        bias_correction1 = 1.0 - beta1 ** (done + 1)
-        bias_correction2 = 1.0 - beta2 ** (done + 1)
-        return -(lr / bias_correction1), bias_correction2**0.5
+        return _known_bias_corrections(done, beta1, beta2, lr)
     t = (count + 1).to(torch.float64)
     bias_correction1 = 1.0 - torch.pow(beta1, t)
     bias_correction2 = 1.0 - torch.pow(beta2, t)

@@ -44,7 +44,7 @@ class Plan:
         "options", "params", "shapes", "spec", "anchor", "slots", "columns", "rows",
         "count", "head", "mixed", "pending", "gram", "dr_gram", "dr_rhs", "tracked", "versions",
         "keeps", "adopts", "leaf_update", "committed", "counters", "finite", "_taken",
-        "classic", "iterates", "runs", "storages",
+        "classic", "iterates", "runs", "storages", "bound", "inner_count",
     )  # fmt: skip
 
     def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
@@ -87,7 +87,6 @@ class Plan:
             state.num_nonfinite, state.pending_loss, state.gram, state.dr_gram, state.dr_rhs,
             *self.anchor, *[s[0] for s in self.slots], *[s[0] for s in self.iterates if s],
         ]  # fmt: skip
-        self.versions = versions(self)
         # What the commit point writes natively (`native.commit_rows()`).
         self.committed = [state.gram, state.dr_gram, state.dr_rhs, state.count, state.head]
         self.counters = native.pointers([state.count, state.head])
@@ -98,6 +97,16 @@ class Plan:
         # A built-in inner optimizer's update on checked leaves (out of place), else None.
         leaf_update = getattr(options.inner.update, "update_leaves", None)
         self.leaf_update = leaf_update if self.keeps else None
+        # Its known rule bound to the inner state's buffers (`inner_bound`), whose count the
+        # plan keeps as a Python int; those tensors are tracked too (their memory changes
+        # at each commit, so they are not among `storages`).
+        bind = getattr(options.inner.update, "bind_leaves", None) if self.adopts else None
+        self.bound = None if bind is None else bind(state.inner_state, leaves, spec)
+        self.inner_count = None
+        if self.bound is not None:
+            self.inner_count = int(self.bound.count)
+            self.tracked += self.bound.tensors()
+        self.versions = versions(self)
 
     def taken(self, head: int) -> Tensor:
         """The flat indices of the `(q - 1, q - 1)` differences' Gram in chronological order

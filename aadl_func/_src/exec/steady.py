@@ -173,13 +173,26 @@ class _Call:
         self.progress = Progress()
         self.updates: list[Tensor] = []
         self.inner_state: Any = state.inner_state
+        # The bound rule's new buffers (`plan.bound`), adopted at the commit point, and the
+        # inner count after this call's update.
+        self.new_fields: list | None = None
+        self.inner_done = plan.inner_count
         self.steady = True  # the plan still describes the state after the call
         self.committing: tuple | None = None  # the commit point's writes, while under way
 
     def run(self) -> list[Tensor]:
         plan, state = self.plan, self.state
         # The inner update out of place when it keeps buffers (committed with the plain step);
-        # a built-in's on the leaves, which the plan checked as its checks would.
+        # a built-in's on the leaves, which the plan checked as its checks would: by its
+        # known rule on the buffers the plan keeps where it has one.
+        bound = plan.bound
+        done = None if bound is None else bound.update(self.g_leaves, plan.inner_count)
+        if done is not None:
+            self.updates, self.new_fields = done
+            self.inner_done = plan.inner_count + 1
+            return self._stepped()
+        if bound is not None:  # (a leaf it does not take) the count moves without the plan
+            self.steady = False
         leaf_update = plan.leaf_update
         done = leaf_update and leaf_update(self.g_leaves, state.inner_state, self.leaves, plan.spec)
         if done:
@@ -192,11 +205,23 @@ class _Call:
             tree.check_like("inner updates", u_leaves, u_spec, self.leaves, plan.spec,
                             owner="anderson.update")  # fmt: skip
             self.updates = u_leaves
+        return self._stepped()
+
+    def _stepped(self) -> list[Tensor]:
+        """The rest of the call, once the inner update is known; an exception from here on
+        ends at one complete outcome."""
         try:
             return self._steps()
         except BaseException:
             self._recover()
             raise
+
+    def _inner_state(self) -> Any:
+        """The inner optimizer's new state, as an object (built from the bound rule's new
+        buffers where they are not adopted at the commit point)."""
+        if self.new_fields is not None and self.inner_state is self.state.inner_state:
+            self.inner_state = self.plan.bound.state(self.inner_done, self.new_fields)
+        return self.inner_state
 
     def _steps(self) -> list[Tensor]:
         self.progress.param_versions = [p._version for p in self.leaves]
@@ -284,10 +309,11 @@ class _Call:
         is, then, on the call-count gates, the mix of that window as the executor forms it
         (mode "aadl": out of place from the anchor, the last stored plain step)."""
         plan, state = self.plan, self.state
-        plain = state._replace(count=self.count, inner_state=self.inner_state, **self._cleared())
-        inplace.commit_to(state, self.progress, plain, self.inner_state, plan.adopts, plain=True)
+        inner_state = self._inner_state()
+        plain = state._replace(count=self.count, inner_state=inner_state, **self._cleared())
+        inplace.commit_to(state, self.progress, plain, inner_state, plan.adopts, plain=True)
         self.guard.checkpoint()
-        plan.count, plan.pending = self.count, _INF
+        plan.count, plan.pending, plan.inner_count = self.count, _INF, self.inner_done
         if not self.mixes:
             return self._finish(False, self.leaves, mixes=False)
         head = plan.head
@@ -314,6 +340,7 @@ class _Call:
         self.progress.plain, self.committing = True, None
         self.guard.checkpoint()
         plan.count, plan.head, plan.pending, plan.dr_rhs = self.count, head, _INF, list(c)
+        plan.inner_count = self.inner_done
         for matrix, row in ((plan.gram, g), (plan.dr_gram, h)):
             matrix[head] = list(row)
             for i, value in enumerate(row):
@@ -330,7 +357,9 @@ class _Call:
                            plan.counters, (ctypes.c_int64 * 2)(self.count, head))  # fmt: skip
         if plan.pending != _INF:
             state.pending_loss.fill_(_INF)
-        if self.inner_state is not state.inner_state:
+        if self.new_fields is not None:
+            plan.bound.adopt(self.inner_done, self.new_fields)
+        elif self.inner_state is not state.inner_state:
             write = inplace.adopt if plan.adopts else write_back
             write(state.inner_state, self.inner_state)
 
@@ -399,9 +428,10 @@ class _Call:
             for slots in plan.slots:
                 slots[head].copy_(torch.zeros_like(slots[head]))
         grams = Grams(*map(torch.zeros_like, Grams.of(state)))
+        inner_state = self._inner_state()
         plain = state._replace(
             count=self.count,
-            inner_state=self.inner_state,
+            inner_state=inner_state,
             head=head,
             window_size=window_size,
             num_nonfinite=state.num_nonfinite + 1,
@@ -410,7 +440,7 @@ class _Call:
             dr_rhs=grams.dr_rhs,
             **self._cleared(),
         )
-        inplace.commit_to(state, progress, plain, self.inner_state, plan.adopts, plain=True)
+        inplace.commit_to(state, progress, plain, inner_state, plan.adopts, plain=True)
         self.guard.checkpoint()
         progress.writes, progress.pending = [], state
         inplace.commit_to(state, progress, state, None, False)
@@ -451,7 +481,7 @@ class _Call:
             return  # nothing written
         plan = self.plan
         call = update_call.Call(
-            plan.options, self.state, self.leaves, plan.spec, self.updates, self.inner_state,
+            plan.options, self.state, self.leaves, plan.spec, self.updates, self._inner_state(),
             inplace=True, loss_fn=None, loss=self.loss, guard=self.guard,
         )  # fmt: skip
         call.count, call.count_value = (
