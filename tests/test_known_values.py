@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import aadl_func as aa
+from aadl_func._src import native
 from aadl_func._src.core import lstsq as solve
 from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.core.variants.classic import classic_coefficients
@@ -335,22 +336,44 @@ def test_finite_takes_the_largest_float32_and_skips_empty_leaves():
     assert passes.finite([torch.zeros(0)], [torch.zeros(0)], True) is True
 
 
+@pytest.mark.skipif(not native.available(), reason="the native kernel is not built")
 @pytest.mark.parametrize("m", [1, 4, 9, 20])
 @pytest.mark.parametrize("reg", [0.0, 1e-9])
 @pytest.mark.parametrize("spread", [1.0, 1e-7], ids=["plain", "near-singular"])
-def test_the_matrix_route_gives_the_list_route_bits(m, reg, spread):
-    """`solve_known_matrix` (H as a tensor, scaled by one tensor division: the steady call's
-    route for windows over 8 slots) returns the bytes of `solve_known` (H as lists, scaled by
-    Python divisions), on the Grams of residuals whose differences are well or barely
-    independent, with and without a ridge."""
+def test_the_native_system_gives_the_list_route_bits(m, reg, spread):
+    """The steady call's small system read from the window's Grams by the native kernel
+    (`native.System`, in ring order, then `solve_known_scaled`) returns the bytes of
+    `solve_known` on the chronological lists, for every position of the newest residual in
+    the ring, on residuals whose differences are well or barely independent, with and
+    without a ridge; the entries of the oldest slot, which no difference ends in, are not
+    read."""
     generator = torch.Generator().manual_seed(m)
     f = torch.randn(50, 1, generator=generator, dtype=torch.float64) * 1e3
     f = f + spread * torch.randn(50, m + 1, generator=generator, dtype=torch.float64)
     df = f.diff(dim=1)
-    h, c = df.T @ df, df.T @ f[:, -1]
-    residual_sq = (f * f).sum(0).tolist()
+    h, c, gram_chrono = df.T @ df, df.T @ f[:, -1], f.T @ f
+    residual_sq = torch.diagonal(gram_chrono).tolist()
     lists = solve.solve_known(h.tolist(), c.tolist(), residual_sq, reg)
-    matrix = solve.solve_known_matrix(h.contiguous(), c.tolist(), residual_sq, reg)
-    assert lists is not None and matrix is not None
-    assert lists[0].numpy().tobytes() == matrix[0].numpy().tobytes()
-    assert lists[1] == matrix[1]
+    assert lists is not None
+    q = m + 1
+    for head in range(q):
+        slot = [(head + 1 + j) % q for j in range(q)]  # of each residual, oldest first
+        gram = torch.empty(q, q, dtype=torch.float64)
+        gram[torch.tensor(slot)[:, None], torch.tensor(slot)] = gram_chrono
+        dr_gram = torch.full((q, q), 1e300, dtype=torch.float64)  # the oldest slot: unused
+        dr_rhs = torch.full((q,), -1e300, dtype=torch.float64)
+        later = torch.tensor(slot[1:])
+        dr_gram[later[:, None], later] = h
+        dr_rhs[later] = c
+        system = native.System(gram, dr_gram, dr_rhs)
+        unit = system.read(head)
+        assert unit == max(residual_sq)
+        assert system.h.tolist() == [[v / unit for v in row] for row in h.tolist()]
+        assert system.c.tolist() == [v / unit for v in c.tolist()]
+        assert system.diag.tolist() == torch.diagonal(h).tolist()
+        native_route = solve.solve_known_scaled(system.h, system.c, reg / unit)
+        assert native_route is not None
+        assert lists[0].numpy().tobytes() == native_route[0].numpy().tobytes()
+        assert lists[1] == native_route[1]
+    with pytest.raises(RuntimeError, match="slot"):
+        system.read(q)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ import torch
 
 import aadl_func as aa
 from aadl_func._src import native
+from aadl_func._src.window import known_rows
 
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 KERNEL = aa.kernel_info()
@@ -169,14 +171,43 @@ def test_leaf_rows_sum_the_leaves_rows_in_leaf_order(sizes):
             window = [[s.clone() for s in leaf] for leaf in slots]
             anchors = [a.clone() for a in anchor]
             rows = native.LeafRows(window, anchors)
-            assert rows.append(slot, newest) == expected
-            assert rows.dots(slot) == dots
+            rows.append(slot, newest)
+            assert rows.row() == expected
+            rows.dots(slot)
+            assert rows.row() == dots
             for got, want in zip(window + [anchors], ref_slots + [ref_anchor]):
                 assert all(torch.equal(a, b) for a, b in zip(got, want))
     finally:
         torch.set_num_threads(previous)
     flat = [torch.cat([leaf[j] for leaf in ref_slots]) for j in range(q)]
     assert_dots_close(torch.tensor(expected, dtype=torch.float64), flat, flat[slot])
+
+
+@needs_kernel
+@pytest.mark.parametrize("q", [1, 2, 6])
+def test_leaf_rows_known_rows_are_the_python_rows(q):
+    """`LeafRows.known_rows` (the steady call's Gram rows of an append, natively) against
+    `window.known_rows` on Python floats, for every slot: the same bytes, and whether they
+    are finite (an infinity or a NaN in the new row or in the row before)."""
+    generator = torch.Generator().manual_seed(q)
+    rows = native.LeafRows([[torch.zeros(3) for _ in range(q)]], [torch.zeros(3)])
+    before = torch.randn(q, generator=generator, dtype=torch.float64) * 1e3
+    for bad in (None, float("inf"), float("nan")):
+        for slot in range(q):
+            g = torch.randn(q, generator=generator, dtype=torch.float64)
+            if bad is not None:
+                (g if slot % 2 or q == 1 else before)[slot - 1] = bad
+            rows.out.copy_(g)
+            finite = rows.known_rows(before.data_ptr(), slot)
+            want = known_rows(g.tolist(), before.tolist(), slot)
+            got = rows.values.view(3, q)
+            assert [r.numpy().tobytes() for r in got] == [
+                torch.tensor(r, dtype=torch.float64).numpy().tobytes() for r in want
+            ]
+            assert finite == all(math.isfinite(v) for r in want for v in r) == (bad is None)
+            before[slot - 1] = 0.5  # (finite again)
+    with pytest.raises(RuntimeError, match="slot"):
+        rows.known_rows(before.data_ptr(), q)
 
 
 @needs_kernel

@@ -20,6 +20,7 @@
  * (aadl_func/_src/native.py) loads it with ctypes and checks every argument. Nothing here
  * allocates or keeps state.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -259,5 +260,57 @@ int64_t aadl_finite_f32(const float *x, int64_t n, int64_t threads) {
     return bad ? 0 : 1;
 }
 
+/* The steady call's small system, read from the committed Grams (`solve_known()`'s inputs
+ * in aadl_func/_src/core/lstsq.py): with the newest residual in slot `head` of the q-slot
+ * window, the slots in chronological order s_j = (head + 1 + j) mod q and the m = q - 1
+ * later ones l_i = s_{i + 1}, unit = max_j gram[s_j][s_j] (the first of equal values, as
+ * Python's max; 1 when it is not > 0), h[i][k] = dr_gram[l_i][l_k] / unit (m x m,
+ * row-major), c[i] = dr_rhs[l_i] / unit and diag[i] = dr_gram[l_i][l_i]: one IEEE
+ * division each, as Python's. The caller knows every value finite. Returns unit (-1 for
+ * a bad slot). */
+double aadl_system_f64(const double *gram, const double *dr_gram, const double *dr_rhs,
+                       int64_t q, int64_t head, double *h, double *c, double *diag) {
+    if (q < 2 || head < 0 || head >= q) return -1.0;
+    int64_t m = q - 1;
+    double unit = gram[((head + 1) % q) * (q + 1)];
+    for (int64_t j = 1; j < q; j++) {
+        double v = gram[((head + 1 + j) % q) * (q + 1)];
+        if (v > unit) unit = v;
+    }
+    if (!(unit > 0.0)) unit = 1.0;
+    for (int64_t i = 0; i < m; i++) {
+        int64_t li = (head + 2 + i) % q;
+        for (int64_t k = 0; k < m; k++) h[i * m + k] = dr_gram[li * q + (head + 2 + k) % q] / unit;
+        c[i] = dr_rhs[li] / unit;
+        diag[i] = dr_gram[li * q + li];
+    }
+    return unit;
+}
+
+/* The Gram rows of an append into slot `index` of a real q-slot window
+ * (`window.known_rows()`): from the new residual's row g and the Gram's row of the slot
+ * before, `before`, values = [g, h, c] with c_t = g_t - g_{t-1} and h_t = p_t - p_{t-1}
+ * (indices mod q), p_t = g_t - before_t except p_index = c_index: one IEEE subtraction
+ * each, as Python's. Returns 1 if all 3q values are finite, else 0. */
+int64_t aadl_rows_f64(const double *g, const double *before, int64_t q, int64_t index,
+                      double *values) {
+    if (q < 1 || index < 0 || index >= q) return -1;
+    double *h = values + q, *c = values + 2 * q;
+    int64_t finite = 1;
+    for (int64_t t = 0; t < q; t++) {
+        int64_t prev = (t + q - 1) % q;
+        values[t] = g[t];
+        c[t] = g[t] - g[prev];
+    }
+    for (int64_t t = 0; t < q; t++) {
+        int64_t prev = (t + q - 1) % q;
+        double p_t = t == index ? c[t] : g[t] - before[t];
+        double p_prev = prev == index ? c[prev] : g[prev] - before[prev];
+        h[t] = p_t - p_prev;
+    }
+    for (int64_t t = 0; t < 3 * q; t++) finite &= isfinite(values[t]) ? 1 : 0;
+    return finite;
+}
+
 /* Lets the loader check that it got this file's build (bumped with any change of API). */
-int64_t aadl_dots_version(void) { return 4; }
+int64_t aadl_dots_version(void) { return 6; }

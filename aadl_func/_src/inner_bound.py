@@ -7,7 +7,8 @@ lists of tensors and the update count as a Python int: while the version counter
 tensors stay as the previous call left them (the steady plan tracks them), nothing has
 written them since, so they need no flattening, no shape checks and no `.item()`. The
 update is the rule's (the operations of `update(..., inplace=False)`, bit for bit); the new
-buffers are adopted at the commit point by `set_` (O(1)) and the count written in place.
+buffers are adopted at the commit point by `set_` (O(1)) and the count written in place (by
+the steady call's native commit).
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ class BoundRule:
         fields = [optree.tree_unflatten(self.spec, leaves) for leaves in new_fields]
         return self.state_type(torch.tensor(count, dtype=torch.int64), *fields)
 
-    def adopt(self, count: int, new_fields: list) -> None:
-        """The state it is bound to becomes `state(count, new_fields)`: the count written,
-        each buffer taking over its new tensor's memory (`Tensor.set_`, as
-        `exec.inplace.adopt()`). Doing it again changes nothing."""
-        self.count.fill_(count)
+    def adopt(self, new_fields: list) -> None:
+        """The buffers of the state it is bound to become `new_fields`, each taking over its
+        new tensor's memory (`Tensor.set_`, as `exec.inplace.adopt()`); the caller writes
+        the count (the steady call, in its commit point's native call). Doing it again
+        changes nothing."""
         for old, new in zip(self.fields, new_fields):
             for dst, src in zip(old, new):
                 if dst is not src:

@@ -66,7 +66,7 @@ __all__ = [
 
 # Built by setup.py (the extension "aadl_func._src._dots") with the interpreter's suffix.
 LIBRARY = Path(__file__).with_name("_dots" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
-_VERSION = 4  # aadl_dots_version() of the source this module was written for
+_VERSION = 6  # aadl_dots_version() of the source this module was written for
 
 # Elements per block (at most the C side's AADL_MAX_BLOCK): the float64 copy of a vector
 # block (16 KiB) stays in L1 while every row streams past it.
@@ -234,6 +234,10 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.aadl_leaves_f32.restype = i64
     library.aadl_finite_f32.argtypes = [ptr, i64, i64]
     library.aadl_finite_f32.restype = i64
+    library.aadl_system_f64.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    library.aadl_system_f64.restype = ctypes.c_double
+    library.aadl_rows_f64.argtypes = [ptr, ptr, i64, i64, ptr]
+    library.aadl_rows_f64.restype = i64
     return library
 
 
@@ -287,40 +291,56 @@ class LeafRows:
             torch.empty(self.q, dtype=torch.float64),
             torch.empty(self.q, dtype=torch.float64),
         )
+        # The rows `known_rows()` makes, `[g, h, c]`, which the commit point stores.
+        self.values = torch.empty(3 * self.q, dtype=torch.float64)
+        self._out, self.values_address = self.out.data_ptr(), self.values.data_ptr()
 
-    def append(self, slot: int, newest: Sequence[Tensor]) -> list[float]:
+    def append(self, slot: int, newest: Sequence[Tensor]) -> None:
         """`append_differences()` of every leaf (`rows[slot] = newest - anchor`, `anchor =
-        newest`), the rows summed: `row_0 + row_1 + ...`. The caller bumps the version
-        counters."""
-        return self._run(slot, pointers(newest))
+        newest`), the rows summed into `out`: `row_0 + row_1 + ...`. The caller bumps the
+        version counters."""
+        self._run(slot, pointers(newest))
 
-    def dots(self, slot: int) -> list[float]:
-        """The dots of every leaf's slot `slot` with its slots, summed from zero:
+    def dots(self, slot: int) -> None:
+        """The dots of every leaf's slot `slot` with its slots, summed from zero into `out`:
         `((0 + row_0) + row_1) + ...`."""
-        return self._run(slot, None)
+        self._run(slot, None)
 
-    def _run(self, slot: int, newest: ctypes.Array | None) -> list[float]:
+    def row(self) -> list[float]:
+        """The last row summed (`append()`, `dots()`), as Python floats."""
+        return self.out.tolist()
+
+    def known_rows(self, before: int, slot: int) -> bool:
+        """`window.known_rows()` for the last row summed as the new residual's in slot
+        `slot` and `before` (the address of `q` doubles: the Gram's row of the slot before):
+        `values` = `[g, h, c]` (`aadl_rows_f64`); whether they are all finite."""
+        code = _load()[0].aadl_rows_f64(self._out, before, self.q, slot, self.values_address)
+        if code < 0:
+            raise RuntimeError(f"aadl_func native kernel failed for slot {slot}")
+        return code == 1
+
+    def _run(self, slot: int, newest: ctypes.Array | None) -> None:
         code = _load()[0].aadl_leaves_f32(
             self.leaves, self.rows, self.q, slot, newest, self.anchor, self.sizes, BLOCK,
             torch.get_num_threads(), _PARALLEL_MIN, self.partial, self.scratch.data_ptr(),
-            self.out.data_ptr(),
+            self._out,
         )  # fmt: skip
         if code != 0:
             raise RuntimeError(f"aadl_func native kernel failed with code {code}")
-        return self.out.tolist()
 
 
 def commit_rows(
     committed: Sequence[Tensor],
     slot: int,
-    values: ctypes.Array,
+    values: ctypes.Array | int,
     counters: ctypes.Array,
     counts: ctypes.Array,
 ) -> None:
     """The steady call's commit-point writes (`aadl_commit_f64` in _dots.c): with
     `committed` = `[gram, dr_gram, dr_rhs, *counters]` (contiguous float64 `(q, q)`,
     `(q, q)`, `(q,)` CPU tensors and int64 scalars), row and column `slot` of the two Grams
-    set to `values[:q]` and `values[q:2q]`, `dr_rhs` to `values[2q:]`, and the counters at
+    set to `values[:q]` and `values[q:2q]`, `dr_rhs` to `values[2q:]` (`values`: a C array
+    or the address of `3q` doubles, e.g. `LeafRows.values`'), and the counters at
     `counters` to `counts`. The caller checked the layouts (the steady call's plan) and
     bumps the version counters."""
     gram, dr_gram, dr_rhs = committed[:3]
@@ -330,6 +350,33 @@ def commit_rows(
     )  # fmt: skip
     if code != 0:
         raise RuntimeError(f"aadl_func native kernel failed with code {code}")
+
+
+class System:
+    """The steady call's small system read from the committed Grams (`aadl_system_f64`):
+    for a window of `q` slots, the buffers it fills, `h` (the `(q - 1, q - 1)` Gram of the
+    residuals' differences in chronological order), `c` and `diag` (`(q - 1,)` each), all
+    divided by `unit` = max of the residuals' squared norms except `diag` (the unscaled
+    diagonal of `h`): `core.lstsq.solve_known()`'s arithmetic, with the Grams as tensors
+    rather than lists. The caller keeps the Grams' layout (contiguous float64 `(q, q)`,
+    `(q, q)`, `(q,)` CPU tensors) and knows their values finite."""
+
+    def __init__(self, gram: Tensor, dr_gram: Tensor, dr_rhs: Tensor) -> None:
+        q = dr_rhs.shape[0]
+        self.q = q
+        self.grams = (gram.data_ptr(), dr_gram.data_ptr(), dr_rhs.data_ptr())
+        self.h = torch.empty(q - 1, q - 1, dtype=torch.float64)
+        self.c = torch.empty(q - 1, dtype=torch.float64)
+        self.diag = torch.empty(q - 1, dtype=torch.float64)
+        self._out = (self.h.data_ptr(), self.c.data_ptr(), self.diag.data_ptr())
+
+    def read(self, head: int) -> float:
+        """Fills `h`, `c` and `diag` for the newest residual in slot `head`; returns
+        `unit`."""
+        unit = _load()[0].aadl_system_f64(*self.grams, self.q, head, *self._out)
+        if unit < 0:
+            raise RuntimeError(f"aadl_func native kernel failed for slot {head}")
+        return unit
 
 
 def finite_f32(t: Tensor) -> bool:

@@ -52,7 +52,7 @@ __all__ = [
     "solve_coefficients",
     "solve_differences",
     "solve_known",
-    "solve_known_matrix",
+    "solve_known_scaled",
     "solve_factor_known",
     "RCOND",
     "RTOL",
@@ -451,23 +451,22 @@ def solve_known(
     return _solve_scaled(h, [v / unit for v in dr_rhs], reg / unit)
 
 
-def solve_known_matrix(
-    dr_gram: Tensor, dr_rhs: Sequence[float], residual_sq: Sequence[float], reg: float = 0.0
+def solve_known_scaled(h: Tensor, c: Tensor, reg: float = 0.0) -> tuple[Tensor, list[float]] | None:
+    r"""`solve_known()` from its scaled system, for a caller that formed it (the steady call,
+    with `native.System`: one IEEE division per entry, as here) and knows every value
+    finite: `h` $= H / u$ (`(m, m)`) and `c` $= c / u$ (`(m,)`) contiguous float64 CPU
+    tensors, `reg` $= \mathrm{reg} / u$, with $u = \max_i \|f_i\|^2$ (1 when it is 0). The
+    same bits; None when the solve is not finite."""
+    return _solve_scaled(h, c, reg)
+
+
+def _solve_scaled(
+    h: Tensor, c: list[float] | Tensor, reg: float
 ) -> tuple[Tensor, list[float]] | None:
-    r"""`solve_known()` with $H$ given as a contiguous `(m, m)` float64 CPU tensor, for a
-    caller that knows every value finite (a window whose Gram rows were each checked when
-    they were appended): the same bits, with the scaling $H / \max_i \|f_i\|^2$ one tensor
-    division (IEEE, as each Python division) instead of `m^2` Python ones, which a window of
-    20 or more columns notices. None when the solve is not finite."""
-    unit = max(residual_sq)
-    unit = unit if unit > 0 else 1.0
-    return _solve_scaled(dr_gram / unit, [v / unit for v in dr_rhs], reg / unit)
-
-
-def _solve_scaled(h: Tensor, c: list[float], reg: float) -> tuple[Tensor, list[float]] | None:
     """The rest of `solve_known()`: the eigendecomposition of the scaled `h`, its
     cut-off inverse applied to the scaled `c`, the affine weights."""
-    c = float64_tensor(c)
+    if isinstance(c, list):
+        c = float64_tensor(c)
     eigvals, eigvecs = torch.linalg.eigh(h)
     inverse = []
     for value in eigvals.tolist():

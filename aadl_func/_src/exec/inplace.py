@@ -82,13 +82,19 @@ def _adopts(call: Call) -> bool:
 
 def adopt(target: Any, source: Any) -> None:
     """`target`'s tensors take over the memory of `source`'s (`Tensor.set_`, O(1)),
-    leaf by leaf; leaves of another shape, dtype or device are copied. Doing it again is a
-    no-op, so an interrupted adoption is finished by repeating it."""
+    leaf by leaf; leaves of another shape, dtype or device, and 0-d ones (a counter, whose
+    memory the steady call writes through a pointer: `exec.plan`), are copied. Doing it
+    again is a no-op, so an interrupted adoption is finished by repeating it."""
     targets = optree.tree_leaves(target, none_is_leaf=True)
     sources = optree.tree_leaves(source, none_is_leaf=True)
     for dst, src in zip(targets, sources):
         if isinstance(dst, Tensor) and isinstance(src, Tensor) and dst is not src:
-            if dst.shape == src.shape and dst.dtype == src.dtype and dst.device == src.device:
+            if (
+                dst.ndim
+                and dst.shape == src.shape
+                and dst.dtype == src.dtype
+                and (dst.device == src.device)
+            ):
                 dst.set_(src)
             else:
                 dst.copy_(src)

@@ -2,7 +2,7 @@ r"""The steady call's plan: what it keeps of a state from one call to the next, 
 that the state and the inputs of a call still fit it (`aadl_func._src.exec.steady`).
 
 A `Plan` holds the params' leaves, each leaf's window slots as one matrix, the native
-kernel's pointers and output buffers, and the counters, Grams and pending loss as Python
+kernel's pointers and output buffers, and the counters and pending loss as Python
 values. It holds while every tensor it copies keeps the version counter the previous call
 left it with (`versions()`). `new_plan()` makes one for a state in the steady state
 (`steady_window()`) whose calls can be steady at all (else None); `params_fit()` and
@@ -11,8 +11,8 @@ left it with (`versions()`). `new_plan()` makes one for a state in the steady st
 
 from __future__ import annotations
 
+import ctypes
 import math
-from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
@@ -42,9 +42,9 @@ class Plan:
 
     __slots__ = (
         "options", "params", "shapes", "spec", "anchor", "slots", "columns", "rows",
-        "count", "head", "mixed", "pending", "gram", "dr_gram", "dr_rhs", "tracked", "versions",
-        "keeps", "adopts", "leaf_update", "committed", "counters", "finite", "_taken",
-        "classic", "iterates", "runs", "storages", "bound", "inner_count",
+        "count", "head", "mixed", "pending", "q", "gram_rows", "tracked", "versions",
+        "keeps", "adopts", "leaf_update", "committed", "counters", "finite",
+        "classic", "iterates", "runs", "storages", "bound", "inner_count", "system", "counts",
     )  # fmt: skip
 
     def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
@@ -72,14 +72,15 @@ class Plan:
             int(t) for t in (state.count, state.head, state.num_mixed)
         )
         self.pending = float(state.pending_loss)  # the deferred safeguard's bar, or +inf
-        self.gram, self.dr_gram = state.gram.tolist(), state.dr_gram.tolist()
-        self.dr_rhs = state.dr_rhs.tolist()
+        self.q = q = state.dr_rhs.shape[0]
+        # The address of each row of the (contiguous float64) Gram: `known_rows()`'s
+        # `before` at an append is the row of the newest residual's slot.
+        self.gram_rows = [state.gram.data_ptr() + 8 * q * s for s in range(q)]
         # Every Gram value finite, as each row appended from now on is checked to be (a
-        # non-finite one restarts the window with zeros): the small solve may skip the test.
-        self.finite = all(
-            math.isfinite(v) for v in (*chain(*self.gram), *chain(*self.dr_gram), *self.dr_rhs)
-        )
-        self._taken: dict[int, Tensor] = {}
+        # non-finite one restarts the window with zeros): the small solve may skip the test
+        # and read its system from the tensors (`system`).
+        grams = (state.gram, state.dr_gram, state.dr_rhs)
+        self.finite = all(math.isfinite(v) for t in grams for v in t.reshape(-1).tolist())
         # Every tensor the plan copies or writes behind torch's back (a leaf's slots share
         # one buffer's version counter), and their version counters as the last call left them.
         self.tracked = [
@@ -90,6 +91,8 @@ class Plan:
         # What the commit point writes natively (`native.commit_rows()`).
         self.committed = [state.gram, state.dr_gram, state.dr_rhs, state.count, state.head]
         self.counters = native.pointers([state.count, state.head])
+        # The small system read from the committed Grams (the native kernel).
+        self.system = native.System(state.gram, state.dr_gram, state.dr_rhs)
         # The window's memory, which no params leaf may share.
         self.storages = {t.untyped_storage().data_ptr() for t in self.tracked}
         self.keeps = protocols.keeps_buffers(options.inner)
@@ -106,21 +109,15 @@ class Plan:
         if self.bound is not None:
             self.inner_count = int(self.bound.count)
             self.tracked += self.bound.tensors()
+            # Its count is written by the commit point's native call too.
+            self.committed.append(self.bound.count)
+            self.counters = native.pointers([state.count, state.head, self.bound.count])
+        self.counts = (ctypes.c_int64 * len(self.counters))()  # the values they get
         self.versions = versions(self)
-
-    def taken(self, head: int) -> Tensor:
-        """The flat indices of the `(q - 1, q - 1)` differences' Gram in chronological order
-        when the newest residual is in slot `head` (for `torch.take` on `dr_gram`)."""
-        index = self._taken.get(head)
-        if index is None:
-            q = len(self.gram)
-            later = [(head + 1 + j) % q for j in range(1, q)]
-            index = self._taken[head] = torch.tensor([[i * q + j for j in later] for i in later])
-        return index
 
     def ring(self) -> tuple:
         """The residuals' window as the executor's ring: per slot, its leaves."""
-        return tuple([[leaf[s] for leaf in self.slots] for s in range(len(self.gram))])
+        return tuple([[leaf[s] for leaf in self.slots] for s in range(self.q)])
 
 
 def versions(plan: Plan) -> list[int]:

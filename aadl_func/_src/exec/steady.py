@@ -5,11 +5,12 @@ with the window full, storing and mixing. The eager executor (`aadl_func._src.ex
 reads each of them from the state and checks every input again. Here what cannot have
 changed since the previous call is kept with the state in a `Plan` (`aadl_func._src.exec.plan`,
 `aadl_func._src.verified_states.set_memo()`): the params' leaves, each leaf's window
-slots as one matrix, the native kernel's pointers and output buffers, and the counters and
-Grams as Python values. A plan holds while every tensor it copies keeps the version counter
-the previous call left it with: whatever wrote one since (the caller, the executor, a
-recovery, a `load_state_dict`) moved it, and the next call builds the plan again from the
-tensors. What can change between calls is checked each call as
+slots as one matrix, the native kernel's pointers and output buffers, the counters as Python
+ints, and a built-in inner optimizer's buffers with its count. A plan holds while every
+tensor it copies or writes behind torch's back keeps the version counter the previous call
+left it with: whatever wrote one since (the caller, the executor, a recovery, a
+`load_state_dict`) moved it, and the next call builds the plan again from the tensors. What
+can change between calls is checked each call as
 `aadl_func._src.checks.check_update_inputs()` would check it (any mismatch goes to the
 checked path): the grads against the params, and params tensors other than the plan's (the
 wrapper passes fresh copies) for their shapes, layout and memory.
@@ -17,13 +18,16 @@ wrapper passes fresh copies) for their shapes, layout and memory.
 The call is the executor's, operation for operation, so it gives its bits
 (tests/test_steady_step.py holds every byte of params and state to it), except for its
 bookkeeping, which the native kernel does in fewer calls with the same bytes: the whole
-tree's append and Gram row (`native.LeafRows`), the commit point's stores into the Grams and
-counters (`native.commit_rows()`, done again by `_Call._recover()` if an exception cuts
-them short); a built-in inner
-optimizer's update runs on the leaves the plan checked (`update.update_leaves`). Mode "aadl": the
-inner update, `y = x + u` into the params, the fused append (the newest difference into its
-slot, the anchor, the Gram row), the Grams as Python floats, the commit point, the small
-solve (`aadl_func._src.core.lstsq.solve_known()`), `x^+ = y - sum_j c_j \Delta x_j`
+tree's append and Gram row (`native.LeafRows`), the Gram rows of the append from it and the
+committed Gram (`LeafRows.known_rows()`, `window.known_rows()`'s subtractions), the commit
+point's stores into the Grams and counters (`native.commit_rows()`, done again by
+`_Call._recover()` if an exception cuts them short), and the small system read from the
+committed Grams (`native.System`, `core.lstsq.solve_known()`'s divisions). A built-in Adam
+runs by its known rule on the buffers the plan keeps (`inner_bound.BoundRule`); another
+built-in inner optimizer on the leaves the plan checked (`update.update_leaves`). Mode
+"aadl": the inner update, `y = x + u` into the params, the fused append (the newest
+difference into its slot, the anchor, the Gram row), the commit point, the small solve
+(`aadl_func._src.core.lstsq.solve_known_scaled()`), `x^+ = y - sum_j c_j \Delta x_j`
 accumulated in the params, the finiteness test and the final commit. Mode "classic": the
 pair `(x_k - anchor, u_k)` into its slots and its Gram row first, then the anchor and the
 plain step, and the mix over both rings. A call off the `frequency` (or within
@@ -52,9 +56,7 @@ kernel; a full window.
 
 from __future__ import annotations
 
-import ctypes
 import math
-from itertools import chain
 from typing import Any
 
 import torch
@@ -66,7 +68,11 @@ from aadl_func._src.atomic import InterruptGuard, Progress, guarded, write_back
 from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
-from aadl_func._src.core.lstsq import known_ridge, solve_known, solve_known_matrix
+from aadl_func._src.core.lstsq import (
+    known_ridge,
+    solve_known,
+    solve_known_scaled,
+)
 from aadl_func._src.core.scalars import float32_tensor
 from aadl_func._src.core.variants import aadl, classic
 from aadl_func._src.core.variants.aadl import aadl_coefficients
@@ -77,15 +83,11 @@ from aadl_func._src.exec.eager import _write
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 from aadl_func._src.verified_states import memo, set_memo
-from aadl_func._src.window import known_rows
 
 __all__ = ["run"]
 
 _FLOAT32 = torch.float32
 _INF = math.inf
-# Above this many window slots the small solve takes `H` from the state's tensor
-# (`solve_known_matrix()`); below, the Python lists cost less than the gather.
-_MATRIX_SOLVE = 8
 
 
 def run(
@@ -178,7 +180,7 @@ class _Call:
         self.new_fields: list | None = None
         self.inner_done = plan.inner_count
         self.steady = True  # the plan still describes the state after the call
-        self.committing: tuple | None = None  # the commit point's writes, while under way
+        self.committing: int | None = None  # the commit point's slot, while it writes
 
     def run(self) -> list[Tensor]:
         plan, state = self.plan, self.state
@@ -230,19 +232,19 @@ class _Call:
     def _aadl(self) -> list[Tensor]:
         """Mode "aadl" (`_Step.aadl()`)."""
         plan, progress = self.plan, self.progress
-        params, q = self.leaves, len(plan.gram)
+        params, q = self.leaves, plan.q
         for p, u in zip(params, self.updates):  # 1. y = x + u, in the params
             progress.stepped.append(p.add_(u))
         if not self.stores:
             return self._unstored()
         head = (plan.head + 1) % q  # 2. y - anchor joins the window, y is the anchor
-        rows = known_rows(self._append(head), plan.gram[(head - 1) % q], head)
-        if not all(map(math.isfinite, chain(*rows))):
+        self._append(head)
+        if not plan.rows.known_rows(plan.gram_rows[plan.head], head):  # (not finite)
             return self._poisoned(head, 1)
-        self._commit_plain(head, *rows)  # 3. the commit point
+        self._commit_plain(head)  # 3. the commit point
         if not self.mixes:  # a call that only stores (`frequency`, `wait_iterations`)
             return self._finish(False, params, mixes=False)
-        alpha, solved = self._weights(head, plan.gram, plan.dr_gram, rows[2])  # 4. the weights
+        alpha, solved = self._weights(head)  # 4. the weights
         minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
         weights = _float32_weights(head, minus_c)
         progress.undo.append((params, plan.anchor))
@@ -260,7 +262,7 @@ class _Call:
     def _classic(self) -> list[Tensor]:
         """Mode "classic" (`_Step.classic()`)."""
         plan, progress = self.plan, self.progress
-        params, q = self.leaves, len(plan.gram)
+        params, q = self.leaves, plan.q
         if not self.stores:
             for p, u in zip(params, self.updates):  # y = x + u, in the params
                 progress.stepped.append(p.add_(u))
@@ -271,8 +273,8 @@ class _Call:
             torch.sub(x, a, out=iterates[head])  # the difference written once, in its slot
         for slots, u in zip(plan.slots, self.updates):
             slots[head].copy_(u)
-        rows = known_rows(self._dots(head), plan.gram[(head - 1) % q], head)
-        finite = all(map(math.isfinite, chain(*rows)))
+        self._dots(head)
+        finite = plan.rows.known_rows(plan.gram_rows[plan.head], head)
         if not finite:  # the slot zeroed, as the append does before the anchor is written
             for slots in plan.slots:
                 slots[head].copy_(torch.zeros_like(slots[head]))
@@ -281,10 +283,10 @@ class _Call:
             progress.stepped.append(p.add_(u))
         if not finite:
             return self._poisoned(head, 0)
-        self._commit_plain(head, *rows)  # 3. the commit point
+        self._commit_plain(head)  # 3. the commit point
         if not self.mixes:  # a call that only stores (`frequency`, `wait_iterations`)
             return self._finish(False, params, mixes=False)
-        alpha, solved = self._weights(head, plan.gram, plan.dr_gram, rows[2])  # 4. the weights
+        alpha, solved = self._weights(head)  # 4. the weights
         return self._classic_mix(head, alpha, solved)
 
     def _classic_mix(self, head: int, alpha: list[float] | Tensor, solved: Any) -> list[Tensor]:
@@ -317,7 +319,7 @@ class _Call:
         if not self.mixes:
             return self._finish(False, self.leaves, mixes=False)
         head = plan.head
-        alpha, solved = self._weights(head, plan.gram, plan.dr_gram, plan.dr_rhs)
+        alpha, solved = self._weights(head)
         if plan.classic:
             return self._classic_mix(head, alpha, solved)
         minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
@@ -328,37 +330,37 @@ class _Call:
         ok = passes.finite(x_hist, self.leaves, solved)
         return self._finish(ok, x_hist if ok else self.leaves)
 
-    def _commit_plain(self, head: int, g: list, h: list, c: list) -> None:
+    def _commit_plain(self, head: int) -> None:
         """The commit point (`_Step.commit_plain()`): the plain step's state, with the
-        Grams the append made, becomes the caller's (and the plan's values). Its writes
-        (`_plain_writes()`) are done again by `_recover()` if an exception cuts them short,
-        which finishes the commit, as `exec.inplace.recover()` finishes the executor's."""
+        Grams the append made (`plan.rows.values`), becomes the caller's (and the plan's
+        values). Its writes (`_plain_writes()`) are done again by `_recover()` if an
+        exception cuts them short, which finishes the commit, as `exec.inplace.recover()`
+        finishes the executor's."""
         plan = self.plan
-        self.committing = (head, g, h, c)
-        self._plain_writes(head, g, h, c)
+        self.committing = head
+        self._plain_writes(head)
         # Each outcome recorded in one statement, so that no line runs between the two.
         self.progress.plain, self.committing = True, None
         self.guard.checkpoint()
-        plan.count, plan.head, plan.pending, plan.dr_rhs = self.count, head, _INF, list(c)
+        plan.count, plan.head, plan.pending = self.count, head, _INF
         plan.inner_count = self.inner_done
-        for matrix, row in ((plan.gram, g), (plan.dr_gram, h)):
-            matrix[head] = list(row)
-            for i, value in enumerate(row):
-                matrix[i][head] = value
 
-    def _plain_writes(self, head: int, g: list, h: list, c: list) -> None:
+    def _plain_writes(self, head: int) -> None:
         """The commit point's writes into the caller's state: the Gram rows, `dr_rhs`, the
         counters (one native call: the bytes of torch's copies and fills), the cleared bar
         and the inner optimizer's new buffers. Doing them again gives the same state."""
         plan, state = self.plan, self.state
-        q = len(g)
+        # The counters (with a bound rule, its count too: `plan.counters`).
+        counts = plan.counts
+        counts[0], counts[1] = self.count, head
+        if plan.bound is not None:
+            counts[2] = self.inner_done
         torch.autograd.graph.increment_version(plan.committed)  # as torch's writes would
-        native.commit_rows(plan.committed, head, (ctypes.c_double * (3 * q))(*g, *h, *c),
-                           plan.counters, (ctypes.c_int64 * 2)(self.count, head))  # fmt: skip
+        native.commit_rows(plan.committed, head, plan.rows.values_address, plan.counters, counts)
         if plan.pending != _INF:
             state.pending_loss.fill_(_INF)
         if self.new_fields is not None:
-            plan.bound.adopt(self.inner_done, self.new_fields)
+            plan.bound.adopt(self.new_fields)
         elif self.inner_state is not state.inner_state:
             write = inplace.adopt if plan.adopts else write_back
             write(state.inner_state, self.inner_state)
@@ -393,31 +395,34 @@ class _Call:
             plan.pending = pending["pending_loss"]
         return self.leaves
 
-    def _weights(
-        self, head: int, gram: list, dr_gram: list, dr_rhs: list
-    ) -> tuple[list[float] | Tensor, Any]:
+    def _weights(self, head: int) -> tuple[list[float] | Tensor, Any]:
         """The affine weights of the full window whose newest residual is in slot `head`
-        (`passes.mixing_weights()`, whose Python-float route this is: the Grams' values
-        are the lists the append made), and whether the solve succeeded."""
-        plan = self.plan
-        q = len(gram)
-        slots = [(head + 1 + j) % q for j in range(q)]  # oldest first
-        later = slots[1:]  # the newer ends of the differences (the columns of gamma)
-        args = (
-            [dr_rhs[i] for i in later],
-            [gram[s][s] for s in slots],
-            known_ridge(plan.options, [dr_gram[i][i] for i in later]),
-        )
-        if q > _MATRIX_SOLVE and plan.finite:
-            # H in chronological order taken from the committed tensor (the lists' values):
-            # one gather instead of (q - 1)^2 Python reads and divisions.
-            known = solve_known_matrix(torch.take(self.state.dr_gram, plan.taken(head)), *args)
-        else:
-            known = solve_known([[dr_gram[i][j] for j in later] for i in later], *args)
+        (`passes.mixing_weights()`, whose Python-float route this is: `solve_known()`'s
+        arithmetic on the committed Grams' values), and whether the solve succeeded."""
+        plan, state = self.plan, self.state
+        options = plan.options
+        if plan.finite:
+            # The scaled system read from the tensors by the native kernel: one division per
+            # value, as `solve_known()` does on the lists.
+            system = plan.system
+            unit = system.read(head)
+            diag = system.diag.tolist() if options.reg_relative else ()
+            known = solve_known_scaled(system.h, system.c, known_ridge(options, diag) / unit)
+        else:  # a value the plan found not finite: the lists, which `solve_known()` checks
+            q = plan.q
+            gram, dr_gram, dr_rhs = (t.tolist() for t in (state.gram, state.dr_gram, state.dr_rhs))
+            slots = [(head + 1 + j) % q for j in range(q)]  # oldest first
+            later = slots[1:]  # the newer ends of the differences (the columns of gamma)
+            known = solve_known(
+                [[dr_gram[i][j] for j in later] for i in later],
+                [dr_rhs[i] for i in later],
+                [gram[s][s] for s in slots],
+                known_ridge(options, [dr_gram[i][i] for i in later]),
+            )
         if known is not None:
             return known[1], True
         # A value that is not finite: the tensor route decides, as in the executor.
-        return passes.mixing_weights(plan.options, plan.ring(), Grams.of(self.state), head, q)
+        return passes.mixing_weights(options, plan.ring(), Grams.of(state), head, plan.q)
 
     def _poisoned(self, head: int, window_size: int) -> list[Tensor]:
         """A Gram row that is not finite (`_Step.append()`'s poisoned append): the slot and
@@ -474,7 +479,7 @@ class _Call:
         """An exception anywhere: one complete outcome, as the executor's
         (`_Step.recover()`)."""
         if self.committing is not None:  # the commit point's writes, finished
-            self._plain_writes(*self.committing)
+            self._plain_writes(self.committing)
             self.progress.plain, self.committing = True, None
             return
         if self.progress.param_versions is None and self.progress.pending is None:
@@ -491,18 +496,19 @@ class _Call:
         call.progress = self.progress
         inplace.recover(call)
 
-    def _dots(self, head: int) -> list[float]:
+    def _dots(self, head: int) -> None:
         """Mode "classic": the Gram row of the residual in slot `head`, summed over the
-        leaves from 0.0 (`passes._known_dots_row()`, one kernel call: `native.LeafRows`)."""
-        return self.plan.rows.dots(head)
+        leaves from 0.0 into `plan.rows.out` (`passes._known_dots_row()`, one kernel call:
+        `native.LeafRows`)."""
+        self.plan.rows.dots(head)
 
-    def _append(self, head: int) -> list[float]:
+    def _append(self, head: int) -> None:
         """The fused append of every leaf (`native.append_differences()`, one kernel call for
         the tree: `native.LeafRows`): the Gram row of the new difference, summed over the
-        leaves."""
+        leaves into `plan.rows.out`."""
         plan = self.plan
         # Written behind torch's back: bump the version counters as an in-place op would.
         torch.autograd.graph.increment_version(
             [t for slots, a in zip(plan.slots, plan.anchor) for t in (slots[head], a)]
         )
-        return plan.rows.append(head, self.leaves)
+        plan.rows.append(head, self.leaves)
