@@ -11,6 +11,7 @@ from the package's own directory, and nothing is built or written at run time.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import math
 import os
@@ -27,6 +28,9 @@ import torch
 
 import aadl_func as aa
 from aadl_func._src import native
+from aadl_func._src.core import lstsq
+from aadl_func._src.core.variants.aadl import aadl_coefficients
+from aadl_func._src.exec import steady
 from aadl_func._src.window import known_rows
 
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
@@ -208,6 +212,36 @@ def test_leaf_rows_known_rows_are_the_python_rows(q):
             before[slot - 1] = 0.5  # (finite again)
     with pytest.raises(RuntimeError, match="slot"):
         rows.known_rows(before.data_ptr(), q)
+
+
+@needs_kernel
+def test_system_inverse_and_weights_are_the_python_steps():
+    """`System.cutoff_inverse` and `System.aadl_weights` (the steady call's scalar steps of
+    the small solve, natively) against their Python twins, byte for byte: the cut-off
+    inverse (`lstsq._cutoff_inverse`) on eigenvalues negative, -0.0, NaN, below and above
+    `RTOL`, with and without a ridge; the weights (`_known_affine`, `aadl_coefficients`
+    negated, the ring order and the float32 rounding of `_float32_weights`) for every slot,
+    two relaxations and gammas whose weights overflow float32 or round to subnormals; None
+    for a gamma that is not finite."""
+    q = 6
+    zeros = torch.zeros(q, q, dtype=torch.float64)
+    system = native.System(zeros, zeros.clone(), torch.zeros(q, dtype=torch.float64))
+    eigvals = torch.tensor([-1e-3, -0.0, float("nan"), 1e-14, 2.5], dtype=torch.float64)
+    for reg in (0.0, 1e-13, 0.3):
+        got = system.cutoff_inverse(eigvals, reg).numpy().tobytes()
+        assert got == lstsq._cutoff_inverse(eigvals, reg).numpy().tobytes()
+    generator = torch.Generator().manual_seed(0)
+    gammas = [torch.randn(q - 1, generator=generator, dtype=torch.float64) * s
+              for s in (1.0, 1e3, 1e-40, 1e39)]  # fmt: skip
+    for gamma, relaxation, head in itertools.product(gammas, (1.0, 0.5), range(q)):
+        alpha = [b - a for a, b in itertools.pairwise([0.0, *gamma.tolist(), 1.0])]
+        minus_c = aadl_coefficients(alpha, relaxation, negated=True)
+        want = steady._float32_weights(head, minus_c).numpy().tobytes()
+        assert system.aadl_weights(gamma, relaxation, head).numpy().tobytes() == want
+    assert system.aadl_weights(torch.tensor([0.0, float("inf"), 0.0, 0.0, 1.0],
+                                            dtype=torch.float64), 1.0, 0) is None  # fmt: skip
+    with pytest.raises(RuntimeError, match="slot"):
+        system.aadl_weights(gammas[0], 1.0, q)
 
 
 @needs_kernel

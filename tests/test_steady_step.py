@@ -205,7 +205,11 @@ def test_grads_the_steady_call_does_not_fit_go_the_checked_way(monkeypatch):
 # executor call the same one): after the commit point, during the mix, before the commit point
 # (the window written, not yet committed: the plain step with the window restarted).
 FAULTS = {
-    "solve": lambda: [(steady, "solve_known_scaled"), (weights, "solve_known")],
+    "solve": lambda: [
+        (steady, "solve_known_scaled"),  # mode "classic"
+        (steady, "known_gamma"),  # mode "aadl"
+        (weights, "solve_known"),  # the executor's
+    ],
     "mix": lambda: [(passes, "finite")],
     "append": lambda: [(native.LeafRows, "known_rows"), (passes, "known_rows")],
 }

@@ -20,6 +20,9 @@
  * (aadl_func/_src/native.py) loads it with ctypes and checks every argument. Nothing here
  * allocates or keeps state.
  */
+/* No fused multiply-adds: the scalar steps here reproduce Python's (and torch's) separately
+ * rounded operations (GCC's ISO C modes never contract; clang's default would). */
+#pragma STDC FP_CONTRACT OFF
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -312,5 +315,39 @@ int64_t aadl_rows_f64(const double *g, const double *before, int64_t q, int64_t 
     return finite;
 }
 
+/* The cut-off inverse of the small system's eigenvalues (`_cutoff_inverse()` in
+ * core/lstsq.py): out_i = 1 / s_i with s_i = max(lambda_i, 0) (+ reg where reg != 0, which
+ * would turn -0.0 into 0.0) if s_i > rtol, else 0 (NaN compares false: 0). One IEEE
+ * operation each, as Python's. */
+void aadl_inverse_f64(const double *eigvals, int64_t m, double reg, double rtol, double *out) {
+    for (int64_t i = 0; i < m; i++) {
+        double shifted = 0.0 > eigvals[i] ? 0.0 : eigvals[i]; /* Python's max(value, 0.0) */
+        if (reg != 0.0) shifted = shifted + reg;
+        out[i] = shifted > rtol ? 1.0 / shifted : 0.0;
+    }
+}
+
+/* Mode "aadl"'s mixing weights in float32 and in ring order, from the small solve's gamma
+ * (m values, chronological): alpha = the differences of [0, gamma, 1] (q = m + 1 values),
+ * A_j = alpha_0 + ... + alpha_j (added one after another from 0), -c_j = relaxation *
+ * alpha_j - A_j (`aadl_coefficients(..., negated=True)`), and out[(head + 1 + j) mod q] =
+ * -c_j rounded once to float32 (`_float32_weights()`). Returns 1, or 0 (nothing written)
+ * when a gamma is not finite. */
+int64_t aadl_weights_f32(const double *gamma, int64_t m, double relaxation, int64_t head,
+                         float *out) {
+    int64_t q = m + 1;
+    if (head < 0 || head >= q) return -1;
+    for (int64_t i = 0; i < m; i++)
+        if (!isfinite(gamma[i])) return 0;
+    double total = 0.0;
+    for (int64_t j = 0; j < q; j++) {
+        double alpha = (j < m ? gamma[j] : 1.0) - (j > 0 ? gamma[j - 1] : 0.0);
+        total = total + alpha;
+        double product = relaxation * alpha;
+        out[(head + 1 + j) % q] = (float)(product - total);
+    }
+    return 1;
+}
+
 /* Lets the loader check that it got this file's build (bumped with any change of API). */
-int64_t aadl_dots_version(void) { return 6; }
+int64_t aadl_dots_version(void) { return 7; }

@@ -49,6 +49,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aadl_func._src.core.lstsq import RTOL
+
 __all__ = [
     "LeafRows",
     "append_differences",
@@ -66,7 +68,7 @@ __all__ = [
 
 # Built by setup.py (the extension "aadl_func._src._dots") with the interpreter's suffix.
 LIBRARY = Path(__file__).with_name("_dots" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
-_VERSION = 6  # aadl_dots_version() of the source this module was written for
+_VERSION = 7  # aadl_dots_version() of the source this module was written for
 
 # Elements per block (at most the C side's AADL_MAX_BLOCK): the float64 copy of a vector
 # block (16 KiB) stays in L1 while every row streams past it.
@@ -238,6 +240,10 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.aadl_system_f64.restype = ctypes.c_double
     library.aadl_rows_f64.argtypes = [ptr, ptr, i64, i64, ptr]
     library.aadl_rows_f64.restype = i64
+    library.aadl_inverse_f64.argtypes = [ptr, i64, ctypes.c_double, ctypes.c_double, ptr]
+    library.aadl_inverse_f64.restype = None
+    library.aadl_weights_f32.argtypes = [ptr, i64, ctypes.c_double, i64, ptr]
+    library.aadl_weights_f32.restype = i64
     return library
 
 
@@ -369,6 +375,9 @@ class System:
         self.c = torch.empty(q - 1, dtype=torch.float64)
         self.diag = torch.empty(q - 1, dtype=torch.float64)
         self._out = (self.h.data_ptr(), self.c.data_ptr(), self.diag.data_ptr())
+        self.inverse = torch.empty(q - 1, dtype=torch.float64)
+        self.weights = torch.empty(q, dtype=torch.float32)
+        self._inverse, self._weights = self.inverse.data_ptr(), self.weights.data_ptr()
 
     def read(self, head: int) -> float:
         """Fills `h`, `c` and `diag` for the newest residual in slot `head`; returns
@@ -377,6 +386,34 @@ class System:
         if unit < 0:
             raise RuntimeError(f"aadl_func native kernel failed for slot {head}")
         return unit
+
+    def cutoff_inverse(self, eigvals: Tensor, reg: float) -> Tensor:
+        """`core.lstsq.known_gamma()`'s cut-off inverse of the `q - 1` eigenvalues
+        `eigvals` (a contiguous float64 CPU vector), in the kernel (`aadl_inverse_f64`):
+        the same values as the Python loop's, in a buffer this object keeps."""
+        _check_length(eigvals, self.q - 1)
+        _load()[0].aadl_inverse_f64(eigvals.data_ptr(), self.q - 1, reg, RTOL, self._inverse)
+        return self.inverse
+
+    def aadl_weights(self, gamma: Tensor, relaxation: float, head: int) -> Tensor | None:
+        """Mode "aadl"'s float32 mixing weights in ring order from `gamma` (`q - 1`
+        contiguous float64 values, chronological) for the newest residual in slot `head`
+        (`aadl_weights_f32`: `aadl_coefficients(..., negated=True)` of the affine weights,
+        each rounded once), in a buffer this object keeps; None when a gamma is not
+        finite."""
+        _check_length(gamma, self.q - 1)
+        code = _load()[0].aadl_weights_f32(
+            gamma.data_ptr(), self.q - 1, relaxation, head, self._weights
+        )
+        if code < 0:
+            raise RuntimeError(f"aadl_func native kernel failed for slot {head}")
+        return self.weights if code == 1 else None
+
+
+def _check_length(t: Tensor, n: int) -> None:
+    """`t` is a contiguous float64 CPU vector of `n` values (the kernel reads them)."""
+    if t.shape != (n,) or t.dtype != torch.float64 or not t.is_cpu or not t.is_contiguous():
+        raise ValueError(f"internal: expected {n} contiguous float64 CPU values, got {t!r}")
 
 
 def finite_f32(t: Tensor) -> bool:

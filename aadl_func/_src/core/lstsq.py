@@ -34,7 +34,7 @@ CUDA) exactly when the window was rank deficient."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any, NamedTuple
 
@@ -53,6 +53,7 @@ __all__ = [
     "solve_differences",
     "solve_known",
     "solve_known_scaled",
+    "known_gamma",
     "solve_factor_known",
     "RCOND",
     "RTOL",
@@ -72,6 +73,8 @@ RCOND = 1e-13
 # so anything smaller than a few hundred eps64 is noise; 1e-13 keeps cond(DR) up to ~3e6
 # meaningful.
 RTOL = 1e-13
+#: `known_gamma()`'s cut-off inverse of the eigenvalues: `(eigvals, reg) -> inverse`.
+CutoffInverse = Callable[[Tensor, float], Tensor]
 
 
 class MixingWeights(NamedTuple):
@@ -448,34 +451,47 @@ def solve_known(
     unit = max(residual_sq)
     unit = unit if unit > 0 else 1.0
     h = float64_tensor([v / unit for row in dr_gram for v in row], len(dr_gram))
-    return _solve_scaled(h, [v / unit for v in dr_rhs], reg / unit)
+    return _known_affine(known_gamma(h, [v / unit for v in dr_rhs], reg / unit))
 
 
-def solve_known_scaled(h: Tensor, c: Tensor, reg: float = 0.0) -> tuple[Tensor, list[float]] | None:
+def solve_known_scaled(
+    h: Tensor, c: Tensor, reg: float = 0.0, cutoff_inverse: CutoffInverse | None = None
+) -> tuple[Tensor, list[float]] | None:
     r"""`solve_known()` from its scaled system, for a caller that formed it (the steady call,
     with `native.System`: one IEEE division per entry, as here) and knows every value
     finite: `h` $= H / u$ (`(m, m)`) and `c` $= c / u$ (`(m,)`) contiguous float64 CPU
     tensors, `reg` $= \mathrm{reg} / u$, with $u = \max_i \|f_i\|^2$ (1 when it is 0). The
-    same bits; None when the solve is not finite."""
-    return _solve_scaled(h, c, reg)
+    same bits; None when the solve is not finite. `cutoff_inverse`: see `known_gamma()`."""
+    return _known_affine(known_gamma(h, c, reg, cutoff_inverse))
 
 
-def _solve_scaled(
-    h: Tensor, c: list[float] | Tensor, reg: float
-) -> tuple[Tensor, list[float]] | None:
-    """The rest of `solve_known()`: the eigendecomposition of the scaled `h`, its
-    cut-off inverse applied to the scaled `c`, the affine weights."""
+def known_gamma(
+    h: Tensor, c: list[float] | Tensor, reg: float, cutoff_inverse: CutoffInverse | None = None
+) -> Tensor:
+    r"""$\gamma$ of the scaled system (`solve_known_scaled()` before the affine weights,
+    not checked finite): the eigendecomposition $h = V \Lambda V^\top$ and
+    $\gamma = V \, \mathrm{inv}(\Lambda) V^\top c$, with `cutoff_inverse(eigvals, reg)`
+    (`cutoff_inverse()` unless given, e.g. the native kernel's twin) giving
+    $\mathrm{inv}(\lambda) = 1 / s$ for $s = \max(\lambda, 0) + \mathrm{reg} >$ `RTOL`,
+    else 0."""
     if isinstance(c, list):
         c = float64_tensor(c)
     eigvals, eigvecs = torch.linalg.eigh(h)
+    inverse = (cutoff_inverse or _cutoff_inverse)(eigvals, reg)
+    # torch.mv is what `@` runs for a matrix and a vector, without its Python wrapper.
+    return torch.mv(eigvecs, inverse * torch.mv(eigvecs.mT, c))
+
+
+def _cutoff_inverse(eigvals: Tensor, reg: float) -> Tensor:
+    """`known_gamma()`'s cut-off inverse on Python floats (each step one IEEE operation, as
+    `solve_coefficients()`'s tensor operations round it)."""
     inverse = []
     for value in eigvals.tolist():
         shifted = max(value, 0.0)  # clamp(min=0): NaN stays NaN, and is dropped below
         if reg != 0.0:
             shifted = shifted + reg
         inverse.append(1.0 / shifted if shifted > RTOL else 0.0)
-    # torch.mv is what `@` runs for a matrix and a vector, without its Python wrapper.
-    return _known_affine(torch.mv(eigvecs, float64_tensor(inverse) * torch.mv(eigvecs.mT, c)))
+    return float64_tensor(inverse)
 
 
 def solve_factor_known(

@@ -69,6 +69,7 @@ from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.lstsq import (
+    known_gamma,
     known_ridge,
     solve_known,
     solve_known_scaled,
@@ -244,9 +245,7 @@ class _Call:
         self._commit_plain(head)  # 3. the commit point
         if not self.mixes:  # a call that only stores (`frequency`, `wait_iterations`)
             return self._finish(False, params, mixes=False)
-        alpha, solved = self._weights(head)  # 4. the weights
-        minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
-        weights = _float32_weights(head, minus_c)
+        weights, solved = self._aadl_weights(head)  # 4. the weights
         progress.undo.append((params, plan.anchor))
         try:  # 5. the mix, accumulated in the params (which hold y, the anchor)
             for p, columns in zip(params, plan.columns):
@@ -377,6 +376,12 @@ class _Call:
         must beat (`deferred.pending_after()`)."""
         plan, state, progress = self.plan, self.state, self.progress
         plan.mixed += 1 if ok else 0
+        if ok and x is self.leaves and self.loss_value is None:
+            # The common end: the mix is in the params and only `num_mixed` changes.
+            progress.pending = state._replace(num_mixed=plan.mixed)
+            state.num_mixed.fill_(plan.mixed)
+            progress.pending, progress.undo = None, []
+            return self.leaves
         failed = mixes and not ok
         pending = {}
         if ok and self.loss_value is not None:
@@ -402,12 +407,7 @@ class _Call:
         plan, state = self.plan, self.state
         options = plan.options
         if plan.finite:
-            # The scaled system read from the tensors by the native kernel: one division per
-            # value, as `solve_known()` does on the lists.
-            system = plan.system
-            unit = system.read(head)
-            diag = system.diag.tolist() if options.reg_relative else ()
-            known = solve_known_scaled(system.h, system.c, known_ridge(options, diag) / unit)
+            known = solve_known_scaled(*self._system(head), plan.system.cutoff_inverse)
         else:  # a value the plan found not finite: the lists, which `solve_known()` checks
             q = plan.q
             gram, dr_gram, dr_rhs = (t.tolist() for t in (state.gram, state.dr_gram, state.dr_rhs))
@@ -423,6 +423,29 @@ class _Call:
             return known[1], True
         # A value that is not finite: the tensor route decides, as in the executor.
         return passes.mixing_weights(options, plan.ring(), Grams.of(state), head, plan.q)
+
+    def _aadl_weights(self, head: int) -> tuple[Tensor, Any]:
+        """Mode "aadl"'s float32 mixing weights in ring order (`-c`, `aadl_coefficients()`
+        negated), and whether the solve succeeded: in the native kernel from the solve's
+        gamma where the plan reads the system natively, else from `_weights()`."""
+        plan = self.plan
+        if plan.finite:
+            system = plan.system
+            gamma = known_gamma(*self._system(head), system.cutoff_inverse)
+            weights = system.aadl_weights(gamma, plan.options.relaxation, head)
+            if weights is not None:
+                return weights, True
+        alpha, solved = self._weights(head)  # (a gamma that is not finite: the tensor route)
+        minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
+        return _float32_weights(head, minus_c), solved
+
+    def _system(self, head: int) -> tuple[Tensor, Tensor, float]:
+        """The scaled small system `(h, c, reg)` read from the committed Grams by the native
+        kernel (one division per value, as `solve_known()` does on the lists)."""
+        system, options = self.plan.system, self.plan.options
+        unit = system.read(head)
+        diag = system.diag.tolist() if options.reg_relative else ()
+        return system.h, system.c, known_ridge(options, diag) / unit
 
     def _poisoned(self, head: int, window_size: int) -> list[Tensor]:
         """A Gram row that is not finite (`_Step.append()`'s poisoned append): the slot and
