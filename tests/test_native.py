@@ -30,6 +30,7 @@ import aadl_func as aa
 from aadl_func._src import native
 from aadl_func._src.core import lstsq
 from aadl_func._src.core.variants.aadl import aadl_coefficients
+from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.exec import steady
 from aadl_func._src.window import known_rows
 
@@ -220,7 +221,8 @@ def test_system_inverse_and_weights_are_the_python_steps():
     the small solve, natively) against their Python twins, byte for byte: the cut-off
     inverse (`lstsq._cutoff_inverse`) on eigenvalues negative, -0.0, NaN, below and above
     `RTOL`, with and without a ridge; the weights (`_known_affine`, `aadl_coefficients`
-    negated, the ring order and the float32 rounding of `_float32_weights`) for every slot,
+    negated, or mode "classic"'s `classic_coefficients` and scaled alpha, the ring order and
+    the float32 rounding of `_float32_weights`) for every slot,
     two relaxations and gammas whose weights overflow float32 or round to subnormals; None
     for a gamma that is not finite."""
     q = 6
@@ -238,8 +240,13 @@ def test_system_inverse_and_weights_are_the_python_steps():
         minus_c = aadl_coefficients(alpha, relaxation, negated=True)
         want = steady._float32_weights(head, minus_c).numpy().tobytes()
         assert system.aadl_weights(gamma, relaxation, head).numpy().tobytes() == want
-    assert system.aadl_weights(torch.tensor([0.0, float("inf"), 0.0, 0.0, 1.0],
-                                            dtype=torch.float64), 1.0, 0) is None  # fmt: skip
+        scaled = [relaxation * a for a in alpha]
+        want = steady._float32_weights(head, classic_coefficients(alpha), scaled)
+        got = system.classic_weights(gamma, relaxation, head)
+        assert got.numpy().tobytes() == want.numpy().tobytes()
+    poisoned = torch.tensor([0.0, float("inf"), 0.0, 0.0, 1.0], dtype=torch.float64)
+    assert system.aadl_weights(poisoned, 1.0, 0) is None
+    assert system.classic_weights(poisoned.neg(), 1.0, 0) is None
     with pytest.raises(RuntimeError, match="slot"):
         system.aadl_weights(gammas[0], 1.0, q)
 

@@ -206,8 +206,7 @@ def test_grads_the_steady_call_does_not_fit_go_the_checked_way(monkeypatch):
 # (the window written, not yet committed: the plain step with the window restarted).
 FAULTS = {
     "solve": lambda: [
-        (steady, "solve_known_scaled"),  # mode "classic"
-        (steady, "known_gamma"),  # mode "aadl"
+        (steady, "known_gamma"),  # the steady call's
         (weights, "solve_known"),  # the executor's
     ],
     "mix": lambda: [(passes, "finite")],

@@ -349,5 +349,29 @@ int64_t aadl_weights_f32(const double *gamma, int64_t m, double relaxation, int6
     return 1;
 }
 
+/* Mode "classic"'s mixing weights in float32 and in ring order, from gamma as in
+ * aadl_weights_f32: with alpha the differences of [0, gamma, 1] and A_j their sums added one
+ * after another from 0, the points' weights w_0 = 0, w_j = -A_{j-1}
+ * (`classic_coefficients()`) at out[(head + 1 + j) mod q] and the steps' relaxation *
+ * alpha_j at out[q + (head + 1 + j) mod q], each rounded once to float32
+ * (`_float32_weights()` of the two). Returns 1, or 0 (nothing written) when a gamma is not
+ * finite. */
+int64_t aadl_classic_weights_f32(const double *gamma, int64_t m, double relaxation,
+                                 int64_t head, float *out) {
+    int64_t q = m + 1;
+    if (head < 0 || head >= q) return -1;
+    for (int64_t i = 0; i < m; i++)
+        if (!isfinite(gamma[i])) return 0;
+    double total = 0.0;
+    for (int64_t j = 0; j < q; j++) {
+        double alpha = (j < m ? gamma[j] : 1.0) - (j > 0 ? gamma[j - 1] : 0.0);
+        int64_t slot = (head + 1 + j) % q;
+        out[slot] = j == 0 ? 0.0f : (float)(-total);
+        out[q + slot] = (float)(relaxation * alpha);
+        total = total + alpha;
+    }
+    return 1;
+}
+
 /* Lets the loader check that it got this file's build (bumped with any change of API). */
-int64_t aadl_dots_version(void) { return 7; }
+int64_t aadl_dots_version(void) { return 8; }

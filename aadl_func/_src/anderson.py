@@ -35,6 +35,7 @@ from aadl_func._src.checks import (
     check_dense,
     check_floating,
     check_update_inputs,
+    differentiating,
     keep_requires_grad,
     mark_verified,
 )
@@ -288,9 +289,10 @@ def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
 
 
 def _without_graph(run: Callable[[], Any]) -> Any:
-    """`run()` under `autograd_policy()`, torch's grad mode put back as it was however it
-    ends (`grad_mode.kept`: a `with` alone can skip its `__exit__`)."""
-    return grad_mode.kept(run, autograd_policy)
+    """`run()` under `autograd_policy()` (`torch.no_grad()` unless a differentiating
+    transform is active), torch's grad mode put back as it was however it ends
+    (`grad_mode.kept`: a `with` alone can skip its `__exit__`)."""
+    return grad_mode.kept(run, autograd_policy if differentiating() else None)
 
 
 def _counter() -> Tensor:

@@ -23,16 +23,26 @@ T = TypeVar("T")
 
 
 def kept(
-    run: Callable[[], T], context: Callable[[], contextlib.AbstractContextManager] = torch.no_grad
+    run: Callable[[], T], context: Callable[[], contextlib.AbstractContextManager] | None = None
 ) -> T:
-    """`run()` under `context()` (`torch.no_grad()` by default), grad mode restored to what
-    it was before, whether `run` returns or raises, and wherever an exception arrives."""
+    """`run()` under `context()` (`torch.no_grad()` when None), grad mode restored to what it
+    was before, whether `run` returns or raises, and wherever an exception arrives.
+
+    Without a `context`, grad mode is switched off directly (`torch.no_grad()`'s own switch,
+    without its context object: a small step notices the objects), except while dynamo
+    traces, which follows `torch.no_grad()` as a context manager."""
     enabled = torch.is_grad_enabled()
     try:
-        with context():
+        if context is None and not _is_compiling():
+            _set_grad_enabled(False)
+            return run()
+        with (torch.no_grad if context is None else context)():
             return run()
     finally:
-        # Set again only where it differs: `__exit__` has restored it unless it was skipped
-        # (the common case costs a read, not a `set_grad_enabled` object every call).
+        # Set again only where it differs (`__exit__` has restored it unless it was skipped).
         if torch.is_grad_enabled() != enabled:
-            torch.set_grad_enabled(enabled)
+            _set_grad_enabled(enabled)
+
+
+_set_grad_enabled = torch._C._set_grad_enabled
+_is_compiling = torch.compiler.is_compiling

@@ -68,7 +68,7 @@ __all__ = [
 
 # Built by setup.py (the extension "aadl_func._src._dots") with the interpreter's suffix.
 LIBRARY = Path(__file__).with_name("_dots" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
-_VERSION = 7  # aadl_dots_version() of the source this module was written for
+_VERSION = 8  # aadl_dots_version() of the source this module was written for
 
 # Elements per block (at most the C side's AADL_MAX_BLOCK): the float64 copy of a vector
 # block (16 KiB) stays in L1 while every row streams past it.
@@ -244,6 +244,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.aadl_inverse_f64.restype = None
     library.aadl_weights_f32.argtypes = [ptr, i64, ctypes.c_double, i64, ptr]
     library.aadl_weights_f32.restype = i64
+    library.aadl_classic_weights_f32.argtypes = [ptr, i64, ctypes.c_double, i64, ptr]
+    library.aadl_classic_weights_f32.restype = i64
     return library
 
 
@@ -377,7 +379,8 @@ class System:
         self._out = (self.h.data_ptr(), self.c.data_ptr(), self.diag.data_ptr())
         self.inverse = torch.empty(q - 1, dtype=torch.float64)
         self.weights = torch.empty(q, dtype=torch.float32)
-        self._inverse, self._weights = self.inverse.data_ptr(), self.weights.data_ptr()
+        self.classic = torch.empty(2 * q, dtype=torch.float32)
+        self._inverse = self.inverse.data_ptr()
 
     def read(self, head: int) -> float:
         """Fills `h`, `c` and `diag` for the newest residual in slot `head`; returns
@@ -401,13 +404,26 @@ class System:
         (`aadl_weights_f32`: `aadl_coefficients(..., negated=True)` of the affine weights,
         each rounded once), in a buffer this object keeps; None when a gamma is not
         finite."""
+        return self._mixing_weights("aadl_weights_f32", gamma, relaxation, head, self.weights)
+
+    def classic_weights(self, gamma: Tensor, relaxation: float, head: int) -> Tensor | None:
+        """Mode "classic"'s float32 mixing weights in ring order from `gamma`, as
+        `aadl_weights()`: the points' (`classic_coefficients()` of the affine weights) then
+        the steps' (`relaxation` times them), `2q` values (`aadl_classic_weights_f32`)."""
+        return self._mixing_weights(
+            "aadl_classic_weights_f32", gamma, relaxation, head, self.classic
+        )
+
+    def _mixing_weights(
+        self, kernel: str, gamma: Tensor, relaxation: float, head: int, out: Tensor
+    ) -> Tensor | None:
         _check_length(gamma, self.q - 1)
-        code = _load()[0].aadl_weights_f32(
-            gamma.data_ptr(), self.q - 1, relaxation, head, self._weights
+        code = getattr(_load()[0], kernel)(
+            gamma.data_ptr(), self.q - 1, relaxation, head, out.data_ptr()
         )
         if code < 0:
             raise RuntimeError(f"aadl_func native kernel failed for slot {head}")
-        return self.weights if code == 1 else None
+        return out if code == 1 else None
 
 
 def _check_length(t: Tensor, n: int) -> None:

@@ -285,16 +285,13 @@ class _Call:
         self._commit_plain(head)  # 3. the commit point
         if not self.mixes:  # a call that only stores (`frequency`, `wait_iterations`)
             return self._finish(False, params, mixes=False)
-        alpha, solved = self._weights(head)  # 4. the weights
-        return self._classic_mix(head, alpha, solved)
+        return self._classic_mix(head)  # 4. the weights and the mix
 
-    def _classic_mix(self, head: int, alpha: list[float] | Tensor, solved: Any) -> list[Tensor]:
-        """Mode "classic"'s mix over both rings from the weights `alpha`, and the final
-        state."""
+    def _classic_mix(self, head: int) -> list[Tensor]:
+        """Mode "classic"'s mix over both rings from the window whose newest pair is in slot
+        `head`, and the final state."""
         plan = self.plan
-        relaxation = plan.options.relaxation
-        scaled = [relaxation * a for a in alpha] if isinstance(alpha, list) else relaxation * alpha
-        coefficients = _float32_weights(head, classic_coefficients(alpha), scaled)
+        coefficients, solved = self._classic_weights(head)
         x_hist = []
         for a, iterates, slots, runs in zip(plan.anchor, plan.iterates, plan.slots, plan.runs):
             result = torch.empty_like(a, dtype=_FLOAT32)
@@ -318,9 +315,9 @@ class _Call:
         if not self.mixes:
             return self._finish(False, self.leaves, mixes=False)
         head = plan.head
-        alpha, solved = self._weights(head)
         if plan.classic:
-            return self._classic_mix(head, alpha, solved)
+            return self._classic_mix(head)
+        alpha, solved = self._weights(head)
         minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
         x_hist = passes.combine(
             plan.anchor, [_FLOAT32] * len(plan.anchor), plan.anchor, [plan.ring()],
@@ -438,6 +435,22 @@ class _Call:
         alpha, solved = self._weights(head)  # (a gamma that is not finite: the tensor route)
         minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
         return _float32_weights(head, minus_c), solved
+
+    def _classic_weights(self, head: int) -> tuple[Tensor, Any]:
+        """Mode "classic"'s float32 mixing weights in ring order (the points' weights
+        `classic_coefficients()`, then the steps' `relaxation * alpha`), and whether the solve
+        succeeded: natively from gamma as `_aadl_weights()`, else from `_weights()`."""
+        plan = self.plan
+        relaxation = plan.options.relaxation
+        if plan.finite:
+            system = plan.system
+            gamma = known_gamma(*self._system(head), system.cutoff_inverse)
+            weights = system.classic_weights(gamma, relaxation, head)
+            if weights is not None:
+                return weights, True
+        alpha, solved = self._weights(head)  # (a gamma that is not finite: the tensor route)
+        scaled = [relaxation * a for a in alpha] if isinstance(alpha, list) else relaxation * alpha
+        return _float32_weights(head, classic_coefficients(alpha), scaled), solved
 
     def _system(self, head: int) -> tuple[Tensor, Tensor, float]:
         """The scaled small system `(h, c, reg)` read from the committed Grams by the native
