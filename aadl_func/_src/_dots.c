@@ -22,7 +22,9 @@
  */
 /* No fused multiply-adds: the scalar steps here reproduce Python's (and torch's) separately
  * rounded operations (GCC's ISO C modes never contract; clang's default would). */
+#if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
+#endif
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -327,6 +329,19 @@ void aadl_inverse_f64(const double *eigvals, int64_t m, double reg, double rtol,
     }
 }
 
+/* -1 for a slot outside the q = m + 1 slots, 0 when a gamma is not finite, else 1. */
+static int64_t affine_checked(const double *gamma, int64_t m, int64_t head) {
+    if (head < 0 || head > m) return -1;
+    for (int64_t i = 0; i < m; i++)
+        if (!isfinite(gamma[i])) return 0;
+    return 1;
+}
+
+/* alpha_j, the j-th difference of [0, gamma_0, ..., gamma_{m-1}, 1] (`_known_affine()`). */
+static double affine_weight(const double *gamma, int64_t m, int64_t j) {
+    return (j < m ? gamma[j] : 1.0) - (j > 0 ? gamma[j - 1] : 0.0);
+}
+
 /* Mode "aadl"'s mixing weights in float32 and in ring order, from the small solve's gamma
  * (m values, chronological): alpha = the differences of [0, gamma, 1] (q = m + 1 values),
  * A_j = alpha_0 + ... + alpha_j (added one after another from 0), -c_j = relaxation *
@@ -335,13 +350,11 @@ void aadl_inverse_f64(const double *eigvals, int64_t m, double reg, double rtol,
  * when a gamma is not finite. */
 int64_t aadl_weights_f32(const double *gamma, int64_t m, double relaxation, int64_t head,
                          float *out) {
-    int64_t q = m + 1;
-    if (head < 0 || head >= q) return -1;
-    for (int64_t i = 0; i < m; i++)
-        if (!isfinite(gamma[i])) return 0;
+    int64_t q = m + 1, code = affine_checked(gamma, m, head);
+    if (code != 1) return code;
     double total = 0.0;
     for (int64_t j = 0; j < q; j++) {
-        double alpha = (j < m ? gamma[j] : 1.0) - (j > 0 ? gamma[j - 1] : 0.0);
+        double alpha = affine_weight(gamma, m, j);
         total = total + alpha;
         double product = relaxation * alpha;
         out[(head + 1 + j) % q] = (float)(product - total);
@@ -358,13 +371,11 @@ int64_t aadl_weights_f32(const double *gamma, int64_t m, double relaxation, int6
  * finite. */
 int64_t aadl_classic_weights_f32(const double *gamma, int64_t m, double relaxation,
                                  int64_t head, float *out) {
-    int64_t q = m + 1;
-    if (head < 0 || head >= q) return -1;
-    for (int64_t i = 0; i < m; i++)
-        if (!isfinite(gamma[i])) return 0;
+    int64_t q = m + 1, code = affine_checked(gamma, m, head);
+    if (code != 1) return code;
     double total = 0.0;
     for (int64_t j = 0; j < q; j++) {
-        double alpha = (j < m ? gamma[j] : 1.0) - (j > 0 ? gamma[j - 1] : 0.0);
+        double alpha = affine_weight(gamma, m, j);
         int64_t slot = (head + 1 + j) % q;
         out[slot] = j == 0 ? 0.0f : (float)(-total);
         out[q + slot] = (float)(relaxation * alpha);
