@@ -6,7 +6,8 @@ its block ends, *before* it calls `__exit__` and outside the block's exception h
 an exception raised there (by a signal's handler, a trace function) skips `__exit__`, and
 grad mode would stay off for the rest of the process. A `finally` around the `with` runs
 whatever happens inside it. (One fault at a time: an exception at the `finally`'s own line
-finds `__exit__` already run.)
+finds `__exit__` already run.) Grad mode switched off directly, without a `with`, is put
+back the same way: by an inner `finally`, with the outer one behind it.
 """
 
 from __future__ import annotations
@@ -33,13 +34,18 @@ def kept(
     traces, which follows `torch.no_grad()` as a context manager."""
     enabled = torch.is_grad_enabled()
     try:
-        if context is None and not _is_compiling():
+        if context is not None or _is_compiling():
+            with (torch.no_grad if context is None else context)():
+                return run()
+        try:
             _set_grad_enabled(False)
             return run()
-        with (torch.no_grad if context is None else context)():
-            return run()
+        finally:
+            _set_grad_enabled(enabled)
     finally:
-        # Set again only where it differs (`__exit__` has restored it unless it was skipped).
+        # Set again where it differs: the restore above was skipped (an exception raised at
+        # its line event, or at the `with` statement's before its `__exit__`). One fault at a
+        # time: an exception at this `finally`'s own line finds grad mode restored already.
         if torch.is_grad_enabled() != enabled:
             _set_grad_enabled(enabled)
 
