@@ -240,7 +240,7 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize(("mode", "most"), [("aadl", 22), ("classic", 33)])
+@pytest.mark.parametrize(("mode", "most"), [("aadl", 18), ("classic", 25)])
 def test_small_in_place_step_runs_few_torch_operations(mode, most):
     # One leaf of 2^10, history 5, a full window: the steady state of a small model. The
     # count is deterministic (dispatched operations, not time); it was 107 (aadl) and 125
@@ -250,7 +250,9 @@ def test_small_in_place_step_runs_few_torch_operations(mode, most):
     # rounded from Python floats (no float64 vector to convert), one-dimensional params were
     # mixed without a flat view and classic's new step was subtracted into its slot, 32 and
     # 44 before the commit point's Gram rows and counters and the finiteness test of the mix
-    # were written and read by the native kernel.
+    # were written and read by the native kernel, 22 and 33 before a built-in Adam ran by its
+    # bound rule (no count tensor), the inner count was written natively and classic's mix
+    # kept its matrices' and weights' views.
     opt = aa.anderson(aa.adam(1e-3), history_depth=5, mode=mode)
     x = torch.randn(1 << 10)
     grad = torch.randn(1 << 10) * 1e-2

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import native, protocols, tree
+from aadl_func._src import kernels, native, protocols, tree
 from aadl_func._src.acceptance import SAFEGUARD
 from aadl_func._src.exec import passes
 from aadl_func._src.options import AndersonOptions
@@ -43,8 +43,8 @@ class Plan:
     __slots__ = (
         "options", "params", "shapes", "spec", "anchor", "slots", "columns", "rows",
         "count", "head", "mixed", "pending", "q", "gram_rows", "tracked", "versions",
-        "keeps", "adopts", "leaf_update", "committed", "counters", "finite",
-        "classic", "iterates", "runs", "storages", "bound", "inner_count", "system", "counts",
+        "keeps", "adopts", "leaf_update", "committed", "counters", "finite", "classic",
+        "iterates", "runs", "storages", "bound", "inner_count", "system", "counts", "mix_terms",
     )  # fmt: skip
 
     def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
@@ -93,6 +93,18 @@ class Plan:
         self.counters = native.pointers([state.count, state.head])
         # The small system read from the committed Grams (the native kernel).
         self.system = native.System(state.gram, state.dr_gram, state.dr_rhs)
+        # Mode "classic": the mix's two products per leaf as `kernels.combine_leaf()` forms
+        # them in one piece (a leaf within one chunk), on the native weights' buffer.
+        self.mix_terms = [None] * len(leaves)
+        if self.classic:
+            weights = self.system.classic
+            for i, (p, runs) in enumerate(zip(leaves, self.runs)):
+                if p.numel() <= kernels.chunk_size(1, p.device):
+                    (first, points), (second, steps) = runs
+                    self.mix_terms[i] = (
+                        (points.mT, weights[first : first + points.shape[0]]),
+                        (steps.mT, weights[second : second + steps.shape[0]]),
+                    )
         # The window's memory, which no params leaf may share.
         self.storages = {t.untyped_storage().data_ptr() for t in self.tracked}
         self.keeps = protocols.keeps_buffers(options.inner)

@@ -292,11 +292,20 @@ class _Call:
         `head`, and the final state."""
         plan = self.plan
         coefficients, solved = self._classic_weights(head)
+        # The native weights' buffer: the plan holds the products' views on it.
+        direct = coefficients is plan.system.classic
         x_hist = []
-        for a, iterates, slots, runs in zip(plan.anchor, plan.iterates, plan.slots, plan.runs):
+        for a, iterates, slots, runs, terms in zip(
+            plan.anchor, plan.iterates, plan.slots, plan.runs, plan.mix_terms
+        ):
             result = torch.empty_like(a, dtype=_FLOAT32)
             flat = result if result.dim() == 1 else result.view(-1)
-            kernels.combine_leaf(None, [*iterates, *slots], coefficients, flat, runs)
+            if direct and terms is not None:  # `combine_leaf()`'s two products, as it runs them
+                (points, w_points), (steps, w_steps) = terms
+                torch.mv(points, w_points, out=flat)
+                flat.addmv_(steps, w_steps)
+            else:
+                kernels.combine_leaf(None, [*iterates, *slots], coefficients, flat, runs)
             x_hist.append(result.add_(a))
         ok = passes.finite(x_hist, self.leaves, solved)
         return self._finish(ok, x_hist if ok else self.leaves)
