@@ -8,6 +8,7 @@ end an exception raised inside it as the executor does.
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 from test_eager_executor import _bytes, _problem
@@ -161,6 +162,39 @@ def test_a_write_between_calls_is_noticed(monkeypatch, mode):
 
     calls, _ = _compare(monkeypatch, {"mode": mode, "history_depth": 5}, "adam", between=between)
     assert calls >= 25
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+def test_a_window_not_laid_out_as_init_lays_it_out_goes_the_checked_way(monkeypatch, mode):
+    """A state whose ring slots are separate tensors (not rows of one buffer, as `init` lays
+    them out: a state rebuilt slot by slot) makes no plan: its calls take the executor's
+    path, with its bytes, and nothing fails while the plan is tried."""
+    opt = aa.anderson(aa.adam(0.01), history_depth=3, mode=mode)
+    params, loss = _problem(torch.float32)
+    state = opt.init(params)
+    grad = torch.func.grad(loss)
+    for _ in range(8):  # a full window
+        params, state = opt.update(state, params, grad(params), inplace=True)
+
+    def separate(ring):
+        return tuple({n: t.clone() for n, t in slot.items()} for slot in ring)
+
+    state = state._replace(residuals=separate(state.residuals), iterates=separate(state.iterates))
+    taken = _counted(monkeypatch)
+    steady_state = state
+    executor_state = optree.tree_map(torch.clone, state)
+    fast_params, slow_params = params, {n: p.clone() for n, p in params.items()}
+    for _ in range(3):
+        fast_params, steady_state = opt.update(
+            steady_state, fast_params, grad(fast_params), inplace=True
+        )
+    assert taken[0] == 0
+    monkeypatch.setattr(anderson_module.steady, "run", lambda *a, **k: None)
+    for _ in range(3):
+        slow_params, executor_state = opt.update(
+            executor_state, slow_params, grad(slow_params), inplace=True
+        )
+    assert _bytes((fast_params, steady_state)) == _bytes((slow_params, executor_state))
 
 
 @pytest.mark.parametrize("mode", ["aadl", "classic"])

@@ -99,8 +99,13 @@ class Plan:
         if self.classic:
             weights = self.system.classic
             for i, (p, runs) in enumerate(zip(leaves, self.runs)):
-                if p.numel() <= kernels.chunk_size(1, p.device):
-                    (first, points), (second, steps) = runs
+                (first, points), (second, steps) = runs
+                # (No matrix: a layout `new_plan()` declines below.)
+                if (
+                    points is not None
+                    and steps is not None
+                    and (p.numel() <= kernels.chunk_size(1, p.device))
+                ):
                     self.mix_terms[i] = (
                         (points.mT, weights[first : first + points.shape[0]]),
                         (steps.mT, weights[second : second + steps.shape[0]]),
