@@ -93,23 +93,11 @@ class Plan:
         self.counters = native.pointers([state.count, state.head])
         # The small system read from the committed Grams (the native kernel).
         self.system = native.System(state.gram, state.dr_gram, state.dr_rhs)
-        # Mode "classic": the mix's two products per leaf as `kernels.combine_leaf()` forms
-        # them in one piece (a leaf within one chunk), on the native weights' buffer.
-        self.mix_terms = [None] * len(leaves)
-        if self.classic:
-            weights = self.system.classic
-            for i, (p, runs) in enumerate(zip(leaves, self.runs)):
-                (first, points), (second, steps) = runs
-                # (No matrix: a layout `new_plan()` declines below.)
-                if (
-                    points is not None
-                    and steps is not None
-                    and (p.numel() <= kernels.chunk_size(1, p.device))
-                ):
-                    self.mix_terms[i] = (
-                        (points.mT, weights[first : first + points.shape[0]]),
-                        (steps.mT, weights[second : second + steps.shape[0]]),
-                    )
+        # Mode "classic": the mix's two products per leaf (`_mix_terms()`).
+        self.mix_terms = [
+            _mix_terms(p, runs, self.system.classic) if self.classic else None
+            for p, runs in zip(leaves, self.runs)
+        ]
         # The window's memory, which no params leaf may share.
         self.storages = {t.untyped_storage().data_ptr() for t in self.tracked}
         self.keeps = protocols.keeps_buffers(options.inner)
@@ -135,6 +123,20 @@ class Plan:
     def ring(self) -> tuple:
         """The residuals' window as the executor's ring: per slot, its leaves."""
         return tuple([[leaf[s] for leaf in self.slots] for s in range(self.q)])
+
+
+def _mix_terms(p: Tensor, runs: list, weights: Tensor) -> tuple | None:
+    """Mode "classic"'s two products for leaf `p` as `kernels.combine_leaf()` forms them in
+    one piece (a leaf within one chunk): each run's matrix transposed and its weights, views
+    of the native weights' buffer `weights`. None for a larger leaf, or a run that is not a
+    matrix (a layout `new_plan()` declines)."""
+    (first, points), (second, steps) = runs
+    if points is None or steps is None or p.numel() > kernels.chunk_size(1, p.device):
+        return None
+    return (
+        (points.mT, weights[first : first + points.shape[0]]),
+        (steps.mT, weights[second : second + steps.shape[0]]),
+    )
 
 
 def versions(plan: Plan) -> list[int]:
