@@ -1056,6 +1056,31 @@ def test_update_leaves_is_the_pure_update(name, dtype):
         opt.update(grads, replaced, params=params, inplace=False)
 
 
+def test_adam_known_rule_on_a_tree_of_mixed_leaves_is_the_pure_update():
+    """On several CPU leaves `transforms.adam_leaves` runs torch's foreach ops: each leaf's
+    bytes are still those of `update(..., inplace=False)` (the stages, leaf by leaf), with
+    float32 and float64 leaves in one tree, a 0-d leaf and a channels_last one."""
+    gen = torch.Generator().manual_seed(3)
+    params = {
+        "conv": torch.randn(4, 3, 5, 5, generator=gen).contiguous(
+            memory_format=torch.channels_last
+        ),
+        "bias": torch.randn(4, generator=gen, dtype=torch.float64),
+        "scale": torch.randn((), generator=gen),
+    }
+    opt = adam(3e-2, betas=(0.8, 0.99), eps=1e-6)
+    leaves, spec = optree.tree_flatten(params)
+    state = opt.init(params)
+    for scale in (1.0, 0.1, 1e-2, 1e-3):
+        grads = optree.tree_map(lambda p, s=scale: torch.randn(p.shape, generator=gen).to(p) * s,
+                                params)  # fmt: skip
+        updates, expected = opt.update(grads, state, params=params, inplace=False)
+        got_updates, got = opt.update.update_leaves(optree.tree_leaves(grads), state, leaves, spec)
+        assert_tree_equal(optree.tree_unflatten(spec, got_updates), updates)
+        assert_tree_equal(got, expected)
+        state = expected
+
+
 def test_adam_known_rule_declines_other_leaves():
     """`transforms.adam_leaves` computes nothing for a leaf it does not take (complex, half
     precision), so that `update_leaves` runs the stages, which handle them."""

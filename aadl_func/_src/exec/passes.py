@@ -28,7 +28,16 @@ from aadl_func._src.options import AndersonOptions
 from aadl_func._src.window import combine as window_combine
 from aadl_func._src.window import difference_rows, known_rows, window_factor
 
-__all__ = ["appended_grams", "combine", "finite", "mixing_weights", "ring_list", "ring_order"]
+__all__ = [
+    "add_steps",
+    "appended_grams",
+    "combine",
+    "copy_leaves",
+    "finite",
+    "mixing_weights",
+    "ring_list",
+    "ring_order",
+]
 
 _INT64 = torch.int64
 
@@ -189,6 +198,29 @@ def combine(
         )
         results.append(result)
     return results
+
+
+def add_steps(params: list[Tensor], updates: list[Tensor], stepped: list[Tensor]) -> None:
+    """`y = x + u` into the params (`_Step.plain_step()`), each leaf recorded in
+    `stepped`: on several leaves as one foreach op, which adds leaf by leaf with the same
+    per-tensor kernel on the CPU (one Python call instead of one per leaf; on one leaf the
+    plain op costs less). An exception between the adds and their record is told apart
+    by the params' version counters, which the steady call's recovery reads
+    (`exec.inplace.restart_window()`)."""
+    if len(params) == 1:
+        stepped.append(params[0].add_(updates[0]))
+    else:
+        torch._foreach_add_(params, updates)
+        stepped.extend(params)
+
+
+def copy_leaves(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """`targets[i].copy_(sources[i])` for every leaf (as `add_steps()`: one foreach op on
+    several leaves)."""
+    if len(targets) == 1:
+        targets[0].copy_(sources[0])
+    else:
+        torch._foreach_copy_(targets, sources)
 
 
 def finite(x_hist: Sequence[Tensor], params: Sequence[Tensor], solved: Any) -> bool:

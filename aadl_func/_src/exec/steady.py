@@ -234,8 +234,7 @@ class _Call:
         """Mode "aadl" (`_Step.aadl()`)."""
         plan, progress = self.plan, self.progress
         params, q = self.leaves, plan.q
-        for p, u in zip(params, self.updates):  # 1. y = x + u, in the params
-            progress.stepped.append(p.add_(u))
+        passes.add_steps(params, self.updates, progress.stepped)  # 1. y = x + u, in the params
         if not self.stores:
             return self._unstored()
         head = (plan.head + 1) % q  # 2. y - anchor joins the window, y is the anchor
@@ -263,23 +262,20 @@ class _Call:
         plan, progress = self.plan, self.progress
         params, q = self.leaves, plan.q
         if not self.stores:
-            for p, u in zip(params, self.updates):  # y = x + u, in the params
-                progress.stepped.append(p.add_(u))
+            passes.add_steps(params, self.updates, progress.stepped)  # y = x + u, in the params
             return self._unstored()
         head = (plan.head + 1) % q
         # 1. The pair (x_k, u_k) joins the window before the step overwrites x_k.
         for iterates, x, a in zip(plan.iterates, params, plan.anchor):
             torch.sub(x, a, out=iterates[head])  # the difference written once, in its slot
-        for slots, u in zip(plan.slots, self.updates):
-            slots[head].copy_(u)
+        passes.copy_leaves([slots[head] for slots in plan.slots], self.updates)
         self._dots(head)
         finite = plan.rows.known_rows(plan.gram_rows[plan.head], head)
         if not finite:  # the slot zeroed, as the append does before the anchor is written
             for slots in plan.slots:
                 slots[head].copy_(torch.zeros_like(slots[head]))
-        _write(plan.anchor, params)
-        for p, u in zip(params, self.updates):  # 2. y = x + u, in the params
-            progress.stepped.append(p.add_(u))
+        passes.copy_leaves(plan.anchor, params)
+        passes.add_steps(params, self.updates, progress.stepped)  # 2. y = x + u, in the params
         if not finite:
             return self._poisoned(head, 0)
         self._commit_plain(head)  # 3. the commit point
