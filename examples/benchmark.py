@@ -876,8 +876,9 @@ def step_rows(rounds: int, n: int = 1 << 10, history_depth: int = 5) -> list[dic
     )
     # The functional step on the MLP's leaves (a tree of 4 tensors), against the same Adam.
     functional = aa.anderson(aa.adam(1e-3), history_depth=history_depth)
-    leaves = [p.detach().clone() for p in _small_mlp().parameters()]
-    leaf_grads = [p.grad.clone() for p in _small_mlp().parameters()]
+    model = _small_mlp()
+    leaves = [p.detach().clone() for p in model.parameters()]
+    leaf_grads = [p.grad.clone() for p in model.parameters()]
     tree_state = [functional.init(leaves)]
 
     def tree_step() -> None:

@@ -1079,6 +1079,8 @@ def test_adam_known_rule_on_a_tree_of_mixed_leaves_is_the_pure_update():
         assert_tree_equal(optree.tree_unflatten(spec, got_updates), updates)
         assert_tree_equal(got, expected)
         state = expected
+    # No leaves: nothing to compute (torch's foreach ops would refuse the empty lists).
+    assert adam_leaves([], [], [], 0, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8) == ([], [], [])
 
 
 def test_adam_known_rule_declines_other_leaves():

@@ -355,9 +355,10 @@ def adam_leaves(
     if not len(grads) == len(exp_avg) == len(exp_avg_sq):
         raise ValueError("internal: adam_leaves needs one buffer of each kind per leaf")
     neg_step_size, bias_correction2_sqrt = _known_bias_corrections(done, beta1, beta2, lr)
-    if len(grads) == 1 or not all(g.is_cpu for g in grads):
-        # One leaf: the plain ops cost less than their foreach forms. (Off the CPU torch's
-        # foreach kernels are fused ones of their own, not the per-tensor ops.)
+    if len(grads) <= 1 or not all(g.is_cpu for g in grads):
+        # One leaf: the plain ops cost less than their foreach forms (and none: the foreach
+        # ops refuse an empty list). Off the CPU torch's foreach kernels are fused ones of
+        # their own, not the per-tensor ops.
         updates, ms, vs = [], [], []
         for g, m, v in zip(grads, exp_avg, exp_avg_sq):
             m, v = _moments(g, m, v, beta1, beta2)
