@@ -232,6 +232,42 @@ def test_without_mixing_equals_the_torch_optimizer_bitwise(dtype):
     assert all(p.dtype == dtype for p in model_a.parameters())
 
 
+def test_displacements_are_exact_in_the_wider_dtype_on_every_route():
+    """The wrapper's inner step (`TakenStep`) on a tree of mixed dtypes and layouts: each
+    `stepped - start` equals NumPy's float64 difference of the float64 values (float32 and
+    half precision: exact there, so NumPy's rounding is none), in float32 for half precision
+    and float64 otherwise, in the leaf's layout, never aliasing the stepped params; the
+    pytree route, the list route and the steady call's leaf route agree."""
+    from aadl_func._src.wrapper_groups import TakenStep
+
+    g = torch.Generator().manual_seed(0)
+    start = [
+        torch.randn(5, 3, generator=g),
+        torch.randn(4, 3, 2, 2, generator=g).to(memory_format=torch.channels_last),
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.randn(6, generator=g).to(torch.float16),
+        torch.randn(3, generator=g, dtype=torch.float64),
+        torch.tensor([1e-30, -3.0, 2.0**-140, 1e30]),  # wide exponent gaps, a subnormal
+    ]
+    stepped = [a + 1e-3 * torch.randn(a.shape, generator=g).to(a.dtype) for a in start]
+    stepped[1] = stepped[1].contiguous(memory_format=torch.channels_last)
+    stepped[-1] = torch.tensor([-2.0, -3.0 + 2.0**-22, 0.0, 1e30 * (1 + 2.0**-23)])
+    step = TakenStep()
+    routes = {
+        "list": step.update(stepped, (), start)[0],
+        "leaves": step.update.update_leaves(stepped, (), start, None)[0],
+        "tree": step.update(dict(enumerate(stepped)), (), dict(enumerate(start)))[0],
+    }
+    routes["tree"] = [routes["tree"][i] for i in range(len(start))]
+    for name, out in routes.items():
+        for u, s, a in zip(out, stepped, start):
+            wide = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else torch.float64
+            assert u.dtype == wide, name
+            expected = s.double().numpy() - a.double().numpy()
+            np.testing.assert_array_equal(u.double().numpy(), expected, err_msg=name)
+            assert u.stride() == s.stride() and u.data_ptr() != s.data_ptr(), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_params_keep_dtype_layout_and_storage(dtype):
     model, X, Y = make_cnn(dtype)

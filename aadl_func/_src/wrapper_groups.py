@@ -42,15 +42,37 @@ class TakenStep:
     ) -> tuple[Any, tuple]:
         if params is None:
             raise ValueError("the wrapped torch optimizer's step needs the params it started from")
+        if type(updates) is list and type(params) is list and len(updates) == len(params):
+            return displacements(updates, params), state  # the wrapper's call: lists
+        return optree.tree_map(lambda s, a: displacements([s], [a])[0], updates, params), state
 
-        def displacement(stepped: Tensor, start: Tensor) -> Tensor:
-            # A copy even in the params' own dtype (float64): the stepped tensors are the
-            # model's params, which must hold the torch optimizer's step until the core's
-            # outcome is written (an exception before that leaves them there).
-            wide = stepped.to(_WIDER.get(stepped.dtype, stepped.dtype), copy=True)
-            return wide.sub_(start)
 
-        return optree.tree_map(displacement, updates, params), state
+def _update_leaves(
+    stepped: list[Tensor], state: tuple, start: list[Tensor], spec: Any
+) -> tuple[list[Tensor], tuple]:
+    """`TakenStep.update` on leaves the caller checked (anderson's steady call, which looks
+    it up on `update` as on a built-in's): the same values, without the pytree walk."""
+    return displacements(stepped, start), state
+
+
+TakenStep.update.update_leaves = _update_leaves  # type: ignore[attr-defined]
+
+
+def displacements(stepped: list[Tensor], start: list[Tensor]) -> list[Tensor]:
+    """`stepped - start` leaf by leaf, each in the wider dtype of `TakenStep` (exact there).
+
+    A copy even in the params' own dtype (float64): the stepped tensors are the model's
+    params, which must hold the torch optimizer's step until the core's outcome is written
+    (an exception before that leaves them there). Several plain tensors subtract in one
+    foreach call, which on every device runs each pair's subtraction (one IEEE rounding of
+    the same operands: the same bits as `sub_`); DTensors go one by one."""
+    wide = [s.to(_WIDER[s.dtype]) if s.dtype in _WIDER else s.clone() for s in stepped]
+    if len(wide) > 1 and all(type(t) is Tensor for t in (*wide, *start)):
+        torch._foreach_sub_(wide, start)
+    else:
+        for w, a in zip(wide, start):
+            w.sub_(a)
+    return wide
 
 
 _STRIDED = torch.strided
