@@ -171,11 +171,15 @@ def test_benchmark_quick_configuration(tmp_path, capsys):
     assert [(r["log2_n"], r["m"]) for r in rows] == [(10, 3), (10, 5), (12, 3), (12, 5)]
     for r in rows:
         assert r["aadl_func_ms"] > 0 and r["bound_ms"] > 0 and r["aadl_style_ms"] > 0
+        assert r["ratio_to_bound"] > 0  # the median of the step-by-step pairs' ratios
         # Both keep m parameter-sized float32 buffers (aadl_func: anchor + m - 1 differences).
         assert r["aadl_func_state_P"] == r["aadl_style_state_P"] == r["m"]
         assert r["aadl_style_step_peak_P"] > r["m"]  # the stacked window and DX/DR copies
     # The AADL-style step computes the same iteration (float32 lstsq vs float64 solve).
     assert result["agreement_relative_difference"] < 1e-4
+    loop = [r for r in result["small_step"] if r["step"] == "AcceleratedOptimizer, in a loop"]
+    assert len(loop) == 1 and loop[0]["against"] == "Adam, in a loop"
+    assert loop[0]["ratio"] == pytest.approx(loop[0]["us"] / loop[0]["against_us"])
     assert "aadl_func" in capsys.readouterr().out
 
 
