@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pinn
 import torch
 from pinn import COLLOCATION, derivatives, make_model, pointwise, source
 from torch import Tensor
@@ -71,8 +72,6 @@ class Residuals:
 def poisson(seed: int) -> Residuals:
     """`examples/pinn.py`'s loss: $\\operatorname{mean}(u'' + f)^2 / \\operatorname{mean} f^2
     + \\tfrac12 (u(0)^2 + u(1)^2)$."""
-    import pinn
-
     model = make_model(seed)
     x = torch.linspace(0, 1, COLLOCATION + 2)[1:-1]
     f = source(x)
