@@ -59,7 +59,7 @@ ST_AM_MAX_WAIT = 16
 ST_AM_GD_LRS = (1e-3, 4e-3, 0.016, 0.063, 0.25, 1.0)
 ACCELERATED = (
     "aa_default", "aa_tuned", "aa_sufficient", "aa_line_search", "aa_float64_window",
-    "aa_lbfgs_default",
+    "aa_restart", "aa_lbfgs_default",
     "aa_lbfgs_tuned",
     "st_am_default", "st_am_waits", "st_am_tuned", "st_am_gd_tuned",
 )  # fmt: skip
@@ -143,6 +143,22 @@ def aa_float64_window() -> Method:
         options={**base.options, "history_dtype": "float64"},
         description=base.description.replace(
             "reg_relative=0.0001)", "reg_relative=0.0001, history_dtype=torch.float64)"
+        ),
+    )
+
+
+def aa_restart() -> Method:
+    """AA default with ``restart_on_reject=True``: when the deferred safeguard rejects a mix,
+    the window restarts from its newest pair (issue 36's "restart when the rejection rate is
+    high", at every rejection; no cost of its own)."""
+    base = aa_default()
+    return dataclasses.replace(
+        base,
+        label="AA default, restart on reject",
+        make=_default_with(restart_on_reject=True),
+        options={**base.options, "restart_on_reject": True},
+        description=base.description.replace(
+            "reg_relative=0.0001)", "reg_relative=0.0001, restart_on_reject=True)"
         ),
     )
 

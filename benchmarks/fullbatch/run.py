@@ -209,6 +209,7 @@ DEFAULTS = {
     "aa_sufficient": methods.aa_sufficient,
     "aa_line_search": methods.aa_line_search,
     "aa_float64_window": methods.aa_float64_window,
+    "aa_restart": methods.aa_restart,
     "aa_lbfgs_default": methods.aa_lbfgs_default,
     "st_am_default": methods.st_am_default,
     "st_am_waits": methods.st_am_waits,
@@ -334,7 +335,7 @@ def comparisons(result: dict[str, Any]) -> list[dict[str, Any]]:
             peers = {k: v for k, v in peers.items() if v is not None}
             best = min(peers, key=peers.get) if peers else None
             entry[what] = {"best_peer": best, "best_peer_cost": peers.get(best)}
-            for key in methods.ACCELERATED:
+            for key in accelerated(result):
                 cost = full(key, label, what)
                 entry[what][key] = cost
                 entry[what][f"{key}_wins"] = cost is not None and (
@@ -342,6 +343,12 @@ def comparisons(result: dict[str, Any]) -> list[dict[str, Any]]:
                 )
         out.append(entry)
     return out
+
+
+def accelerated(result: dict[str, Any]) -> list[str]:
+    """The accelerated rows a problem's result holds, in the suite's order (a results file
+    made before a row joined the suite does not hold it)."""
+    return [key for key in methods.ACCELERATED if key in result["methods"]]
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, list[str]]:
@@ -352,10 +359,11 @@ def verdicts(results: dict[str, Any]) -> dict[str, list[str]]:
     for result in results.values():
         labels = {k: m["label"] for k, m in result["methods"].items()}
         name = result["title"].split(" (")[0]
+        keys = accelerated(result)
         for c in result["comparisons"]:
             g, s = c["gradients"], c["seconds"]
             where = f"{name}, {c['target']}"
-            if g["best_peer"] is None and all(g[k] is None for k in methods.ACCELERATED):
+            if g["best_peer"] is None and all(g[k] is None for k in keys):
                 out["nobody"].append(where)
                 continue
             if g["best_peer"] is None:
@@ -366,7 +374,7 @@ def verdicts(results: dict[str, Any]) -> dict[str, list[str]]:
                     f"{labels[s['best_peer']]} {s['best_peer_cost']:.2f} s"
                 )
             rows = []
-            for key in methods.ACCELERATED:
+            for key in keys:
                 if g[key] is None:
                     rows.append(f"{labels[key]} not on every seed")
                 elif g["best_peer"] is None:
@@ -377,7 +385,7 @@ def verdicts(results: dict[str, Any]) -> dict[str, list[str]]:
                         f"{s[key] / s['best_peer_cost']:.2f}x the seconds"
                     )
             line = f"- {where}: {peer}; " + "; ".join(rows)
-            wins = [k for k in methods.ACCELERATED if g[f"{k}_wins"] and s[f"{k}_wins"]]
+            wins = [k for k in keys if g[f"{k}_wins"] and s[f"{k}_wins"]]
             out["wins" if wins else "loses"].append(line)
             if wins and "aa_default" not in wins:
                 out["loses"].append(line)
@@ -417,7 +425,15 @@ def markdown_page(payload: dict[str, Any]) -> str:
         "Grams) in float64, the params and the inner step in the problem's dtype: `"
         + methods.aa_float64_window().description
         + "`. "
-        "**AA-L-BFGS default** is AA around the L-BFGS inner transformation (`aa.lbfgs`, no "
+        + (
+            "**AA default, restart on reject** is AA default whose window restarts from its "
+            "newest pair whenever the safeguard rejects a mix: `"
+            + methods.aa_restart().description
+            + "`. "
+            if any("aa_restart" in r["methods"] for r in results.values())
+            else ""
+        )
+        + "**AA-L-BFGS default** is AA around the L-BFGS inner transformation (`aa.lbfgs`, no "
         "line search), the same on every problem: `"
         + methods.aa_lbfgs_default().description
         + "`; **AA-L-BFGS tuned** the same with its lr tuned, and **L-BFGS inner alone** "
