@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import digits_demo
 import pinn
@@ -95,18 +96,27 @@ def _default_with(**extra) -> Callable[[], aa.Anderson]:
     )
 
 
+def _with_option(label: str, name: str, value: Any) -> Method:
+    """AA default with the option ``name=value`` added (its label, make, options and
+    description alike)."""
+    base = aa_default()
+    text = f"{value:g}" if isinstance(value, float) else repr(value)
+    return dataclasses.replace(
+        base,
+        label=label,
+        make=_default_with(**{name: value}),
+        options={**base.options, name: value},
+        description=base.description.replace(
+            "reg_relative=0.0001)", f"reg_relative=0.0001, {name}={text})"
+        ),
+    )
+
+
 def aa_sufficient() -> Method:
     """AA default with ``sufficient_decrease=SUFFICIENT_DECREASE``: a mix is kept only if its
     loss is below the bar ``loss(x_k) + c grads.u_k`` (one more O(n) dot per call)."""
-    base, c = aa_default(), SUFFICIENT_DECREASE
-    return dataclasses.replace(
-        base,
-        label="AA default, sufficient decrease",
-        make=_default_with(sufficient_decrease=c),
-        options={**base.options, "sufficient_decrease": c},
-        description=base.description.replace(
-            "reg_relative=0.0001)", f"reg_relative=0.0001, sufficient_decrease={c:g})"
-        ),
+    return _with_option(
+        "AA default, sufficient decrease", "sufficient_decrease", SUFFICIENT_DECREASE
     )
 
 
@@ -151,16 +161,7 @@ def aa_restart() -> Method:
     """AA default with ``restart_on_reject=True``: when the deferred safeguard rejects a mix,
     the window restarts from its newest pair (issue 36's "restart when the rejection rate is
     high", at every rejection; no cost of its own)."""
-    base = aa_default()
-    return dataclasses.replace(
-        base,
-        label="AA default, restart on reject",
-        make=_default_with(restart_on_reject=True),
-        options={**base.options, "restart_on_reject": True},
-        description=base.description.replace(
-            "reg_relative=0.0001)", "reg_relative=0.0001, restart_on_reject=True)"
-        ),
-    )
+    return _with_option("AA default, restart on reject", "restart_on_reject", True)
 
 
 def lbfgs_inner_method(lr: float) -> Method:
