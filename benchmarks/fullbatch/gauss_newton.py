@@ -42,6 +42,7 @@ from typing import Any
 
 import pinn
 import torch
+from _common import write_json
 from pinn import COLLOCATION, derivatives, make_model, pointwise, source
 from torch import Tensor
 from torch.func import functional_call, jvp, vjp
@@ -240,8 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  best error (median) {statistics.median(r['best'] for r in runs):.1e}; "
               f"rejected trials {sum(r['rejected'] for r in runs)} of "
               f"{sum(r['steps'] for r in runs)}")  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(payload, f, indent=1)
+    write_json(args.out, payload)
     print(f"\nwrote {args.out}")
     return payload
 
