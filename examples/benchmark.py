@@ -345,6 +345,15 @@ class _Functional:
         self.params, self.state = self.opt.update(self.state, self.params, self.grads, inplace=True)
 
 
+def minibatches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The small-model rows' data: 16 minibatches of 32 digits-sized inputs (64 features)
+    with labels in 0..9, made from seed 0; step k trains on minibatch k % 16."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    features = torch.randn(32 * 16, 64, device=device, generator=generator)
+    labels = torch.randint(0, 10, (32 * 16,), device=device, generator=generator)
+    return list(zip(features.split(32), labels.split(32)))
+
+
 def small_model_overhead(device: torch.device, steps: int) -> list[dict]:
     """Microseconds per minibatch step: plain torch.optim, wrapped, functional (see the
     module docstring).
@@ -353,9 +362,7 @@ def small_model_overhead(device: torch.device, steps: int) -> list[dict]:
     (``time.thread_time``), which a busy machine inflates much less (a descheduled thread
     accrues no CPU time) and which is what Python overhead costs. Medians over the steps.
     """
-    generator = torch.Generator(device=device).manual_seed(0)
-    features = torch.randn(32 * 16, 64, device=device, generator=generator)
-    labels = torch.randint(0, 10, (32 * 16,), device=device, generator=generator)
+    batches = minibatches(device)
     optimizers = {
         "adam": (lambda params: torch.optim.Adam(params, lr=1e-3), lambda: aa.adam(1e-3)),
         "sgd": (lambda params: torch.optim.SGD(params, lr=0.05), lambda: aa.sgd(0.05)),
@@ -379,16 +386,16 @@ def small_model_overhead(device: torch.device, steps: int) -> list[dict]:
         samples: dict[str, list[float]] = collections.defaultdict(list)
         warmup = 20
         for step in range(warmup + steps):
-            batch = slice((step % 16) * 32, (step % 16 + 1) * 32)
+            features, labels = batches[step % len(batches)]
             for kind, (model, optimizer) in contenders.items():
                 synchronize(device)
                 t0 = {c: clock() for c, clock in clocks.items()}
                 if kind == "functional":
-                    optimizer.prepare(features[batch], labels[batch])
+                    optimizer.prepare(features, labels)
                 else:
                     optimizer.zero_grad()
-                    logits = model(features[batch])
-                    torch.nn.functional.cross_entropy(logits, labels[batch]).backward()
+                    logits = model(features)
+                    torch.nn.functional.cross_entropy(logits, labels).backward()
                 synchronize(device)
                 t1 = {c: clock() for c, clock in clocks.items()}
                 optimizer.step()
@@ -961,9 +968,7 @@ def loop_rows(rounds: int, iterations: int = 100) -> list[dict]:
     wrapper's costs about 1.4x Adam's step right after another)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)
-    features = torch.randn(32 * 16, 64, generator=generator)
-    labels = torch.randint(0, 10, (32 * 16,), generator=generator)
+    batches = minibatches(torch.device("cpu"))
     models = {"Adam": _small_mlp(), "AcceleratedOptimizer": _small_mlp()}
     optimizers = {
         "Adam": torch.optim.Adam(models["Adam"].parameters(), lr=1e-3, foreach=True),
@@ -975,11 +980,11 @@ def loop_rows(rounds: int, iterations: int = 100) -> list[dict]:
     for _ in range(rounds):
         samples: dict = collections.defaultdict(list)
         for step in range(10 + iterations):  # the first 10: warm-up (the window fills)
-            batch = slice((step % 16) * 32, (step % 16 + 1) * 32)
+            features, labels = batches[step % len(batches)]
             for name, optimizer in optimizers.items():
                 optimizer.zero_grad()
-                logits = models[name](features[batch])
-                torch.nn.functional.cross_entropy(logits, labels[batch]).backward()
+                logits = models[name](features)
+                torch.nn.functional.cross_entropy(logits, labels).backward()
                 t0 = time.perf_counter()
                 optimizer.step()
                 samples[name].append(time.perf_counter() - t0)

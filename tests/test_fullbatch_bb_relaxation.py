@@ -25,7 +25,7 @@ def test_on_a_quadratic_with_gradient_descent_it_is_bb_over_the_learning_rate():
     q = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))[0]
     A = q @ torch.diag(torch.linspace(0.5, 3.0, 6, dtype=torch.float64)) @ q.T
     lr = 0.2
-    x0, x1 = torch.randn(6, generator=g, dtype=torch.float64), None
+    x0 = torch.randn(6, generator=g, dtype=torch.float64)
     x1 = x0 - 0.3 * (A @ x0)
     beta = bb_relaxation.bb_relaxation(x1, -lr * (A @ x1), (x0, -lr * (A @ x0)))
     s, y = x1 - x0, A @ x1 - A @ x0
@@ -48,8 +48,8 @@ def test_each_call_is_aa_defaults_update_with_that_relaxation():
     from benchmarks.fullbatch import methods
 
     o = methods.DEFAULT_AA
-    inner = torch.nn.Linear(3, 2)
-    params = {k: v.detach().clone() for k, v in inner.named_parameters()}
+    model = torch.nn.Linear(3, 2)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
     reference = {k: v.clone() for k, v in params.items()}
     probe = bb_relaxation.make_optimizer()
     state, ref_state = probe.init(params), probe.init(reference)

@@ -192,10 +192,9 @@ def _score(runs: list[dict[str, Any]]) -> tuple[int, float]:
     return (depth, -statistics.mean(run["reached"][deepest][0] for run in runs))
 
 
-def peers(key: str, target: float) -> str:
-    """The suite's L-BFGS and Adam -> L-BFGS to `target` on problem `key` (results.json)."""
-    with open(os.path.join(HERE, "results.json")) as f:
-        stats = json.load(f)["problems"][key]["stats"]
+def peers(stats: dict[str, Any], target: float) -> str:
+    """The suite's L-BFGS and Adam -> L-BFGS to `target`, from a problem's `stats` in
+    results.json."""
     parts = []
     for name, label in (("lbfgs", "L-BFGS"), ("adam_lbfgs", "Adam -> L-BFGS")):
         entry = stats.get(name, {}).get(f"L2 error {target:.0e}")
@@ -218,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget, tuning_budget = (30, 20) if args.quick else (BUDGET, TUNING_BUDGET)
     grid = GRID[:2] if args.quick else GRID
     payload: dict[str, Any] = {"targets": TARGETS, "budget": budget, "problems": {}}
+    with open(os.path.join(HERE, "results.json")) as f:
+        suite = json.load(f)["problems"]
     for key, make in PROBLEMS.items():
         tried = {
             setting: [levenberg_marquardt(make(s), *setting, tuning_budget) for s in tuning_seeds]
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 seconds = statistics.mean(h[1] for h in done)
                 text = f"{evaluations:.0f} evaluations, {seconds:.2f} s ({len(done)}/{len(hits)})"
             print(f"  L2 error {target:g}: Levenberg-Marquardt-CG {text}; suite: "
-                  f"{peers(key, target)}")  # fmt: skip
+                  f"{peers(suite[key]['stats'], target)}")  # fmt: skip
         print(f"  best error (median) {statistics.median(r['best'] for r in runs):.1e}; "
               f"rejected trials {sum(r['rejected'] for r in runs)} of "
               f"{sum(r['steps'] for r in runs)}")  # fmt: skip
