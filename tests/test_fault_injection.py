@@ -337,19 +337,31 @@ def _in_executor(code) -> bool:
     )
 
 
+def _stepping(how, opt, closure):
+    """The step under test: ``step(closure)`` (the safeguard, on copies of the params), or
+    ``step()`` after the closure set the grads (mode "aadl": the core on the params)."""
+    if how == "closure":
+        return lambda: opt.step(closure)
+    closure()
+    return opt.step
+
+
+@pytest.mark.parametrize("how", ["closure", "grads"])
 @pytest.mark.parametrize(
     ("error", "traced"),
     [(e, _in_package) for e in ERRORS] + [(RuntimeError, _in_executor)],
     ids=[e.__name__ for e in ERRORS] + ["RuntimeError-every-executor-line"],
 )
 @pytest.mark.usefixtures("default_sigint")
-def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error, traced):
+def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error, traced, how):
     """An exception at a line of the package's code during ``AcceleratedOptimizer.step``
     (the wrapper, the core, the guard; not torch.optim's own loop): either nothing changed,
     or the torch optimizer took its step and every group's window recorded it, with each
     group's params at its window's newest entry, that entry the torch optimizer's plain
     step or the uninterrupted step's outcome, and Grams consistent with the ring. The
-    package's lines are sampled (`AADL_FAULT_STRIDE=1`: all); the executor's are all taken."""
+    package's lines are sampled (`AADL_FAULT_STRIDE=1`: all); the executor's are all taken.
+    With the closure the core works on copies of the params; without (the grads set
+    before the step) on the params themselves."""
     from window_invariant import state_gram_errors
 
     model, opt, closure = _wrapped()
@@ -358,14 +370,17 @@ def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error, trac
     reference_model, reference, _ = _wrapped()
     reference._plain_step(closure)  # only the torch step (closure of the other model is fine:
     stepped = _momenta(reference)  # it sets the other model's grads, the same values)
-    # The params an outcome may leave: the torch optimizer's plain step, or the whole step's.
-    plain = [p.detach().clone() for p in reference_model.parameters()]
+    # The params an outcome may leave in each group: the torch optimizer's plain step, or the
+    # whole step's (a group after the one interrupted ends at its plain step).
+    plain = [[p.detach().clone() for p in g["params"]] for g in reference.param_groups]
     finished_model, finished, finished_closure = _wrapped()
-    finished.step(finished_closure)
-    outcomes = (plain, [p.detach().clone() for p in finished_model.parameters()])
+    _stepping(how, finished, finished_closure)()
+    outcomes = list(
+        zip(plain, [[p.detach().clone() for p in g["params"]] for g in finished.param_groups])
+    )
     del reference_model, finished_model
     counter = LineFaults(traced)
-    counter.run(lambda: opt.step(closure))
+    counter.run(_stepping(how, opt, closure))
     lines = counter.count
     stride = int(os.environ.get("AADL_FAULT_STRIDE", "0")) or max(1, lines // SAMPLES)
     if traced is _in_executor:
@@ -373,7 +388,7 @@ def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error, trac
     seen = {"before": 0, "stepped": 0}
     for at in range(ERRORS.index(error) * stride // len(ERRORS), lines, stride):
         model, opt, closure = _wrapped()
-        LineFaults(traced, error, at).run(lambda: opt.step(closure))  # noqa: B023
+        LineFaults(traced, error, at).run(_stepping(how, opt, closure))
         assert_ctrl_c_works()
         momenta, windows = _momenta(opt), opt.anderson_states
         params = [p.detach() for p in model.parameters()]
@@ -384,14 +399,24 @@ def test_wrapper_step_ends_consistent_whatever_is_raised_in_its_code(error, trac
             continue
         seen["stepped"] += 1
         assert _equal(momenta, stepped), f"line event {at}: torch's state torn"
-        assert any(_equal(params, o) for o in outcomes), (
-            f"line event {at}: params at neither the plain step nor the step's outcome"
-        )
-        for group, window, count in zip(opt.param_groups, windows, counts):
-            assert int(window.count) == count + 1, f"line event {at}: a step not recorded"
-            assert _equal([p.detach() for p in group["params"]], window.anchor), (
-                f"line event {at}: params are not the window's newest entry"
+        for group, group_outcomes in zip(opt.param_groups, outcomes):
+            group_params = [p.detach() for p in group["params"]]
+            assert any(_equal(group_params, o) for o in group_outcomes), (
+                f"line event {at}: params at neither the plain step nor the step's outcome"
             )
+        for group, window, count, (plain_step, _) in zip(
+            opt.param_groups, windows, counts, outcomes
+        ):
+            assert int(window.count) == count + 1, f"line event {at}: a step not recorded"
+            group_params = [p.detach() for p in group["params"]]
+            if how == "closure":  # the safeguard puts a kept mix in the window
+                assert _equal(group_params, window.anchor), (
+                    f"line event {at}: params are not the window's newest entry"
+                )
+            else:  # the plain step is the newest entry, the params at it or at the mix
+                assert _equal(window.anchor, plain_step), (
+                    f"line event {at}: the window's newest entry is not the plain step"
+                )
             errors = state_gram_errors(window, "aadl")
             assert max(errors.values()) < 1e-12, f"line event {at}: Gram off the ring {errors}"
         for _ in range(2):  # and the run goes on

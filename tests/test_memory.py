@@ -140,6 +140,32 @@ def test_inplace_step_allocates_at_most_six_parameter_sized_buffers(history_dtyp
     assert largest <= param_bytes, largest / param_bytes
 
 
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+def test_wrapper_step_allocates_no_parameter_sized_buffer_in_mode_aadl(mode):
+    """`AcceleratedOptimizer(SGD)` on one float32 param of n = 2^20, history 10, a step that
+    mixes. Mode "aadl" runs the core on the stepped params themselves: not one
+    parameter-sized buffer (SGD without momentum allocates none). Mode "classic" keeps the
+    params before the torch step and the displacement in float64 (3), on top of the core's
+    own in-place step (at most 6, above): 7 measured."""
+    param = torch.nn.Parameter(torch.randn(N))
+    opt = aa.AcceleratedOptimizer(
+        torch.optim.SGD([param], lr=0.01), history_depth=DEPTH, relaxation=0.5, mode=mode
+    )
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2 * DEPTH):
+        param.grad = 1e-2 * torch.randn(N, generator=generator)
+        opt.step()
+    before = int(opt.anderson_states[0].num_mixed)
+    param.grad = 1e-2 * torch.randn(N, generator=generator)
+    peak, total, largest = allocation_profile(opt.step)
+    assert int(opt.anderson_states[0].num_mixed) == before + 1  # the measured step did mix
+    param_bytes = N * 4
+    if mode == "aadl":
+        assert total < param_bytes / 4, total / param_bytes
+    else:
+        assert 3 * param_bytes <= peak <= (3 + 6) * param_bytes, peak / param_bytes
+
+
 def test_pure_step_copies_one_slot_not_the_window():
     """inplace=False may not mutate the state, so it allocates the new slot, the new anchor,
     the step and the mix -- a handful of parameter-sized buffers, never the window."""

@@ -11,6 +11,7 @@ by call (one window per group), and through torch.optim's plumbing: LR scheduler
 from __future__ import annotations
 
 import io
+import math
 import warnings
 
 import numpy as np
@@ -106,11 +107,19 @@ def test_follows_the_reference_recurrence(mode, inner, how):
 class TorchStep:
     """An inner optimizer for the core: a ``torch.optim`` optimizer of its own, stepping a
     scratch copy of the params (a tensor or a list of tensors); the update is the
-    displacement it took (float64: exact). The core calls it only on the calls it does not
-    revert, so its torch state follows the core's decisions, not the wrapper's."""
+    displacement it took. The core calls it only on the calls it does not revert, so its
+    torch state follows the core's decisions, not the wrapper's.
 
-    def __init__(self, make, like: torch.Tensor | list[torch.Tensor]):
+    ``exact=False``: ``stepped - params``, rounded once in the params' dtype.
+    ``exact=True``: a displacement ``u`` with ``params + u == stepped`` bit for bit, so that
+    the core's plain step is the torch optimizer's own, as the wrapper's: for float32 or
+    half-precision params the difference in the wider dtype (exact there); for float64 ones
+    ``exact_displacement()``, which raises where no float64 ``u`` does it (a step much
+    longer than the distance from zero it lands at)."""
+
+    def __init__(self, make, like: torch.Tensor | list[torch.Tensor], *, exact: bool = False):
         self.single = isinstance(like, torch.Tensor)
+        self.exact = exact
         leaves = [like] if self.single else like
         self.scratch = [torch.nn.Parameter(leaf.detach().clone()) for leaf in leaves]
         self.optimizer = make(self.scratch)
@@ -125,8 +134,33 @@ class TorchStep:
                 scratch.copy_(point)
                 scratch.grad = grad.clone()
         self.optimizer.step()
-        moves = [s.detach().clone().sub_(p) for s, p in zip(self.scratch, points)]
+        if self.exact:
+            moves = [
+                s.detach().to(WIDER[p.dtype]) - p if p.dtype in WIDER else exact_displacement(s, p)
+                for s, p in zip(self.scratch, points)
+            ]
+        else:
+            moves = [s.detach().clone().sub_(p) for s, p in zip(self.scratch, points)]
         return (moves[0] if self.single else moves), state
+
+
+WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
+
+
+def exact_displacement(stepped: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """``u`` of ``start``'s dtype with ``start + u == stepped`` in every entry: ``stepped -
+    start``, moved an ulp at a time towards the target where that sum rounds elsewhere
+    (``start + u`` is monotone in ``u``)."""
+    stepped = stepped.detach()
+    u = stepped - start
+    for _ in range(8):
+        landed = start + u
+        miss = landed != stepped
+        if not bool(miss.any()):
+            return u
+        toward = torch.where(landed < stepped, math.inf, -math.inf).to(u.dtype)
+        u = torch.where(miss, torch.nextafter(u, toward), u)
+    raise AssertionError("no displacement reproduces the torch step here")
 
 
 @pytest.mark.parametrize("inner", list(TORCH_INNERS))
@@ -144,7 +178,10 @@ def test_matches_the_functional_core_call_by_call_per_group(mode, inner):
     opt = aa.AcceleratedOptimizer(make_torch([head], lr=lrs[0]), safeguard="deferred", **options)
     mine = [torch.tensor(X0[:4]), torch.tensor(X0[4:])]
     cores = [
-        aa.anderson(TorchStep(lambda ps, lr=lr: make_torch(ps, lr=lr), start), **options)
+        aa.anderson(
+            TorchStep(lambda ps, lr=lr: make_torch(ps, lr=lr), start, exact=mode == "aadl"),
+            **options,
+        )
         for lr, start in zip(lrs, mine)
     ]
     states = [cores[0].init(mine[0]), None]

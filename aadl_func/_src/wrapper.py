@@ -1,11 +1,19 @@
 r"""`AcceleratedOptimizer` and `accelerate`: the functional core behind a torch.optim face.
 
-The wrapped `torch.optim` optimizer is the inner map $g$ of Anderson acceleration. A
-step snapshots the params $x$, lets the torch optimizer step (params $y = g(x)$),
-and hands both to [`aadl_func.anderson()`][aadl_func.anderson] through an internal inner optimizer
-whose update is the displacement $y - x$ the torch optimizer already took. The functional core then
-does everything else (window, mixing, safeguard, moving average), one window per param group as in
-AADL, and the result is written back into the params in place.
+The wrapped `torch.optim` optimizer is the inner map $g$ of Anderson acceleration, and
+[`aadl_func.anderson()`][aadl_func.anderson] does everything else (window, mixing, safeguard,
+moving average), one window per param group as in AADL, its outcome written into the params in
+place. How the torch step reaches the core:
+
+* mode "aadl", whose window holds only the plain iterates: the core runs on the params as the
+  torch optimizer left them, $y = g(x)$, with an internal inner optimizer whose update is
+  $-0$ (`wrapper_groups.StepInParams`), so its plain step is torch's own bit for bit and it
+  writes its outcome into the params directly (no copy of the params, no displacement);
+* mode "classic" (which keeps the pairs $(x_i, g(x_i) - x_i)$), with the `loss_fn` safeguard
+  (its closure is evaluated at candidates written into the params), compiled, or on DTensor
+  params: the step snapshots the params $x$ before the torch step and hands both to the core
+  through an inner optimizer whose update is the displacement $y - x$ the torch optimizer
+  already took (`wrapper_groups.TakenStep`); the outcome is copied into the params.
 """
 
 from __future__ import annotations
@@ -27,9 +35,12 @@ from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 from aadl_func._src.wrapper_checkpoint import plain_values, restore_windows, saved_windows
 from aadl_func._src.wrapper_groups import (
+    StepInParams,
     TakenStep,
     check_windows_fit,
+    in_params_route,
     marks,
+    negative_zeros,
     torch_step_unless_rejected,
 )
 from aadl_func._src.wrapper_loss import (
@@ -141,6 +152,13 @@ class AcceleratedOptimizer(Optimizer):
             raise ValueError("AcceleratedOptimizer: `optimizer` is already accelerated")
         self._config = AndersonOptions(TakenStep(), **resolved)
         self._anderson = Anderson(*functions(self._config))
+        # Mode "aadl" (whose window holds only the plain iterates) runs the core on the
+        # stepped params themselves where it can (`in_params_route()`): no copy of the params
+        # before the torch step, no displacement, no copy of the outcome.
+        self._in_params_config = None
+        if mode == "aadl":
+            self._in_params_config = AndersonOptions(StepInParams(), **resolved)
+            self._in_params_anderson = Anderson(*functions(self._in_params_config))
         self._options = plain_values(resolved)
         self._safeguard = safeguard
         self.optimizer = optimizer
@@ -320,7 +338,11 @@ class AcceleratedOptimizer(Optimizer):
         # `clone` keeps the memory format (channels_last) by default. Spelled out
         # (`memory_format=torch.preserve_format`), it makes dynamo (torch 2.13) give up on
         # this frame where the torch step below breaks the graph.
-        starts = [[p.detach().clone() for p in group["params"]] for group in groups]
+        in_params = in_params_route(self._in_params_config, closure is None or loss is not None)
+        starts = [
+            None if in_params(group["params"]) else [p.detach().clone() for p in group["params"]]
+            for group in groups
+        ]
         verdicts = self._verdicts(windows, loss)
         if torch.compiler.is_compiling():
             # Compiled (docs/compiling.md): no recovery, so no count to read and no try
@@ -349,7 +371,7 @@ class AcceleratedOptimizer(Optimizer):
                 position, mark = index, None
                 params = group["params"]
                 if params:
-                    mark = marks(self._window(windows, index, start))
+                    mark = marks(self._window(windows, index, params if start is None else start))
                     guarded_closure = None if loss is not None else closure
                     self._update_group(windows, index, params, start, guarded_closure, loss)
                 position, mark = index + 1, None
@@ -389,16 +411,17 @@ class AcceleratedOptimizer(Optimizer):
         windows: list[AndersonState | None],
         index: int,
         params: list[Tensor],
-        start: list[Tensor],
+        start: list[Tensor] | None,
         closure: Callable[[], Any] | None,
         loss: Any = None,
     ) -> None:
         """Group `index`'s call of the core: from `start` (its params before the torch
-        step) and its params now (after it), the outcome written into the params and the
-        returned state kept (compiled, its counters are new tensors). `closure`: the
-        `loss_fn` safeguard; `loss`: the deferred one."""
+        step; None on the params themselves, see `in_params_route()`) and its params now
+        (after it), the outcome written into the params and the returned state kept
+        (compiled, its counters are new tensors). `closure`: the `loss_fn` safeguard;
+        `loss`: the deferred one."""
         loss_fn = None if closure is None else closure_loss(params, closure)
-        update = self._anderson.update
+        update = (self._anderson if start is not None else self._in_params_anderson).update
         self._call_core(update, windows, index, params, start, loss_fn=loss_fn, loss=loss)
 
     def _call_core(
@@ -407,13 +430,20 @@ class AcceleratedOptimizer(Optimizer):
         windows: list[AndersonState | None],
         index: int,
         params: list[Tensor],
-        start: list[Tensor],
+        start: list[Tensor] | None,
         **keywords: Any,
     ) -> None:
         """Group `index`'s call `function(window, start, stepped, inplace=True, **keywords)`
         of the core (its `update`, or `step` without mixing): its outcome written into the
-        group's `params` and the state it returns kept as the group's window."""
+        group's `params` and the state it returns kept as the group's window. `start` None:
+        `function(window, stepped, -0, ...)` (`StepInParams`), which writes the outcome
+        into the params itself."""
         stepped = [p.detach() for p in params]
+        if start is None:
+            window = self._window(windows, index, stepped)
+            zeros = negative_zeros(stepped)
+            windows[index] = function(window, stepped, zeros, inplace=True, **keywords)[1]
+            return
         window = self._window(windows, index, start)
         out, windows[index] = function(window, start, stepped, inplace=True, **keywords)
         for p, value in zip(params, out):  # (one by one: DTensor has no `_foreach_copy_`)
@@ -427,7 +457,7 @@ class AcceleratedOptimizer(Optimizer):
     def _recover(
         self,
         groups: list[dict[str, Any]],
-        starts: list[list[Tensor]],
+        starts: list[list[Tensor] | None],
         windows: list[AndersonState | None],
         position: int,
         mark: tuple[int, int] | None,
@@ -436,24 +466,25 @@ class AcceleratedOptimizer(Optimizer):
         """After an exception past the torch optimizer's step: group `position` (the first
         one not finished) ends at the core's outcome, the later groups at the plain step.
 
-        The core wrote its outcome in place into `starts[position]` and the window
-        (`aadl_func._src.exec.inplace.recover()`), and counted the call (`count`, or
-        `num_rejected` for a call that reverted a mix); a window whose marks did not move
-        (or were not read) never saw the step, so that group is finished like the later
-        ones, from its params."""
+        The core wrote its outcome in place into `starts[position]` (None: into the params
+        themselves) and the window (`aadl_func._src.exec.inplace.recover()`), and counted
+        the call (`count`, or `num_rejected` for a call that reverted a mix); a window whose
+        marks did not move (or were not read) never saw the step, so that group is finished
+        like the later ones, from its params."""
         first = position
         if position < len(groups) and mark is not None:
             window = windows[position]
             if window is not None and marks(window) != mark:
-                for p, value in zip(groups[position]["params"], starts[position]):
-                    p.copy_(value)
+                if starts[position] is not None:  # (None: the outcome is in the params)
+                    for p, value in zip(groups[position]["params"], starts[position]):
+                        p.copy_(value)
                 first = position + 1
         self._finish_plain(groups, starts, windows, first, loss)
 
     def _finish_plain(
         self,
         groups: list[dict[str, Any]],
-        starts: list[list[Tensor]],
+        starts: list[list[Tensor] | None],
         windows: list[AndersonState | None],
         first: int,
         loss: Any = None,
@@ -466,7 +497,8 @@ class AcceleratedOptimizer(Optimizer):
             params = groups[index]["params"]
             if not params:
                 continue
-            plain_step = functools.partial(step, self._config)
+            config = self._config if starts[index] is not None else self._in_params_config
+            plain_step = functools.partial(step, config)
             self._call_core(plain_step, windows, index, params, starts[index], loss=loss, mix=False)
 
     def _skip_if_nonfinite(self, closure: Callable[[], Any] | None) -> tuple[Any, bool]:

@@ -1,22 +1,34 @@
 """The param groups of `AcceleratedOptimizer` around the wrapped optimizer's step: the inner
-map every group's window sees (`TakenStep`), the marks a call of the core moves, and the
-torch step that leaves out the groups whose mix the deferred safeguard rejects."""
+map every group's window sees (`StepInParams` on the stepped params themselves, or
+`TakenStep` from a copy taken before the step; `in_params_route()` chooses), the marks a call
+of the core moves, and the torch step that leaves out the groups whose mix the deferred
+safeguard rejects."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor
+from torch.nn import Parameter
 
 from aadl_func._src import distributed, flags
 from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
 
-__all__ = ["TakenStep", "check_windows_fit", "marks", "torch_step_unless_rejected"]
+__all__ = [
+    "StepInParams",
+    "TakenStep",
+    "check_windows_fit",
+    "in_params_route",
+    "marks",
+    "negative_zeros",
+    "torch_step_unless_rejected",
+]
 
 # A dtype in which the difference of two values of the key dtype is exact (up to exponent gaps
 # of 2^13 for half precision, 2^29 for float32): the displacement loses nothing.
@@ -73,6 +85,74 @@ def displacements(stepped: list[Tensor], start: list[Tensor]) -> list[Tensor]:
         for w, a in zip(wide, start):
             w.sub_(a)
     return wide
+
+
+class StepInParams:
+    """Inner optimizer for a torch step already written into the params the core gets: its
+    update is its `updates` argument, which the caller passes as `-0`
+    (`negative_zeros()`).
+
+    Mode "aadl"'s window holds only the plain iterates `y`, so the core needs neither the
+    params before the torch step nor the displacement: given the stepped params as `x` and
+    `u = -0`, its plain step `y = x + u` is `x` bit for bit (`x + (-0) = x` for every float
+    `x`, `+0` and `-0` included; a NaN stays a NaN), and every outcome it writes (the mix, a
+    rejected mix's previous plain step, a recovery) lands in the params directly.
+    """
+
+    def init(self, params: Any) -> tuple:
+        return ()
+
+    def update(
+        self, updates: Any, state: tuple, params: Any = None, inplace: bool = False
+    ) -> tuple[Any, tuple]:
+        return updates, state
+
+
+def _given_leaves(
+    updates: list[Tensor], state: tuple, params: list[Tensor], spec: Any
+) -> tuple[list[Tensor], tuple]:
+    """`StepInParams.update` on leaves (the steady call's route)."""
+    return updates, state
+
+
+StepInParams.update.update_leaves = _given_leaves  # type: ignore[attr-defined]
+
+
+def negative_zeros(params: list[Tensor]) -> list[Tensor]:
+    """`-0` in the shape, dtype and device of each of `params`: one element, expanded (no
+    param-sized memory; the core only reads its updates). The same views for the same
+    layout of params (a group's, step after step)."""
+    return list(_negative_zeros(tuple((p.shape, p.dtype, p.device) for p in params)))
+
+
+@functools.lru_cache(maxsize=64)
+def _negative_zeros(layout: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]) -> tuple:
+    """`negative_zeros()` for params of `layout` (shape, dtype, device), as views of one 0-d
+    `-0` per dtype and device: not inference tensors, whatever mode the first step runs in
+    (only ever read)."""
+    with torch.inference_mode(False):
+        zeros = {(d, v): torch.full((), -0.0, dtype=d, device=v) for _, d, v in layout}
+        return tuple(zeros[d, v].expand(shape) for shape, d, v in layout)
+
+
+def in_params_route(config: AndersonOptions | None, no_loss_fn: bool) -> Callable[[list], bool]:
+    """Which param groups of a step run the core on their params themselves
+    (`StepInParams`, no copy of them kept before the torch step): none unless `config` (the
+    wrapper's options with that inner, made in mode "aadl" only) is given, the step runs
+    eagerly and without the `loss_fn` safeguard (`no_loss_fn`: its closure is evaluated at
+    candidates written into the params the core works on); then those of plain tensors
+    (`nn.Parameter`s included; DTensors go the copied way)."""
+    if config is None or not no_loss_fn or torch.compiler.is_compiling():
+        return _never
+    return _plain_tensors
+
+
+def _never(params: list[Tensor]) -> bool:
+    return False
+
+
+def _plain_tensors(params: list[Tensor]) -> bool:
+    return all(type(p) is Parameter or type(p) is Tensor for p in params)
 
 
 _STRIDED = torch.strided
