@@ -15,7 +15,7 @@ from test_eager_executor import _bytes, _problem
 
 import aadl_func as aa
 from aadl_func._src import anderson as anderson_module
-from aadl_func._src import native
+from aadl_func._src import native, native_blas
 from aadl_func._src.core import weights
 from aadl_func._src.exec import passes, plan, steady
 
@@ -240,10 +240,11 @@ def test_grads_the_steady_call_does_not_fit_go_the_checked_way(monkeypatch):
 # (the window written, not yet committed: the plain step with the window restarted).
 FAULTS = {
     "solve": lambda: [
-        (steady, "known_gamma"),  # the steady call's
+        (steady, "known_gamma"),  # the steady call's (with a relative ridge)
+        (native_blas.Solver, "weights"),  # the steady call's, in one native call
         (weights, "solve_known"),  # the executor's
     ],
-    "mix": lambda: [(passes, "finite")],
+    "mix": lambda: [(passes, "finite"), (native.LeafRows, "finite"), (native_blas.Mixer, "mix")],
     "append": lambda: [(native.LeafRows, "known_rows"), (passes, "known_rows")],
 }
 

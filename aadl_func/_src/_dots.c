@@ -265,6 +265,19 @@ int64_t aadl_finite_f32(const float *x, int64_t n, int64_t threads) {
     return bad ? 0 : 1;
 }
 
+/* 1 if every value of the float32 vectors x[l] (n[l] values each, l < leaves) is finite,
+ * else 0: aadl_finite_f32 of each in turn (stopping at the first that is not), on the
+ * threads of native.py's finite_f32(): at most max_threads, one per parallel_min values. */
+int64_t aadl_finite_leaves_f32(int64_t leaves, const float *const *x, const int64_t *n,
+                               int64_t max_threads, int64_t parallel_min) {
+    for (int64_t l = 0; l < leaves; l++) {
+        int64_t threads = n[l] / parallel_min;
+        threads = threads > max_threads ? max_threads : threads;
+        if (!aadl_finite_f32(x[l], n[l], threads < 1 ? 1 : threads)) return 0;
+    }
+    return 1;
+}
+
 /* The steady call's small system, read from the committed Grams (`solve_known()`'s inputs
  * in aadl_func/_src/core/lstsq.py): with the newest residual in slot `head` of the q-slot
  * window, the slots in chronological order s_j = (head + 1 + j) mod q and the m = q - 1
@@ -384,5 +397,92 @@ int64_t aadl_classic_weights_f32(const double *gamma, int64_t m, double relaxati
     return 1;
 }
 
+/* LAPACK's dsyevd and BLAS's dgemv (Fortran calling convention, 32-bit integers), found by
+ * native.py in the library torch calls them in, and passed in by address: this file links
+ * to no LAPACK of its own. */
+typedef void (*aadl_syevd_fn)(const char *jobz, const char *uplo, const int *n, double *a,
+                              const int *lda, double *w, double *work, const int *lwork,
+                              int *iwork, const int *liwork, int *info);
+typedef void (*aadl_gemv_fn)(const char *trans, const int *m, const int *n, const double *alpha,
+                             const double *a, const int *lda, const double *x, const int *incx,
+                             const double *beta, double *y, const int *incy);
+
+/* The small solve's routines and working memory (native.Solver owns the buffers): m x m
+ * `vectors`, m each of `eigvals`, `projected` and `gamma`, and LAPACK's `work` and `iwork`
+ * of the sizes its workspace query gave (the query torch.linalg.eigh makes). */
+typedef struct {
+    aadl_syevd_fn syevd;
+    aadl_gemv_fn gemv;
+    int64_t m;
+    int32_t lwork, liwork;
+    double *vectors, *eigvals, *work, *projected, *gamma;
+    int32_t *iwork;
+} aadl_solver;
+
+/* gamma = V inv(Lambda) V^T c for the symmetric m x m row-major h = V Lambda V^T
+ * (`known_gamma()` in core/lstsq.py, with its cut-off inverse `aadl_inverse_f64`), by the
+ * calls torch makes for torch.linalg.eigh(h) and the two torch.mv: h copied column-major,
+ * dsyevd("V", "L") with the queried workspace, then dgemv("T") and dgemv("N") on the
+ * column-major eigenvectors, and the elementwise product between them (one IEEE
+ * multiplication each). The same routines on the same inputs: the same bits. Returns 0, or
+ * LAPACK's non-zero `info` (the caller then lets torch raise its error). */
+int64_t aadl_gamma_f64(const aadl_solver *s, const double *h, const double *c, double reg,
+                       double rtol) {
+    int n = (int)s->m, info = 0, one_step = 1;
+    double one = 1.0, zero = 0.0;
+    for (int64_t i = 0; i < s->m; i++)
+        for (int64_t k = 0; k < s->m; k++) s->vectors[i + k * s->m] = h[i * s->m + k];
+    s->syevd("V", "L", &n, s->vectors, &n, s->eigvals, s->work, &s->lwork, s->iwork, &s->liwork,
+             &info);
+    if (info != 0) return info;
+    s->gemv("T", &n, &n, &one, s->vectors, &n, c, &one_step, &zero, s->projected, &one_step);
+    /* the cut-off inverse into gamma (scratch until the last product) */
+    aadl_inverse_f64(s->eigvals, s->m, reg, rtol, s->gamma);
+    for (int64_t i = 0; i < s->m; i++) s->projected[i] = s->gamma[i] * s->projected[i];
+    s->gemv("N", &n, &n, &one, s->vectors, &n, s->projected, &one_step, &zero, s->gamma,
+            &one_step);
+    return 0;
+}
+
+/* The steady call's whole small solve in one call: the system read from the committed
+ * Grams (`aadl_system_f64` into h, c and diag), gamma for the weight reg / unit
+ * (`aadl_gamma_f64`), and the float32 mixing weights in ring order into `out`
+ * (`aadl_weights_f32`, or with `classic` `aadl_classic_weights_f32`). Returns 1; 0 when a
+ * gamma is not finite (nothing written to `out`); -1 for a bad slot; -2 when LAPACK failed
+ * (torch then raises its error). */
+int64_t aadl_solve_f32(const aadl_solver *s, const double *gram, const double *dr_gram,
+                       const double *dr_rhs, int64_t q, int64_t head, double reg, double rtol,
+                       double relaxation, int64_t classic, double *h, double *c, double *diag,
+                       float *out) {
+    if (q != s->m + 1) return -1;
+    double unit = aadl_system_f64(gram, dr_gram, dr_rhs, q, head, h, c, diag);
+    if (unit < 0) return -1;
+    if (aadl_gamma_f64(s, h, c, reg / unit, rtol) != 0) return -2;
+    if (classic) return aadl_classic_weights_f32(s->gamma, s->m, relaxation, head, out);
+    return aadl_weights_f32(s->gamma, s->m, relaxation, head, out);
+}
+
+/* BLAS's sgemv, as aadl_gemv_fn for float32. */
+typedef void (*aadl_sgemv_fn)(const char *trans, const int *m, const int *n, const float *alpha,
+                              const float *a, const int *lda, const float *x, const int *incx,
+                              const float *beta, float *y, const int *incy);
+
+/* The steady call's mix and its finiteness test, every leaf in one call: x[l] += S_l^T w
+ * for leaf l's q contiguous slots S_l (q x n[l], row-major, i.e. the n[l] x q column-major
+ * matrix whose columns torch.addmv_ takes as `plan.columns`), by the sgemv call torch makes
+ * for it ("N", alpha = beta = 1), then aadl_finite_leaves_f32 of the mixed leaves. Returns
+ * 1 if every value is finite, else 0. */
+int64_t aadl_mix_f32(aadl_sgemv_fn gemv, int64_t leaves, float *const *x,
+                     const float *const *slots, const int64_t *n, int64_t q, const float *w,
+                     int64_t max_threads, int64_t parallel_min) {
+    int columns = (int)q, one_step = 1;
+    float one = 1.0f;
+    for (int64_t l = 0; l < leaves; l++) {
+        int rows = (int)n[l];
+        gemv("N", &rows, &columns, &one, slots[l], &rows, w, &one_step, &one, x[l], &one_step);
+    }
+    return aadl_finite_leaves_f32(leaves, (const float *const *)x, n, max_threads, parallel_min);
+}
+
 /* Lets the loader check that it got this file's build (bumped with any change of API). */
-int64_t aadl_dots_version(void) { return 8; }
+int64_t aadl_dots_version(void) { return 9; }

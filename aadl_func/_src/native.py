@@ -68,7 +68,7 @@ __all__ = [
 
 # Built by setup.py (the extension "aadl_func._src._dots") with the interpreter's suffix.
 LIBRARY = Path(__file__).with_name("_dots" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
-_VERSION = 8  # aadl_dots_version() of the source this module was written for
+_VERSION = 9  # aadl_dots_version() of the source this module was written for
 
 # Elements per block (at most the C side's AADL_MAX_BLOCK): the float64 copy of a vector
 # block (16 KiB) stays in L1 while every row streams past it.
@@ -77,7 +77,7 @@ BLOCK = 2048
 # float64 products make the pass compute-bound well below memory speed on small windows:
 # measured on this 2-core machine, the fused append of 4 rows takes 23 / 20 us with one /
 # two threads at n = 2^12, 47 / 33 us at 2^14 and 132 / 77 us at 2^16.
-_PARALLEL_MIN = 1 << 14
+PARALLEL_MIN = 1 << 14
 
 _KERNELS = {torch.float32: "aadl_dots_f32", torch.bfloat16: "aadl_dots_bf16"}
 
@@ -236,6 +236,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.aadl_leaves_f32.restype = i64
     library.aadl_finite_f32.argtypes = [ptr, i64, i64]
     library.aadl_finite_f32.restype = i64
+    library.aadl_finite_leaves_f32.argtypes = [i64, ptr, ptr, i64, i64]
+    library.aadl_finite_leaves_f32.restype = i64
     library.aadl_system_f64.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
     library.aadl_system_f64.restype = ctypes.c_double
     library.aadl_rows_f64.argtypes = [ptr, ptr, i64, i64, ptr]
@@ -246,6 +248,14 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.aadl_weights_f32.restype = i64
     library.aadl_classic_weights_f32.argtypes = [ptr, i64, ctypes.c_double, i64, ptr]
     library.aadl_classic_weights_f32.restype = i64
+    library.aadl_gamma_f64.argtypes = [ptr, ptr, ptr, ctypes.c_double, ctypes.c_double]
+    library.aadl_gamma_f64.restype = i64
+    f64 = ctypes.c_double
+    library.aadl_solve_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f64, f64, f64, i64, ptr,
+                                       ptr, ptr, ptr]  # fmt: skip
+    library.aadl_solve_f32.restype = i64
+    library.aadl_mix_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64]
+    library.aadl_mix_f32.restype = i64
     return library
 
 
@@ -272,7 +282,7 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
 
 
 def _threads(q: int, n: int, num_blocks: int) -> int:
-    return max(1, min(torch.get_num_threads(), num_blocks, q * n // _PARALLEL_MIN))
+    return max(1, min(torch.get_num_threads(), num_blocks, q * n // PARALLEL_MIN))
 
 
 def pointers(tensors: Sequence[Tensor]) -> ctypes.Array:
@@ -327,10 +337,18 @@ class LeafRows:
             raise RuntimeError(f"aadl_func native kernel failed for slot {slot}")
         return code == 1
 
+    def finite(self, leaves: Sequence[Tensor]) -> bool:
+        """Whether every value of `leaves` (float32, contiguous, of the window's leaf
+        sizes, which the caller checked) is finite: `finite_f32()` of each, in one call."""
+        library = _load()[0]
+        return library.aadl_finite_leaves_f32(
+            self.leaves, pointers(leaves), self.sizes, torch.get_num_threads(), PARALLEL_MIN
+        ) == 1  # fmt: skip
+
     def _run(self, slot: int, newest: ctypes.Array | None) -> None:
         code = _load()[0].aadl_leaves_f32(
             self.leaves, self.rows, self.q, slot, newest, self.anchor, self.sizes, BLOCK,
-            torch.get_num_threads(), _PARALLEL_MIN, self.partial, self.scratch.data_ptr(),
+            torch.get_num_threads(), PARALLEL_MIN, self.partial, self.scratch.data_ptr(),
             self._out,
         )  # fmt: skip
         if code != 0:
@@ -438,7 +456,7 @@ def finite_f32(t: Tensor) -> bool:
     n = t.numel()
     # (A read-only pass breaks even on two threads near 2^14 elements too: measured 2.2 us
     # on one or two, 6.3 / 4.4 us at 2^16, 145 / 59 us at 2^20.)
-    threads = max(1, min(torch.get_num_threads(), n // _PARALLEL_MIN))
+    threads = max(1, min(torch.get_num_threads(), n // PARALLEL_MIN))
     return _load()[0].aadl_finite_f32(t.data_ptr(), n, threads) == 1
 
 

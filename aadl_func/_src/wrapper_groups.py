@@ -116,22 +116,27 @@ def _given_leaves(
 
 
 StepInParams.update.update_leaves = _given_leaves  # type: ignore[attr-defined]
+# Its caller's promise to the steady call (`exec.plan.Plan.plain_in_params`): the grads are
+# `negative_zeros()` of the params, which hold the plain step already.
+StepInParams.update.plain_in_params = True  # type: ignore[attr-defined]
 
 
 def negative_zeros(params: list[Tensor]) -> list[Tensor]:
     """`-0` in the shape, dtype and device of each of `params`: one element, expanded (no
     param-sized memory; the core only reads its updates). The same views for the same
     layout of params (a group's, step after step)."""
-    return list(_negative_zeros(tuple((p.shape, p.dtype, p.device) for p in params)))
+    # (CPU params: no device object made; a step notices them.)
+    layout = tuple((p.shape, p.dtype, None if p.is_cpu else p.device) for p in params)
+    return list(_negative_zeros(layout))
 
 
 @functools.lru_cache(maxsize=64)
-def _negative_zeros(layout: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]) -> tuple:
-    """`negative_zeros()` for params of `layout` (shape, dtype, device), as views of one 0-d
-    `-0` per dtype and device: not inference tensors, whatever mode the first step runs in
-    (only ever read)."""
+def _negative_zeros(layout: tuple[tuple[torch.Size, torch.dtype, Any], ...]) -> tuple:
+    """`negative_zeros()` for params of `layout` (shape, dtype, device: None for the CPU),
+    as views of one 0-d `-0` per dtype and device: not inference tensors, whatever mode the
+    first step runs in (only ever read)."""
     with torch.inference_mode(False):
-        zeros = {(d, v): torch.full((), -0.0, dtype=d, device=v) for _, d, v in layout}
+        zeros = {(d, v): torch.full((), -0.0, dtype=d, device=v or "cpu") for _, d, v in layout}
         return tuple(zeros[d, v].expand(shape) for shape, d, v in layout)
 
 
@@ -184,7 +189,8 @@ def check_windows_fit(
                 p.shape != a.shape
                 or p.dtype != a.dtype
                 or p.layout is not _STRIDED
-                or (check_device and p.device != a.device)
+                # (two CPU tensors: the same device, without making the device objects)
+                or (check_device and not (p.is_cpu and a.is_cpu) and p.device != a.device)
             ):
                 break
         else:

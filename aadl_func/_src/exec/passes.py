@@ -226,7 +226,7 @@ def copy_leaves(targets: list[Tensor], sources: list[Tensor]) -> None:
 def finite(x_hist: Sequence[Tensor], params: Sequence[Tensor], solved: Any) -> bool:
     """Whether the solve and the mix are finite in the params' dtypes
     (`aadl_func._src.stages.finite()`)."""
-    if not (solved if isinstance(solved, bool) else bool(solved.item())):
+    if not solve_succeeded(solved):
         return False
     kernel = native.available()
     for t, p in zip(x_hist, params):
@@ -242,6 +242,11 @@ def finite(x_hist: Sequence[Tensor], params: Sequence[Tensor], solved: Any) -> b
         if not (low.item() >= -limit and high.item() <= limit):
             return False
     return True
+
+
+def solve_succeeded(solved: Any) -> bool:
+    """Whether the small solve succeeded: `solved` a bool, or a 0-d bool tensor."""
+    return solved if isinstance(solved, bool) else bool(solved.item())
 
 
 def _plain_contiguous(t: Tensor) -> bool:

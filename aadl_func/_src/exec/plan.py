@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from aadl_func._src import kernels, native, protocols, tree
+from aadl_func._src import kernels, native, native_blas, protocols, tree
 from aadl_func._src.acceptance import SAFEGUARD
 from aadl_func._src.exec import passes
 from aadl_func._src.options import AndersonOptions
@@ -45,11 +45,15 @@ class Plan:
         "count", "head", "mixed", "pending", "q", "gram_rows", "tracked", "versions",
         "keeps", "adopts", "leaf_update", "committed", "counters", "finite", "classic",
         "iterates", "runs", "storages", "bound", "inner_count", "system", "counts", "mix_terms",
+        "solver", "mixer", "plain_in_params", "list_size", "appended",
     )  # fmt: skip
 
     def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
         self.options, self.params, self.spec = options, leaves, spec
         self.shapes = [p.shape for p in leaves]
+        # The params' number when they are a plain list of tensors (the wrapper's), whose
+        # leaves the steady call takes without optree (`flatten()`); else None.
+        self.list_size = len(leaves) if tree.flatten(list(leaves))[1] == spec else None
         self.anchor = tree.flatten(state.anchor, "state.anchor")[0]
         ring = [tree.flatten(r, "state.residuals")[0] for r in state.residuals]
         self.slots = [[entry[i] for entry in ring] for i in range(len(leaves))]
@@ -66,8 +70,6 @@ class Plan:
             [(0, passes._rows_of_one_buffer(i)), (len(ring), m)] if self.classic else None
             for i, m in zip(self.iterates, matrices)
         ]
-        # The Gram-row passes over every leaf, one native call each (`native.LeafRows`).
-        self.rows = native.LeafRows(self.slots, self.anchor)
         self.count, self.head, self.mixed = (
             int(t) for t in (state.count, state.head, state.num_mixed)
         )
@@ -91,13 +93,7 @@ class Plan:
         # What the commit point writes natively (`native.commit_rows()`).
         self.committed = [state.gram, state.dr_gram, state.dr_rhs, state.count, state.head]
         self.counters = native.pointers([state.count, state.head])
-        # The small system read from the committed Grams (the native kernel).
-        self.system = native.System(state.gram, state.dr_gram, state.dr_rhs)
-        # Mode "classic": the mix's two products per leaf (`_mix_terms()`).
-        self.mix_terms = [
-            _mix_terms(p, runs, self.system.classic) if self.classic else None
-            for p, runs in zip(leaves, self.runs)
-        ]
+        self._kernel_calls(state)
         # The window's memory, which no params leaf may share.
         self.storages = {t.untyped_storage().data_ptr() for t in self.tracked}
         self.keeps = protocols.keeps_buffers(options.inner)
@@ -105,6 +101,10 @@ class Plan:
         # A built-in inner optimizer's update on checked leaves (out of place), else None.
         leaf_update = getattr(options.inner.update, "update_leaves", None)
         self.leaf_update = leaf_update if self.keeps else None
+        # An inner optimizer whose caller has written the plain step into the params and
+        # passes `-0` as the grads (the wrapper's `StepInParams`): `y = x + (-0)` is `x`,
+        # so the steady call neither adds nor checks them.
+        self.plain_in_params = getattr(options.inner.update, "plain_in_params", False) is True
         # Its known rule bound to the inner state's buffers (`inner_bound`), whose count the
         # plan keeps as a Python int; those tensors are tracked too (their memory changes
         # at each commit, so they are not among `storages`).
@@ -119,6 +119,34 @@ class Plan:
             self.counters = native.pointers([state.count, state.head, self.bound.count])
         self.counts = (ctypes.c_int64 * len(self.counters))()  # the values they get
         self.versions = versions(self)
+
+    def _kernel_calls(self, state: AndersonState) -> None:
+        """What the steady call's native calls need of the window: the Gram-row passes
+        (`rows`), the small system (`system`) and, where torch's LAPACK and BLAS can be
+        called directly (the same bits), the small solve and mix in one call each."""
+        # The Gram-row passes over every leaf, one native call each (`native.LeafRows`).
+        self.rows = native.LeafRows(self.slots, self.anchor)
+        # What an append into slot `s` writes (its version counters to bump): each leaf's
+        # slot `s` and anchor.
+        self.appended = [
+            [t for slots, a in zip(self.slots, self.anchor) for t in (slots[s], a)]
+            for s in range(len(self.slots[0]))
+        ]
+        # The small system read from the committed Grams (the native kernel)...
+        self.system = native.System(state.gram, state.dr_gram, state.dr_rhs)
+        # ... and solved in one native call (`native_blas.solver()`; else None: the torch
+        # route).
+        self.solver = native_blas.solver(self.system)
+        # Mode "aadl"'s mix and its finiteness test of a small window, in one native call
+        # likewise (`native_blas.mixer()`; else None: one `addmv_` per leaf).
+        self.mixer = None
+        if not self.classic and None not in self.columns:
+            self.mixer = native_blas.mixer(self.rows, self.columns)
+        # Mode "classic": the mix's two products per leaf (`_mix_terms()`).
+        self.mix_terms = [
+            _mix_terms(p, runs, self.system.classic) if self.classic else None
+            for p, runs in zip(self.params, self.runs)
+        ]
 
     def ring(self) -> tuple:
         """The residuals' window as the executor's ring: per slot, its leaves."""
@@ -137,6 +165,16 @@ def _mix_terms(p: Tensor, runs: list, weights: Tensor) -> tuple | None:
         (points.mT, weights[first : first + points.shape[0]]),
         (steps.mT, weights[second : second + steps.shape[0]]),
     )
+
+
+def flatten(values: Any, name: str, plan: Any) -> tuple[list, Any]:
+    """`tree.flatten(values, name)`, where a plain list as long as the params of `plan`
+    (when they are a plain list of tensors, as the wrapper's) is its own leaves: with the
+    plan's spec, which is optree's for it once the caller has checked that every item is a
+    tensor."""
+    if type(values) is list and type(plan) is Plan and len(values) == plan.list_size:
+        return list(values), plan.spec
+    return tree.flatten(values, name)
 
 
 def versions(plan: Plan) -> list[int]:

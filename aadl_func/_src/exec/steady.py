@@ -102,14 +102,14 @@ def run(
         return None  # its bar reads the grads (`deferred.bar`): the executor's
     if not isinstance(state, AndersonState) or state.pending_loss is None:
         return None
+    plan = memo(state)
     try:
-        leaves, spec = tree.flatten(params, "params")
-        g_leaves, g_spec = tree.flatten(grads, "grads")
+        leaves, spec = plans.flatten(params, "params", plan)
+        g_leaves, g_spec = plans.flatten(grads, "grads", plan)
     except Exception:  # noqa: BLE001 (the checked path says what is wrong, as always)
         return None
     if any(type(t) is not Tensor for t in (*leaves, *g_leaves)):
         return None  # sharded (DTensor) params, grads that are not tensors, ...
-    plan = memo(state)
     if type(plan) is plans.Unplannable:
         if plan.options is options and plan.native == native.available():
             return None
@@ -126,8 +126,8 @@ def run(
             return None
     if not (spec == plan.spec == g_spec and plans.params_fit(leaves, plan)):
         return None
-    if not plans.grads_fit(g_leaves, leaves):
-        return None
+    if not (plan.plain_in_params or plans.grads_fit(g_leaves, leaves)):
+        return None  # (the wrapper's `-0`s, made for these params, need no check)
     # The deferred verdict on the pending mix (`deferred.rejects`, on Python floats).
     value = None if loss is None else float(loss)
     rejected = value is not None and accept.rejects_pending(plan.pending, value)
@@ -140,7 +140,7 @@ def run(
         plan.versions = plans.versions(plan)
     else:  # the window restarted: the next calls are not steady
         set_memo(state, None)
-    return tree.unflatten(plan.spec, out), state
+    return (tree.unflatten(plan.spec, out) if plan.list_size is None else list(out)), state
 
 
 def _float32_weights(head: int, *chrono: list[float] | Tensor) -> Tensor:
@@ -234,7 +234,8 @@ class _Call:
         """Mode "aadl" (`_Step.aadl()`)."""
         plan, progress = self.plan, self.progress
         params, q = self.leaves, plan.q
-        passes.add_steps(params, self.updates, progress.stepped)  # 1. y = x + u, in the params
+        if not plan.plain_in_params:  # (else the params hold y: u is -0)
+            passes.add_steps(params, self.updates, progress.stepped)  # 1. y = x + u, in the params
         if not self.stores:
             return self._unstored()
         head = (plan.head + 1) % q  # 2. y - anchor joins the window, y is the anchor
@@ -247,15 +248,27 @@ class _Call:
         weights, solved = self._aadl_weights(head)  # 4. the weights
         progress.undo.append((params, plan.anchor))
         try:  # 5. the mix, accumulated in the params (which hold y, the anchor)
-            for p, columns in zip(params, plan.columns):
-                (p if p.dim() == 1 else p.view(-1)).addmv_(columns, weights)
-            ok = passes.finite(params, params, solved)
+            finite = self._mix(params, weights)
+            ok = passes.solve_succeeded(solved) and finite
         except BaseException:
             _write(params, plan.anchor)
             raise
         if not ok:
             _write(params, plan.anchor)
         return self._finish(ok, params)
+
+    def _mix(self, params: list[Tensor], weights: Tensor) -> bool:
+        """Mode "aadl"'s mix `y - sum_j c_j \\Delta y_j` accumulated in the params, leaf by
+        leaf (`addmv_` over the slots), and whether it is finite (`passes.finite()`, whose
+        native test every leaf of a plan takes): in one native call where the plan has a
+        `native_blas` mixer."""
+        plan = self.plan
+        if plan.mixer is not None:
+            torch.autograd.graph.increment_version(params)  # as `addmv_` would
+            return plan.mixer.mix(params, weights)
+        for p, columns in zip(params, plan.columns):
+            (p if p.dim() == 1 else p.view(-1)).addmv_(columns, weights)
+        return plan.rows.finite(params)
 
     def _classic(self) -> list[Tensor]:
         """Mode "classic" (`_Step.classic()`)."""
@@ -431,12 +444,9 @@ class _Call:
         negated), and whether the solve succeeded: in the native kernel from the solve's
         gamma where the plan reads the system natively, else from `_weights()`."""
         plan = self.plan
-        if plan.finite:
-            system = plan.system
-            gamma = known_gamma(*self._system(head), system.cutoff_inverse)
-            weights = system.aadl_weights(gamma, plan.options.relaxation, head)
-            if weights is not None:
-                return weights, True
+        weights = self._native_weights(head, classic=False) if plan.finite else None
+        if weights is not None:
+            return weights, True
         alpha, solved = self._weights(head)  # (a gamma that is not finite: the tensor route)
         minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
         return _float32_weights(head, minus_c), solved
@@ -447,15 +457,25 @@ class _Call:
         succeeded: natively from gamma as `_aadl_weights()`, else from `_weights()`."""
         plan = self.plan
         relaxation = plan.options.relaxation
-        if plan.finite:
-            system = plan.system
-            gamma = known_gamma(*self._system(head), system.cutoff_inverse)
-            weights = system.classic_weights(gamma, relaxation, head)
-            if weights is not None:
-                return weights, True
+        weights = self._native_weights(head, classic=True) if plan.finite else None
+        if weights is not None:
+            return weights, True
         alpha, solved = self._weights(head)  # (a gamma that is not finite: the tensor route)
         scaled = [relaxation * a for a in alpha] if isinstance(alpha, list) else relaxation * alpha
         return _float32_weights(head, classic_coefficients(alpha), scaled), solved
+
+    def _native_weights(self, head: int, classic: bool) -> Tensor | None:
+        """The float32 mixing weights in ring order from the committed Grams (which the
+        plan knows finite), natively: in one call where the plan has a `native_blas`
+        solver and the ridge is a number, else `known_gamma()` on the system the kernel
+        reads and the kernel's weights. None when a gamma is not finite (or, in one call,
+        LAPACK failed): the tensor route then answers, as the executor's would."""
+        options, system, solver = self.plan.options, self.plan.system, self.plan.solver
+        if solver is not None and options.reg_relative == 0.0:
+            return solver.weights(head, options.reg, options.relaxation, classic)
+        gamma = known_gamma(*self._system(head), system.cutoff_inverse)
+        mixing_weights = system.classic_weights if classic else system.aadl_weights
+        return mixing_weights(gamma, options.relaxation, head)
 
     def _system(self, head: int) -> tuple[Tensor, Tensor, float]:
         """The scaled small system `(h, c, reg)` read from the committed Grams by the native
@@ -549,7 +569,5 @@ class _Call:
         leaves into `plan.rows.out`."""
         plan = self.plan
         # Written behind torch's back: bump the version counters as an in-place op would.
-        torch.autograd.graph.increment_version(
-            [t for slots, a in zip(plan.slots, plan.anchor) for t in (slots[head], a)]
-        )
+        torch.autograd.graph.increment_version(plan.appended[head])
         plan.rows.append(head, self.leaves)
