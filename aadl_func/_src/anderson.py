@@ -291,13 +291,8 @@ def functions(options: AndersonOptions) -> tuple[AndersonInit, AndersonUpdate]:
 def _without_graph(run: Callable[[], Any]) -> Any:
     """`run()` under `autograd_policy()` (`torch.no_grad()` unless a differentiating
     transform is active), torch's grad mode put back as it was however it ends
-    (`grad_mode.kept`: a `with` alone can skip its `__exit__`). Already without grad and
-    outside the differentiating transforms (the wrapper's step): nothing to switch."""
-    if differentiating():
-        return grad_mode.kept(run, autograd_policy)
-    if not torch.is_grad_enabled():
-        return run()
-    return grad_mode.kept(run)
+    (`grad_mode.kept`: a `with` alone can skip its `__exit__`)."""
+    return grad_mode.kept(run, autograd_policy if differentiating() else None)
 
 
 def _counter() -> Tensor:
