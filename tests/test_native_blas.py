@@ -236,8 +236,12 @@ def _run(mode: str, steps: int, **options) -> tuple[list[bytes], list]:
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
 @pytest.mark.parametrize(
     "options",
-    [{"history_depth": 4}, {"history_depth": 6, "relaxation": 0.5, "reg": 1e-6}],
-    ids=["default", "relaxed"],
+    [
+        {"history_depth": 4},
+        {"history_depth": 6, "relaxation": 0.5, "reg": 1e-6},
+        {"history_depth": 5, "reg_relative": 1e-4},  # the solve alone (`Solver.gamma_of`)
+    ],
+    ids=["default", "relaxed", "relative-ridge"],
 )
 def test_steady_calls_give_the_same_bytes_with_and_without_them(monkeypatch, mode, options):
     """A run of steady calls with the one-call solve and mix (which this platform must have

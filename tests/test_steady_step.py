@@ -240,8 +240,9 @@ def test_grads_the_steady_call_does_not_fit_go_the_checked_way(monkeypatch):
 # (the window written, not yet committed: the plain step with the window restarted).
 FAULTS = {
     "solve": lambda: [
-        (steady, "known_gamma"),  # the steady call's (with a relative ridge)
-        (native_blas.Solver, "weights"),  # the steady call's, in one native call
+        (plan, "known_gamma"),  # the steady call's, without the direct LAPACK calls
+        (native_blas.Solver, "gamma_of"),  # ... with them, and a relative ridge
+        (native_blas.Solver, "weights"),  # ... with them, in one native call
         (weights, "solve_known"),  # the executor's
     ],
     "mix": lambda: [(passes, "finite"), (native.LeafRows, "finite"), (native_blas.Mixer, "mix")],

@@ -205,6 +205,7 @@ class Mixer:
         float32, the window's leaf sizes, which the caller checked), then whether they are
         all finite (`native.LeafRows.finite()`)."""
         rows = self.rows
+        torch.autograd.graph.increment_version(params)  # written behind torch's back
         return native._load()[0].aadl_mix_f32(
             self.sgemv, rows.leaves, native.pointers(params), self.bases, rows.sizes, self.q,
             weights.data_ptr(), torch.get_num_threads(), native.PARALLEL_MIN,

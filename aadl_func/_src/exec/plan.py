@@ -12,6 +12,7 @@ left it with (`versions()`). `new_plan()` makes one for a state in the steady st
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from aadl_func._src import kernels, native, native_blas, protocols, tree
 from aadl_func._src.acceptance import SAFEGUARD
+from aadl_func._src.core.lstsq import known_gamma
 from aadl_func._src.exec import passes
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
@@ -45,7 +47,7 @@ class Plan:
         "count", "head", "mixed", "pending", "q", "gram_rows", "tracked", "versions",
         "keeps", "adopts", "leaf_update", "committed", "counters", "finite", "classic",
         "iterates", "runs", "storages", "bound", "inner_count", "system", "counts", "mix_terms",
-        "solver", "mixer", "plain_in_params", "list_size", "appended",
+        "solver", "gamma_of", "mixer", "plain_in_params", "list_size", "appended",
     )  # fmt: skip
 
     def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
@@ -137,6 +139,13 @@ class Plan:
         # ... and solved in one native call (`native_blas.solver()`; else None: the torch
         # route).
         self.solver = native_blas.solver(self.system)
+        # `known_gamma()` of the system, or the same bytes from the solver (None where
+        # LAPACK failed), for the calls it does not take whole (a relative ridge).
+        self.gamma_of = (
+            functools.partial(known_gamma, cutoff_inverse=self.system.cutoff_inverse)
+            if self.solver is None
+            else self.solver.gamma_of
+        )
         # Mode "aadl"'s mix and its finiteness test of a small window, in one native call
         # likewise (`native_blas.mixer()`; else None: one `addmv_` per leaf).
         self.mixer = None

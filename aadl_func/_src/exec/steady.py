@@ -69,7 +69,6 @@ from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
 from aadl_func._src.core.lstsq import (
-    known_gamma,
     known_ridge,
     solve_known,
     solve_known_scaled,
@@ -248,8 +247,7 @@ class _Call:
         weights, solved = self._aadl_weights(head)  # 4. the weights
         progress.undo.append((params, plan.anchor))
         try:  # 5. the mix, accumulated in the params (which hold y, the anchor)
-            finite = self._mix(params, weights)
-            ok = passes.solve_succeeded(solved) and finite
+            ok = self._mix(params, weights) and passes.solve_succeeded(solved)
         except BaseException:
             _write(params, plan.anchor)
             raise
@@ -264,7 +262,6 @@ class _Call:
         `native_blas` mixer."""
         plan = self.plan
         if plan.mixer is not None:
-            torch.autograd.graph.increment_version(params)  # as `addmv_` would
             return plan.mixer.mix(params, weights)
         for p, columns in zip(params, plan.columns):
             (p if p.dim() == 1 else p.view(-1)).addmv_(columns, weights)
@@ -467,13 +464,16 @@ class _Call:
     def _native_weights(self, head: int, classic: bool) -> Tensor | None:
         """The float32 mixing weights in ring order from the committed Grams (which the
         plan knows finite), natively: in one call where the plan has a `native_blas`
-        solver and the ridge is a number, else `known_gamma()` on the system the kernel
-        reads and the kernel's weights. None when a gamma is not finite (or, in one call,
-        LAPACK failed): the tensor route then answers, as the executor's would."""
+        solver and the ridge is a number, else the plan's gamma (`known_gamma()` or the
+        solver's) of the system the kernel reads and the kernel's weights. None when a
+        gamma is not finite or LAPACK failed: the tensor route then answers (or raises), as
+        the executor's would."""
         options, system, solver = self.plan.options, self.plan.system, self.plan.solver
         if solver is not None and options.reg_relative == 0.0:
             return solver.weights(head, options.reg, options.relaxation, classic)
-        gamma = known_gamma(*self._system(head), system.cutoff_inverse)
+        # (A relative ridge: torch sums the system's diagonal, then the plan's gamma.)
+        if (gamma := self.plan.gamma_of(*self._system(head))) is None:
+            return None  # LAPACK failed: the torch route raises its error
         mixing_weights = system.classic_weights if classic else system.aadl_weights
         return mixing_weights(gamma, options.relaxation, head)
 
