@@ -32,13 +32,8 @@ MKL_LINUX = (
 needs_kernel = pytest.mark.skipif(not native.available(), reason=native.status())
 
 
-def _system(q: int) -> native.System:
-    zeros = torch.zeros(q, q, dtype=torch.float64)
-    return native.System(zeros, zeros.clone(), torch.zeros(q, dtype=torch.float64))
-
-
-def _solver(q: int) -> native_blas.Solver:
-    solver = native_blas.solver(_system(q))
+def _solver(m: int) -> native_blas.Solver:
+    solver = native_blas.solver(m)
     if solver is None:
         if MKL_LINUX and native.available():
             pytest.fail("torch's LAPACK and BLAS were not found or disagree on MKL/Linux")
@@ -80,7 +75,7 @@ def test_the_solve_gives_the_bytes_of_torchs_eigh_and_mv(m):
     a well-posed system (the math, not only torch's rounding)."""
     import numpy as np
 
-    solver = _solver(m + 1)
+    solver = _solver(m)
     for seed in range(4):
         for h, c, reg in _random_systems(m, seed):
             want = lstsq.known_gamma(h, c, reg)
@@ -115,19 +110,18 @@ def test_the_one_call_weights_are_the_steps_they_replace(q):
     steady call's three steps (`System.read`, `known_gamma`, `System.aadl_weights` or
     `classic_weights`), byte for byte, for every slot of the newest residual, ridges and
     relaxations; None for a system that is not finite (the torch route answers then)."""
-    _solver(q)  # (skips where the routines are not callable)
+    solver = _solver(q - 1)  # (skips where the routines are not callable)
     for seed, head, reg, relaxation in itertools.product(
         range(3), range(q), (0.0, 1e-3), (1.0, 0.5)
     ):
         gram, dr_gram, dr_rhs = _grams(q, seed)
         system = native.System(gram, dr_gram, dr_rhs)
-        solver = native_blas.solver(system)
         for classic in (False, True):
             unit = system.read(head)
             gamma = lstsq.known_gamma(system.h, system.c, reg / unit, system.cutoff_inverse)
             steps = system.classic_weights if classic else system.aadl_weights
             want = steps(gamma, relaxation, head).clone()
-            got = solver.weights(head, reg, relaxation, classic)
+            got = solver.weights(system, head, reg, relaxation, classic)
             assert got.numpy().tobytes() == want.numpy().tobytes()
     # Values that are not finite (which the steady call never solves: its plan knows its
     # Grams finite) give what the steps give, or None where those raise (LAPACK failed to
@@ -139,17 +133,17 @@ def test_the_one_call_weights_are_the_steps_they_replace(q):
         try:
             gamma = lstsq.known_gamma(system.h, system.c, 0.0, system.cutoff_inverse)
         except torch.linalg.LinAlgError:
-            assert solver.weights(0, 0.0, 1.0, False) is None
+            assert solver.weights(system, 0, 0.0, 1.0, False) is None
             continue
         want = system.aadl_weights(gamma, 1.0, 0)
         want = None if want is None else want.clone()
-        got = solver.weights(0, 0.0, 1.0, False)
+        got = solver.weights(system, 0, 0.0, 1.0, False)
         assert (got is None) == (want is None)
         assert got is None or got.numpy().tobytes() == want.numpy().tobytes()
         if poisoned is dr_rhs:
             assert got is None  # (a NaN right-hand side: gamma is NaN)
     with pytest.raises(RuntimeError, match="slot"):
-        solver.weights(q, 0.0, 1.0, False)
+        solver.weights(system, q, 0.0, 1.0, False)
 
 
 @needs_kernel
@@ -185,7 +179,7 @@ def test_the_mix_gives_addmvs_bytes_and_tells_nonfinite_values(sizes, q):
 def test_routines_that_disagree_with_torch_are_not_used(monkeypatch):
     """`solver()` and `mixer()` check the routines against torch first: where torch's
     answer differs by one ulp (as another library's would), they return None."""
-    _solver(4)
+    _solver(3)
     native_blas._agrees.cache_clear()
     native_blas._mixes_agree.cache_clear()
     try:
@@ -195,7 +189,7 @@ def test_routines_that_disagree_with_torch_are_not_used(monkeypatch):
             return torch.nextafter(gamma, torch.full_like(gamma, float("inf")))
 
         monkeypatch.setattr(native_blas, "known_gamma", off_by_one_ulp)
-        assert native_blas.solver(_system(4)) is None
+        assert native_blas.solver(3) is None
         monkeypatch.undo()
         original = torch.Tensor.addmv_
 
@@ -211,7 +205,7 @@ def test_routines_that_disagree_with_torch_are_not_used(monkeypatch):
         monkeypatch.undo()
         native_blas._agrees.cache_clear()
         native_blas._mixes_agree.cache_clear()
-    assert native_blas.solver(_system(4)) is not None
+    assert native_blas.solver(3) is not None
 
 
 def _run(mode: str, steps: int, **options) -> tuple[list[bytes], list]:

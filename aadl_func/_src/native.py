@@ -394,7 +394,8 @@ class System:
         self.h = torch.empty(q - 1, q - 1, dtype=torch.float64)
         self.c = torch.empty(q - 1, dtype=torch.float64)
         self.diag = torch.empty(q - 1, dtype=torch.float64)
-        self._out = (self.h.data_ptr(), self.c.data_ptr(), self.diag.data_ptr())
+        # Where `read()` writes `h`, `c` and `diag` (`native_blas.Solver` writes them too).
+        self.outputs = (self.h.data_ptr(), self.c.data_ptr(), self.diag.data_ptr())
         self.inverse = torch.empty(q - 1, dtype=torch.float64)
         self.weights = torch.empty(q, dtype=torch.float32)
         self.classic = torch.empty(2 * q, dtype=torch.float32)
@@ -403,7 +404,7 @@ class System:
     def read(self, head: int) -> float:
         """Fills `h`, `c` and `diag` for the newest residual in slot `head`; returns
         `unit`."""
-        unit = _load()[0].aadl_system_f64(*self.grams, self.q, head, *self._out)
+        unit = _load()[0].aadl_system_f64(*self.grams, self.q, head, *self.outputs)
         if unit < 0:
             raise RuntimeError(f"aadl_func native kernel failed for slot {head}")
         return unit

@@ -94,12 +94,10 @@ def _workspace(syevd: int, m: int) -> tuple[int, int]:
 
 
 class Solver:
-    """The small solve of a `q`-slot window (`m = q - 1`) in one native call, on the
-    buffers of `system` (`native.System`): made by `solver()`, which checked it."""
+    """The small solve of size `m` (a window of `m + 1` slots) in one native call, with its
+    own working memory: made by `solver()`, which checked it."""
 
-    def __init__(self, system: native.System, addresses: tuple[int, int, int]) -> None:
-        m = system.q - 1
-        self.system = system
+    def __init__(self, m: int, addresses: tuple[int, int, int]) -> None:
         lwork, liwork = _workspace(addresses[0], m)
         f64, cpu = torch.float64, "cpu"
         self._buffers = [
@@ -115,9 +113,6 @@ class Solver:
             work.data_ptr(), projected.data_ptr(), gamma.data_ptr(), iwork.data_ptr(),
         )  # fmt: skip
         self._address = ctypes.addressof(self.routines)
-        grams, out = system.grams, (system.h, system.c, system.diag)
-        self._system = (*grams, system.q)
-        self._out = tuple(t.data_ptr() for t in out)
 
     def gamma_of(self, h: Tensor, c: Tensor, reg: float) -> Tensor | None:
         """`known_gamma(h, c, reg)` (contiguous float64 CPU `(m, m)` and `(m,)`) in the
@@ -126,40 +121,40 @@ class Solver:
                                                  reg, RTOL)  # fmt: skip
         return self.gamma if code == 0 else None
 
-    def weights(self, head: int, reg: float, relaxation: float, classic: bool) -> Tensor | None:
-        """The float32 mixing weights in ring order for the newest residual in slot `head`:
-        the system read from the committed Grams, gamma for the ridge `reg` (a number, the
-        unscaled `known_ridge()`) and the weights of `system.aadl_weights()` (or with
-        `classic`, `system.classic_weights()`), in that object's buffers. None when a
-        gamma is not finite or LAPACK failed: the caller's torch route then answers (and
-        raises torch's error)."""
-        system = self.system
+    def weights(
+        self, system: native.System, head: int, reg: float, relaxation: float, classic: bool
+    ) -> Tensor | None:
+        """The float32 mixing weights in ring order for the newest residual in slot `head`
+        of `system`'s window (`native.System`, of `m + 1` slots): the system read from the
+        committed Grams (`system.read()`), gamma for the ridge `reg` (a number, the unscaled
+        `known_ridge()`) and the weights of `system.aadl_weights()` (or with `classic`,
+        `system.classic_weights()`), in `system`'s buffers. None when a gamma is not finite
+        or LAPACK failed: the caller's torch route then answers (and raises torch's
+        error)."""
         out = system.classic if classic else system.weights
         code = native._load()[0].aadl_solve_f32(
-            self._address, *self._system, head, reg, RTOL, relaxation, classic, *self._out,
-            out.data_ptr(),
+            self._address, *system.grams, system.q, head, reg, RTOL, relaxation, classic,
+            *system.outputs, out.data_ptr(),
         )  # fmt: skip
         if code == -1:
             raise RuntimeError(f"aadl_func native kernel failed for slot {head}")
         return out if code == 1 else None
 
 
-def solver(system: native.System) -> Solver | None:
-    """A `Solver` for `system`'s window size, if torch's LAPACK and BLAS are found and give
-    `known_gamma()`'s bytes on the check systems (see the module docstring); else None."""
-    addresses = _addresses() if native.available() and system.q >= 2 else None
-    if addresses is None or not _agrees(addresses, system.q - 1):
+def solver(m: int) -> Solver | None:
+    """A `Solver` of size `m`, if torch's LAPACK and BLAS are found and give `known_gamma()`'s
+    bytes on the check systems (see the module docstring); else None."""
+    addresses = _addresses() if native.available() and m >= 1 else None
+    if addresses is None or not _agrees(addresses, m):
         return None
-    return Solver(system, addresses)
+    return Solver(m, addresses)
 
 
 @functools.cache
 def _agrees(addresses: tuple[int, int, int], m: int) -> bool:
     """Whether the kernel's gamma is `known_gamma()`'s, byte for byte, on the check
     systems of size `m` (once per size and process)."""
-    q = m + 1
-    zeros = torch.zeros(q, q, dtype=torch.float64, device="cpu")
-    checker = Solver(native.System(zeros, zeros.clone(), zeros[0].clone()), addresses)
+    checker = Solver(m, addresses)
     for h, c, reg in _check_systems(m):
         want = known_gamma(h, c, reg)
         got = checker.gamma_of(h, c, reg)

@@ -138,7 +138,7 @@ class Plan:
         self.system = native.System(state.gram, state.dr_gram, state.dr_rhs)
         # ... and solved in one native call (`native_blas.solver()`; else None: the torch
         # route).
-        self.solver = native_blas.solver(self.system)
+        self.solver = native_blas.solver(self.q - 1)
         # `known_gamma()` of the system, or the same bytes from the solver (None where
         # LAPACK failed), for the calls it does not take whole (a relative ridge).
         self.gamma_of = (

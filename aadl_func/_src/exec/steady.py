@@ -470,7 +470,7 @@ class _Call:
         the executor's would."""
         options, system, solver = self.plan.options, self.plan.system, self.plan.solver
         if solver is not None and options.reg_relative == 0.0:
-            return solver.weights(head, options.reg, options.relaxation, classic)
+            return solver.weights(system, head, options.reg, options.relaxation, classic)
         # (A relative ridge: torch sums the system's diagonal, then the plan's gamma.)
         if (gamma := self.plan.gamma_of(*self._system(head))) is None:
             return None  # LAPACK failed: the torch route raises its error
