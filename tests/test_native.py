@@ -31,7 +31,7 @@ from aadl_func._src import native
 from aadl_func._src.core import lstsq
 from aadl_func._src.core.variants.aadl import aadl_coefficients
 from aadl_func._src.core.variants.classic import classic_coefficients
-from aadl_func._src.exec import steady
+from aadl_func._src.exec import steady_weights
 from aadl_func._src.window import known_rows
 
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
@@ -189,6 +189,104 @@ def test_leaf_rows_sum_the_leaves_rows_in_leaf_order(sizes):
 
 
 @needs_kernel
+@pytest.mark.parametrize("sizes", [[5], [native.BLOCK + 3, 7, 64], [50_001, 1, 3 * native.BLOCK]])
+def test_leaf_rows_append_takes_the_plain_step_and_the_maxima_in_its_pass(sizes):
+    """`LeafRows.append` with steps: `newest += steps` as torch's `add_()` rounds it, then
+    the append, in one pass: the bytes of the params, the window and the row of an `add_()`
+    followed by the append, for any thread count, and the kernel's mark; `maxima` the
+    largest |value| of the new slot and of `y`."""
+    q, slot = 4, 1
+    slots, newest, anchor = leaf_windows(sizes, q, seed=7 + len(sizes))
+    generator = torch.Generator().manual_seed(len(sizes))
+    # Steps of every magnitude around the params' (every rounding of the addition), and -0.
+    steps = [torch.randn(n, generator=generator) * torch.logspace(-9, 1, n) for n in sizes]
+    steps[0][0] = -0.0
+    ref_slots = [[t.clone() for t in leaf] for leaf in slots]
+    ref_newest, ref_anchor = [t.clone() for t in newest], [t.clone() for t in anchor]
+    for y, u in zip(ref_newest, steps):
+        y.add_(u)
+    ref_rows = native.LeafRows(ref_slots, ref_anchor)
+    ref_rows.append(slot, ref_newest)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            window = [[t.clone() for t in leaf] for leaf in slots]
+            params, anchors = [t.clone() for t in newest], [t.clone() for t in anchor]
+            rows = native.LeafRows(window, anchors)
+            assert rows.stepped.value == 0 and rows.maxima.isinf().all()
+            rows.append(slot, params, steps)
+            assert rows.stepped.value == 1
+            assert rows.row() == ref_rows.row()
+            for got, want in zip(
+                [params, anchors, *window], [ref_newest, ref_anchor, *ref_slots]
+            ):  # fmt: skip
+                assert [t.numpy().tobytes() for t in got] == [t.numpy().tobytes() for t in want]
+            new_slot = torch.cat([leaf[slot] for leaf in window])
+            assert rows.maxima[slot].item() == new_slot.abs().max().item()
+            assert rows.maxima[q].item() == torch.cat(params).abs().max().item()
+            others = [j for j in range(q) if j != slot]
+            assert rows.maxima[others].isinf().all()  # (not appended since made)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernel
+def test_mix_bounded_says_finite_only_where_no_rounding_can_overflow():
+    """`LeafRows.mix_bounded`: True exactly where max|y| + sum_j |w_j| max|s_j| is at most
+    half of float32's largest value (then the mix, rounded in any order, is finite); not
+    where a maximum is inf or NaN; and a mix it declines can overflow (the pass decides)."""
+    big = torch.finfo(torch.float32).max
+    q = 3
+    slots = [[torch.zeros(4) for _ in range(q)]]
+    rows = native.LeafRows(slots, [torch.zeros(4)])
+    weights = torch.tensor([1.0, -2.0, 0.5])
+    for scale, want in [(1e37, True), (big / 4, False), (big / 8, False), (big / 10, True)]:
+        # bound: y + 1 * s_0 + 2 * s_1 + 0.5 * s_2 with every maximum `scale`: 4.5 scale
+        rows.maxima.fill_(scale)
+        assert rows.mix_bounded(weights) == (4.5 * scale <= big / 2) == want
+    rows.maxima.fill_(1.0)
+    for bad in (math.inf, math.nan):
+        for j in range(q + 1):
+            rows.maxima[j] = bad
+            assert not rows.mix_bounded(weights)
+            rows.maxima[j] = 1.0
+        assert not rows.mix_bounded(torch.tensor([1.0, bad, 0.0]))
+    # Within the bound's factor of 2 of overflowing, a mix can overflow: y + s, both big / 2.
+    y, s = torch.full((4,), big / 2 * 1.5), torch.full((4,), big / 2 * 1.5)
+    assert torch.isinf(y + s).all()
+    rows.maxima.copy_(torch.tensor([big * 0.75, 0.0, 0.0, big * 0.75], dtype=torch.float64))
+    assert not rows.mix_bounded(torch.tensor([1.0, 0.0, 0.0]))
+
+
+@needs_kernel
+@pytest.mark.skipif(not native.available() or not native._load()[0].aadl_dots_avx2(),
+                    reason="the CPU has no AVX2")  # fmt: skip
+@pytest.mark.parametrize("q", ROWS)
+def test_avx2_dots_give_the_portable_bits(q):
+    """The float32 dots in AVX2 (four float64 lanes) and in the portable code (two): the
+    same lanes summed in the same order, so the same bytes, at every length around the
+    8-element step and the block, and in the append."""
+    library = native._load()[0]
+    generator = torch.Generator().manual_seed(q)
+    try:
+        for n in LENGTHS + [50_001]:
+            rows = [torch.randn(n, generator=generator) * 10.0 ** (3 * (r % 3) - 3)
+                    for r in range(q)]  # fmt: skip
+            vector = torch.randn(n, generator=generator)
+            got = []
+            for portable in (1, 0):
+                assert library.aadl_portable_dots(portable) == 1 - portable
+                window, anchor = [[t.clone() for t in rows]], [vector.clone()]
+                leaf = native.LeafRows(window, anchor)
+                leaf.append(q // 2, [vector * 3])
+                got.append((native.float64_dots(rows, vector).numpy().tobytes(), leaf.row()))
+            assert got[0] == got[1]
+    finally:
+        library.aadl_portable_dots(0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("q", [1, 2, 6])
 def test_leaf_rows_known_rows_are_the_python_rows(q):
     """`LeafRows.known_rows` (the steady call's Gram rows of an append, natively) against
@@ -222,7 +320,7 @@ def test_system_inverse_and_weights_are_the_python_steps():
     inverse (`lstsq._cutoff_inverse`) on eigenvalues negative, -0.0, NaN, below and above
     `RTOL`, with and without a ridge; the weights (`_known_affine`, `aadl_coefficients`
     negated, or mode "classic"'s `classic_coefficients` and scaled alpha, the ring order and
-    the float32 rounding of `_float32_weights`) for every slot,
+    the float32 rounding of `float32_weights`) for every slot,
     two relaxations and gammas whose weights overflow float32 or round to subnormals; None
     for a gamma that is not finite."""
     q = 6
@@ -238,10 +336,10 @@ def test_system_inverse_and_weights_are_the_python_steps():
     for gamma, relaxation, head in itertools.product(gammas, (1.0, 0.5), range(q)):
         alpha = [b - a for a, b in itertools.pairwise([0.0, *gamma.tolist(), 1.0])]
         minus_c = aadl_coefficients(alpha, relaxation, negated=True)
-        want = steady._float32_weights(head, minus_c).numpy().tobytes()
+        want = steady_weights.float32_weights(head, minus_c).numpy().tobytes()
         assert system.aadl_weights(gamma, relaxation, head).numpy().tobytes() == want
         scaled = [relaxation * a for a in alpha]
-        want = steady._float32_weights(head, classic_coefficients(alpha), scaled)
+        want = steady_weights.float32_weights(head, classic_coefficients(alpha), scaled)
         got = system.classic_weights(gamma, relaxation, head)
         assert got.numpy().tobytes() == want.numpy().tobytes()
     poisoned = torch.tensor([0.0, float("inf"), 0.0, 0.0, 1.0], dtype=torch.float64)

@@ -25,6 +25,7 @@
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #endif
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -109,6 +110,61 @@ static inline double bf16_to_double(uint16_t h) {
 AADL_DOT_GROUP(dot_group_f32, float, widen_f32, AADL_AS_DOUBLE)
 AADL_DOT_GROUP(dot_group_bf16, uint16_t, widen_bf16, bf16_to_double)
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* dot_group_f32 four float64 lanes per operation, on CPUs with AVX2 (chosen at run time:
+ * the build itself takes no target flags). Lane k of s[g][0] accumulates element i + k
+ * and lane k of s[g][1] element i + 4 + k: the elements that two-lane s[g][k / 2] and
+ * s[g][2 + k / 2] accumulate there, by the same products and sums (no FMA: AVX2 alone has
+ * none to contract to), and the lanes are combined as there. So the same bits, in about
+ * half the operations, which at a large window is what the pass is bound by. */
+#define AADL_AVX2 1
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef double f64x4 __attribute__((vector_size(32)));
+
+__attribute__((target("avx2"), always_inline)) static inline void dot_group_f32_avx2(
+    const float *const *rows, int G, int64_t start, const double *v, int64_t len, double *out) {
+    f64x4 s[AADL_GROUP][2];
+    for (int g = 0; g < G; g++) s[g][0] = s[g][1] = (f64x4){0.0, 0.0, 0.0, 0.0};
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        f64x4 v0, v1;
+        memcpy(&v0, v + i, sizeof v0);
+        memcpy(&v1, v + i + 4, sizeof v1);
+        for (int g = 0; g < G; g++) {
+            const float *a = rows[g] + start + i;
+            __builtin_prefetch(a + AADL_PREFETCH);
+            f32x4 x0, x1;
+            memcpy(&x0, a, sizeof x0);
+            memcpy(&x1, a + 4, sizeof x1);
+            s[g][0] += __builtin_convertvector(x0, f64x4) * v0;
+            s[g][1] += __builtin_convertvector(x1, f64x4) * v1;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float *a = rows[g] + start;
+        f64x2 lo0 = {s[g][0][0], s[g][0][1]}, hi0 = {s[g][0][2], s[g][0][3]};
+        f64x2 lo1 = {s[g][1][0], s[g][1][1]}, hi1 = {s[g][1][2], s[g][1][3]};
+        f64x2 t = (lo0 + hi0) + (lo1 + hi1);
+        double total = t[0] + t[1];
+        for (int64_t j = i; j < len; j++) total += (double)a[j] * v[j];
+        out[g] = total;
+    }
+}
+
+__attribute__((target("avx2"))) static void block_dots_f32_avx2(
+    const float *const *rows, int64_t q, int64_t start, const double *v, int64_t len,
+    double *sums) {
+    for (int64_t r = 0; r < q; r += AADL_GROUP) {
+        switch (q - r < AADL_GROUP ? (int)(q - r) : AADL_GROUP) {
+            case 4: dot_group_f32_avx2(rows + r, 4, start, v, len, sums + r); break;
+            case 3: dot_group_f32_avx2(rows + r, 3, start, v, len, sums + r); break;
+            case 2: dot_group_f32_avx2(rows + r, 2, start, v, len, sums + r); break;
+            default: dot_group_f32_avx2(rows + r, 1, start, v, len, sums + r); break;
+        }
+    }
+}
+#endif
+
 /* sums[r] = the dot products of rows r < q with the float64 block v over [start, start + len). */
 #define AADL_BLOCK_DOTS(NAME, T, GROUP)                                                      \
     static void NAME(const T *const *rows, int64_t q, int64_t start, const double *v,       \
@@ -124,7 +180,38 @@ AADL_DOT_GROUP(dot_group_bf16, uint16_t, widen_bf16, bf16_to_double)
         }                                                                                    \
     }
 
-AADL_BLOCK_DOTS(block_dots_f32, float, dot_group_f32)
+AADL_BLOCK_DOTS(block_dots_f32_sse2, float, dot_group_f32)
+
+/* Set by aadl_portable_dots: the portable code runs even where AVX2 could. */
+static volatile int64_t portable_only = 0;
+
+/* 1 if the float32 dots run the AVX2 code (the CPU has it, and aadl_portable_dots(0) holds),
+ * else 0. */
+int64_t aadl_dots_avx2(void) {
+#ifdef AADL_AVX2
+    return !portable_only && __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+/* The portable code only (on != 0) or AVX2 where the CPU has it (on == 0, the default): for
+ * the tests that compare their bits. Returns aadl_dots_avx2() after the change. */
+int64_t aadl_portable_dots(int64_t on) {
+    portable_only = on != 0;
+    return aadl_dots_avx2();
+}
+
+static void block_dots_f32(const float *const *rows, int64_t q, int64_t start, const double *v,
+                           int64_t len, double *sums) {
+#ifdef AADL_AVX2
+    if (aadl_dots_avx2()) {
+        block_dots_f32_avx2(rows, q, start, v, len, sums);
+        return;
+    }
+#endif
+    block_dots_f32_sse2(rows, q, start, v, len, sums);
+}
 AADL_BLOCK_DOTS(block_dots_bf16, uint16_t, dot_group_bf16)
 
 /* out[r] = sum_b partial[b * q + r], blocks in order. */
@@ -159,35 +246,76 @@ static void sum_blocks(const double *partial, int64_t num_blocks, int64_t q, dou
 AADL_DOTS(aadl_dots_f32, float, block_dots_f32, AADL_AS_DOUBLE)
 AADL_DOTS(aadl_dots_bf16, uint16_t, block_dots_bf16, bf16_to_double)
 
-/* The window's append step for float32 data, fused with its Gram row:
+/* The largest |value| of a float32's bits, as the bits of |value|: a non-negative float's
+ * bits order as its value, and those of inf and NaN above every finite one. */
+static inline uint32_t abs_bits(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return bits & 0x7fffffffu;
+}
+
+static inline double bits_value(uint32_t bits) {
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return (double)value;
+}
+
+/* The append of one float32 leaf, fused with its Gram row (and, with `step`, the plain step
+ * before it):
  *
- *   rows[slot] = newest - anchor   (float32 subtraction, rounded as torch.sub rounds it)
- *   anchor     = newest
+ *   y          = newest + step  (float32 addition, rounded as torch.add_ rounds it), written
+ *                               into newest; without step, y = newest
+ *   rows[slot] = y - anchor     (float32 subtraction, rounded as torch.sub rounds it)
+ *   anchor     = y
  *   out[r]     = sum_i f64(rows[r][i]) * f64(rows[slot][i])
  *
- * one pass instead of a subtraction, a copy and the Gram-row pass. The caller guarantees
- * that newest, anchor and rows[slot] do not overlap. Arguments as aadl_dots_f32. */
-int64_t aadl_append_f32(float *const *rows, int64_t q, int64_t slot, const float *newest,
-                        float *anchor, int64_t n, int64_t block, int64_t threads,
-                        double *partial, double *out) {
+ * one pass instead of an addition, a subtraction, a copy and the Gram-row pass. With
+ * `maxima` != NULL, maxima[0] and maxima[1] get max_i |y_i| and max_i |rows[slot][i]| as
+ * float32 abs bits (maxima of inf and NaN are those bits). The caller guarantees that newest,
+ * step, anchor and rows[slot] do not overlap but where they are one tensor. Arguments as
+ * aadl_dots_f32. */
+static int64_t append_leaf(float *const *rows, int64_t q, int64_t slot, float *newest,
+                           const float *step, float *anchor, int64_t n, int64_t block,
+                           int64_t threads, double *partial, double *out, uint32_t *maxima) {
     if (block < 1 || block > AADL_MAX_BLOCK || slot < 0 || slot >= q) return -1;
     int64_t num_blocks = (n + block - 1) / block;
     float *residual = rows[slot];
-#pragma omp parallel for schedule(static) num_threads(threads)
+    uint32_t y_max = 0, f_max = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : y_max, f_max)
     for (int64_t b = 0; b < num_blocks; b++) {
         double v[AADL_MAX_BLOCK];
         int64_t start = b * block;
         int64_t len = n - start < block ? n - start : block;
         for (int64_t i = start; i < start + len; i++) {
-            float f = newest[i] - anchor[i];
+            float y = newest[i];
+            if (step != NULL) {
+                y = y + step[i];
+                newest[i] = y;
+            }
+            float f = y - anchor[i];
             residual[i] = f;
-            anchor[i] = newest[i];
+            anchor[i] = y;
             v[i - start] = (double)f;
+            uint32_t y_bits = abs_bits(y), f_bits = abs_bits(f);
+            y_max = y_bits > y_max ? y_bits : y_max;
+            f_max = f_bits > f_max ? f_bits : f_max;
         }
         block_dots_f32((const float *const *)rows, q, start, v, len, partial + b * q);
     }
     sum_blocks(partial, num_blocks, q, out);
+    if (maxima != NULL) {
+        maxima[0] = y_max;
+        maxima[1] = f_max;
+    }
     return 0;
+}
+
+/* append_leaf without the plain step and the maxima (newest is only read). */
+int64_t aadl_append_f32(float *const *rows, int64_t q, int64_t slot, const float *newest,
+                        float *anchor, int64_t n, int64_t block, int64_t threads,
+                        double *partial, double *out) {
+    return append_leaf(rows, q, slot, (float *)newest, NULL, anchor, n, block, threads, partial,
+                       out, NULL);
 }
 
 /* The threads for one leaf's pass: those of native.py's _threads() (at most max_threads,
@@ -204,31 +332,48 @@ static int64_t leaf_threads(int64_t q, int64_t n, int64_t block, int64_t max_thr
  * (aadl_func/_src/exec/steady.py), which otherwise makes one call per leaf and sums their
  * rows in Python; the same sums in the same order:
  *
- *   append (newest != NULL): aadl_append_f32 of each leaf l, out = row_0 + row_1 + ...
+ *   append (newest != NULL): append_leaf of each leaf l (with its plain step step[l] when
+ *                            step != NULL), out = row_0 + row_1 + ...
  *   dots   (newest == NULL): aadl_dots_f32 of rows[l][slot] with rows[l],
  *                            out = ((0 + row_0) + row_1) + ...
  *
  * rows[l]: leaf l's q slots; n[l] its size; partial[l] its (blocks x q) scratch; scratch
- * one more q doubles. Returns 0, or the first failing kernel's code. */
+ * one more q doubles. An append sets maxima[slot] to max |rows[l][slot][i]| and maxima[q]
+ * to max |y_l[i]| over every leaf and value (as doubles; inf or NaN where one is not finite),
+ * which aadl_mix_f32 reads, and, once every leaf's plain step is in newest, *stepped to 1
+ * (the steady call's recovery reads it: the call writes nothing else). Returns 0, or -1
+ * for a bad slot or block, having written nothing. */
 int64_t aadl_leaves_f32(int64_t leaves, float *const *const *rows, int64_t q, int64_t slot,
-                        const float *const *newest, float *const *anchor, const int64_t *n,
-                        int64_t block, int64_t max_threads, int64_t parallel_min,
-                        double *const *partial, double *scratch, double *out) {
-    if (slot < 0 || slot >= q) return -1;
+                        float *const *newest, const float *const *step, float *const *anchor,
+                        const int64_t *n, int64_t block, int64_t max_threads,
+                        int64_t parallel_min, double *const *partial, double *scratch,
+                        double *out, double *maxima, int64_t *stepped) {
+    if (slot < 0 || slot >= q || block < 1 || block > AADL_MAX_BLOCK) return -1;
     if (newest == NULL)
         for (int64_t r = 0; r < q; r++) out[r] = 0.0;
+    uint32_t y_max = 0, f_max = 0;
     for (int64_t l = 0; l < leaves; l++) {
         int64_t threads = leaf_threads(q, n[l], block, max_threads, parallel_min);
         int64_t code;
-        if (newest != NULL)
-            code = aadl_append_f32(rows[l], q, slot, newest[l], anchor[l], n[l], block, threads,
-                                   partial[l], l == 0 ? out : scratch);
-        else
+        if (newest != NULL) {
+            uint32_t leaf_max[2];
+            code = append_leaf(rows[l], q, slot, newest[l], step == NULL ? NULL : step[l],
+                               anchor[l], n[l], block, threads, partial[l],
+                               l == 0 ? out : scratch, leaf_max);
+            y_max = leaf_max[0] > y_max ? leaf_max[0] : y_max;
+            f_max = leaf_max[1] > f_max ? leaf_max[1] : f_max;
+        } else {
             code = aadl_dots_f32((const float *const *)rows[l], q, rows[l][slot], n[l], block,
                                  threads, partial[l], scratch);
+        }
         if (code != 0) return code;
         if (newest == NULL || l > 0)
             for (int64_t r = 0; r < q; r++) out[r] += scratch[r];
+    }
+    if (newest != NULL) {
+        maxima[slot] = bits_value(f_max);
+        maxima[q] = bits_value(y_max);
+        if (step != NULL) *stepped = 1;
     }
     return 0;
 }
@@ -467,22 +612,37 @@ typedef void (*aadl_sgemv_fn)(const char *trans, const int *m, const int *n, con
                               const float *a, const int *lda, const float *x, const int *incx,
                               const float *beta, float *y, const int *incy);
 
+/* 1 if x + sum_j w[j] s_j is finite in float32 for every order of its roundings, given
+ * max |x_i| <= maxima[q] and max |s_j[i]| <= maxima[j] (j < q): their bound
+ * maxima[q] + sum_j |w[j]| maxima[j], summed in float64, is at most half of float32's
+ * largest finite value. Every partial sum of the terms, rounded at each step, then stays
+ * below FLT_MAX by far (each rounding adds at most a relative 2^-24), so no value
+ * overflows, and finite terms make no NaN. 0 if not (a bound that is inf or NaN
+ * included), when only a pass over the result can tell. */
+int64_t aadl_mix_bounded(const float *w, const double *maxima, int64_t q) {
+    double bound = maxima[q];
+    for (int64_t j = 0; j < q; j++) bound += fabs((double)w[j]) * maxima[j];
+    return bound <= 0.5 * FLT_MAX ? 1 : 0;
+}
+
 /* The steady call's mix and its finiteness test, every leaf in one call: x[l] += S_l^T w
  * for leaf l's q contiguous slots S_l (q x n[l], row-major, i.e. the n[l] x q column-major
  * matrix whose columns torch.addmv_ takes as `plan.columns`), by the sgemv call torch makes
- * for it ("N", alpha = beta = 1), then aadl_finite_leaves_f32 of the mixed leaves. Returns
- * 1 if every value is finite, else 0. */
+ * for it ("N", alpha = beta = 1), then aadl_finite_leaves_f32 of the mixed leaves, unless
+ * aadl_mix_bounded(w, maxima, q) (maxima != NULL: the bounds of the x and the slots before
+ * the mix) says they are finite. Returns 1 if every value is finite, else 0. */
 int64_t aadl_mix_f32(aadl_sgemv_fn gemv, int64_t leaves, float *const *x,
                      const float *const *slots, const int64_t *n, int64_t q, const float *w,
-                     int64_t max_threads, int64_t parallel_min) {
+                     const double *maxima, int64_t max_threads, int64_t parallel_min) {
     int columns = (int)q, one_step = 1;
     float one = 1.0f;
     for (int64_t l = 0; l < leaves; l++) {
         int rows = (int)n[l];
         gemv("N", &rows, &columns, &one, slots[l], &rows, w, &one_step, &one, x[l], &one_step);
     }
+    if (maxima != NULL && aadl_mix_bounded(w, maxima, q)) return 1;
     return aadl_finite_leaves_f32(leaves, (const float *const *)x, n, max_threads, parallel_min);
 }
 
 /* Lets the loader check that it got this file's build (bumped with any change of API). */
-int64_t aadl_dots_version(void) { return 9; }
+int64_t aadl_dots_version(void) { return 10; }

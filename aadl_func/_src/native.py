@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import struct
 import sysconfig
@@ -68,7 +69,7 @@ __all__ = [
 
 # Built by setup.py (the extension "aadl_func._src._dots") with the interpreter's suffix.
 LIBRARY = Path(__file__).with_name("_dots" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
-_VERSION = 9  # aadl_dots_version() of the source this module was written for
+_VERSION = 10  # aadl_dots_version() of the source this module was written for
 
 # Elements per block (at most the C side's AADL_MAX_BLOCK): the float64 copy of a vector
 # block (16 KiB) stays in L1 while every row streams past it.
@@ -231,8 +232,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.aadl_append_f32.restype = i64
     library.aadl_commit_f64.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64]
     library.aadl_commit_f64.restype = i64
-    library.aadl_leaves_f32.argtypes = [i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr,
-                                        ptr, ptr]  # fmt: skip
+    library.aadl_leaves_f32.argtypes = [i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                        ptr, ptr, ptr, ptr, ptr]  # fmt: skip
     library.aadl_leaves_f32.restype = i64
     library.aadl_finite_f32.argtypes = [ptr, i64, i64]
     library.aadl_finite_f32.restype = i64
@@ -254,8 +255,13 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.aadl_solve_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f64, f64, f64, i64, ptr,
                                        ptr, ptr, ptr]  # fmt: skip
     library.aadl_solve_f32.restype = i64
-    library.aadl_mix_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64]
+    library.aadl_mix_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64]
     library.aadl_mix_f32.restype = i64
+    library.aadl_dots_avx2.restype = i64
+    library.aadl_portable_dots.argtypes = [i64]
+    library.aadl_portable_dots.restype = i64
+    library.aadl_mix_bounded.argtypes = [ptr, ptr, i64]
+    library.aadl_mix_bounded.restype = i64
     return library
 
 
@@ -294,7 +300,14 @@ class LeafRows:
     """The Gram row of a whole float32 window, leaf by leaf in one native call
     (`aadl_leaves_f32`), for a caller that keeps the window's layout between calls (the
     steady call's plan): `slots[l]` are leaf `l`'s `q` contiguous slots and `anchor[l]` its
-    anchor. The same sums as one `_call()` per leaf added up in leaf order."""
+    anchor. The same sums as one `_call()` per leaf added up in leaf order.
+
+    `maxima` (`q + 1` doubles): the largest |value| of each slot as its last `append()`
+    wrote it, and of the newest entry `y` of that append (+inf for a slot not appended
+    since this object was made; inf or NaN where a value is not finite): bounds on the
+    terms of the mix that follows, with which `mix_bounded()` can tell it finite without
+    reading it. They hold while only `append()` writes the slots (the steady call's plan,
+    remade when anything else writes them)."""
 
     def __init__(self, slots: Sequence[Sequence[Tensor]], anchor: Sequence[Tensor]):
         self.leaves, self.q = len(slots), len(slots[0])
@@ -312,17 +325,24 @@ class LeafRows:
         # The rows `known_rows()` makes, `[g, h, c]`, which the commit point stores.
         self.values = torch.empty(3 * self.q, dtype=torch.float64)
         self._out, self.values_address = self.out.data_ptr(), self.values.data_ptr()
+        self.maxima = torch.full((self.q + 1,), math.inf, dtype=torch.float64)
+        self.maxima_address = self.maxima.data_ptr()
+        # Set to 1 by an `append()` with `steps` once they are all in `newest`.
+        self.stepped = ctypes.c_int64(0)
 
-    def append(self, slot: int, newest: Sequence[Tensor]) -> None:
+    def append(self, slot: int, newest: Sequence[Tensor], steps: Sequence[Tensor] = ()) -> None:
         """`append_differences()` of every leaf (`rows[slot] = newest - anchor`, `anchor =
-        newest`), the rows summed into `out`: `row_0 + row_1 + ...`. The caller bumps the
-        version counters."""
-        self._run(slot, pointers(newest))
+        newest`), the rows summed into `out`: `row_0 + row_1 + ...`; `maxima[slot]` and
+        `maxima[q]` set. With `steps` (contiguous float32 leaves of the window's sizes that
+        share no memory with `newest`, the anchor or the slots), the plain step first,
+        in the same pass: `newest += steps`, rounded as `add_()` rounds it, after which
+        `stepped` is 1. The caller bumps the version counters."""
+        self._run(slot, pointers(newest), pointers(steps) if steps else None)
 
     def dots(self, slot: int) -> None:
         """The dots of every leaf's slot `slot` with its slots, summed from zero into `out`:
         `((0 + row_0) + row_1) + ...`."""
-        self._run(slot, None)
+        self._run(slot, None, None)
 
     def row(self) -> list[float]:
         """The last row summed (`append()`, `dots()`), as Python floats."""
@@ -345,11 +365,18 @@ class LeafRows:
             self.leaves, pointers(leaves), self.sizes, torch.get_num_threads(), PARALLEL_MIN
         ) == 1  # fmt: skip
 
-    def _run(self, slot: int, newest: ctypes.Array | None) -> None:
+    def mix_bounded(self, weights: Tensor) -> bool:
+        """Whether `y + S^T weights` is finite whatever its roundings, for the newest entry
+        `y` and the slots `S` of the last `append()` (`aadl_mix_bounded`: `maxima[q] +
+        sum_j |weights[j]| maxima[j] <= FLT_MAX / 2`); False when only a pass can tell.
+        `weights`: `q` contiguous float32 values."""
+        return _load()[0].aadl_mix_bounded(weights.data_ptr(), self.maxima_address, self.q) == 1
+
+    def _run(self, slot: int, newest: ctypes.Array | None, steps: ctypes.Array | None) -> None:
         code = _load()[0].aadl_leaves_f32(
-            self.leaves, self.rows, self.q, slot, newest, self.anchor, self.sizes, BLOCK,
+            self.leaves, self.rows, self.q, slot, newest, steps, self.anchor, self.sizes, BLOCK,
             torch.get_num_threads(), PARALLEL_MIN, self.partial, self.scratch.data_ptr(),
-            self._out,
+            self._out, self.maxima_address, ctypes.byref(self.stepped),
         )  # fmt: skip
         if code != 0:
             raise RuntimeError(f"aadl_func native kernel failed with code {code}")

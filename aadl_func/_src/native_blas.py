@@ -197,13 +197,15 @@ class Mixer:
 
     def mix(self, params: list[Tensor], weights: Tensor) -> bool:
         """`p.view(-1).addmv_(columns, weights)` for every leaf `p` of `params` (contiguous
-        float32, the window's leaf sizes, which the caller checked), then whether they are
-        all finite (`native.LeafRows.finite()`)."""
+        float32, the window's leaf sizes, which the caller checked; they hold the newest
+        entry of the window's last append), then whether they are all finite:
+        `native.LeafRows.mix_bounded()`, else `native.LeafRows.finite()`."""
         rows = self.rows
         torch.autograd.graph.increment_version(params)  # written behind torch's back
         return native._load()[0].aadl_mix_f32(
             self.sgemv, rows.leaves, native.pointers(params), self.bases, rows.sizes, self.q,
-            weights.data_ptr(), torch.get_num_threads(), native.PARALLEL_MIN,
+            weights.data_ptr(), rows.maxima_address, torch.get_num_threads(),
+            native.PARALLEL_MIN,
         ) == 1  # fmt: skip
 
 
@@ -233,6 +235,6 @@ def _mixes_agree(sgemv: int, n: int, q: int) -> bool:
     got = x.clone()
     native._load()[0].aadl_mix_f32(
         sgemv, 1, native.pointers([got]), native.pointers([slots]), (ctypes.c_int64 * 1)(n), q,
-        weights.data_ptr(), 1, native.PARALLEL_MIN,
+        weights.data_ptr(), None, 1, native.PARALLEL_MIN,
     )  # fmt: skip
     return got.numpy().tobytes() == want.numpy().tobytes()

@@ -268,6 +268,21 @@ def params_fit(leaves: list, plan: Plan) -> bool:
     return len(set(storages)) == len(storages) and not plan.storages.intersection(storages)
 
 
+def steps_fit(steps: list, leaves: list, plan: Plan) -> bool:
+    """Inner updates the append's pass may add into the params (`native.LeafRows.append()`
+    with steps): contiguous float32 CPU tensors of the leaves' sizes whose memory is
+    neither the window's nor a params leaf's (where `add_()` would read what it writes, the
+    executor's add says what it does)."""
+    storages = set(plan.storages)
+    for u, p in zip(steps, leaves):
+        if type(u) is not Tensor or u.dtype != _FLOAT32 or not u.is_cpu:
+            return False
+        if u.numel() != p.numel() or not u.is_contiguous():
+            return False
+        storages.add(p.untyped_storage().data_ptr())
+    return not any(u.untyped_storage().data_ptr() in storages for u in steps)
+
+
 def grads_fit(grads: list, params: list) -> bool:
     """Grads the executor would take as they are: plain tensors of the params' shapes,
     dtypes and devices, sharing no memory with any params leaf."""

@@ -68,17 +68,11 @@ from aadl_func._src.atomic import InterruptGuard, Progress, guarded, write_back
 from aadl_func._src.checks import check_update_inputs
 from aadl_func._src.core import accept
 from aadl_func._src.core.grams import Grams
-from aadl_func._src.core.lstsq import (
-    known_ridge,
-    solve_known,
-    solve_known_scaled,
-)
-from aadl_func._src.core.scalars import float32_tensor
 from aadl_func._src.core.variants import aadl, classic
 from aadl_func._src.core.variants.aadl import aadl_coefficients
-from aadl_func._src.core.variants.classic import classic_coefficients
 from aadl_func._src.exec import inplace, passes
 from aadl_func._src.exec import plan as plans
+from aadl_func._src.exec import steady_weights as weigh
 from aadl_func._src.exec.eager import _write
 from aadl_func._src.options import AndersonOptions
 from aadl_func._src.state import AndersonState
@@ -142,14 +136,6 @@ def run(
     return (tree.unflatten(plan.spec, out) if plan.list_size is None else list(out)), state
 
 
-def _float32_weights(head: int, *chrono: list[float] | Tensor) -> Tensor:
-    """`passes.ring_order(head, *chrono)` in float32, the window's dtype: from known values
-    (lists) each rounded once, as the float64 vector's conversion rounds it."""
-    if isinstance(chrono[0], list):
-        return float32_tensor(passes.ring_list(head, *chrono))
-    return passes.ring_order(head, *chrono).to(_FLOAT32)
-
-
 class _Call:
     """One steady call: the executor's stages (`aadl_func._src.exec.eager._Step`'s `aadl()`
     and `classic()`) over the plan's tensors and values."""
@@ -181,6 +167,7 @@ class _Call:
         self.inner_done = plan.inner_count
         self.steady = True  # the plan still describes the state after the call
         self.committing: int | None = None  # the commit point's slot, while it writes
+        self.stepping = False  # the plain step is the append's (`_append()`)
 
     def run(self) -> list[Tensor]:
         plan, state = self.plan, self.state
@@ -233,18 +220,22 @@ class _Call:
         """Mode "aadl" (`_Step.aadl()`)."""
         plan, progress = self.plan, self.progress
         params, q = self.leaves, plan.q
-        if not plan.plain_in_params:  # (else the params hold y: u is -0)
-            passes.add_steps(params, self.updates, progress.stepped)  # 1. y = x + u, in the params
+        # 1. y = x + u, in the params: in the append's pass where it may (the params hold y
+        # already where u is the wrapper's -0).
+        steps = () if plan.plain_in_params else self.updates
+        if steps and not (self.stores and plans.steps_fit(steps, params, plan)):
+            passes.add_steps(params, steps, progress.stepped)
+            steps = ()
         if not self.stores:
             return self._unstored()
         head = (plan.head + 1) % q  # 2. y - anchor joins the window, y is the anchor
-        self._append(head)
+        self._append(head, steps)
         if not plan.rows.known_rows(plan.gram_rows[plan.head], head):  # (not finite)
             return self._poisoned(head, 1)
         self._commit_plain(head)  # 3. the commit point
         if not self.mixes:  # a call that only stores (`frequency`, `wait_iterations`)
             return self._finish(False, params, mixes=False)
-        weights, solved = self._aadl_weights(head)  # 4. the weights
+        weights, solved = weigh.aadl_weights(plan, self.state, head)  # 4. the weights
         progress.undo.append((params, plan.anchor))
         try:  # 5. the mix, accumulated in the params (which hold y, the anchor)
             ok = self._mix(params, weights) and passes.solve_succeeded(solved)
@@ -265,7 +256,7 @@ class _Call:
             return plan.mixer.mix(params, weights)
         for p, columns in zip(params, plan.columns):
             (p if p.dim() == 1 else p.view(-1)).addmv_(columns, weights)
-        return plan.rows.finite(params)
+        return plan.rows.mix_bounded(weights) or plan.rows.finite(params)
 
     def _classic(self) -> list[Tensor]:
         """Mode "classic" (`_Step.classic()`)."""
@@ -297,7 +288,7 @@ class _Call:
         """Mode "classic"'s mix over both rings from the window whose newest pair is in slot
         `head`, and the final state."""
         plan = self.plan
-        coefficients, solved = self._classic_weights(head)
+        coefficients, solved = weigh.classic_weights(plan, self.state, head)
         # The native weights' buffer: the plan holds the products' views on it.
         direct = coefficients is plan.system.classic
         x_hist = []
@@ -332,7 +323,7 @@ class _Call:
         head = plan.head
         if plan.classic:
             return self._classic_mix(head)
-        alpha, solved = self._weights(head)
+        alpha, solved = weigh.affine_weights(plan, state, head)
         minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
         x_hist = passes.combine(
             plan.anchor, [_FLOAT32] * len(plan.anchor), plan.anchor, [plan.ring()],
@@ -412,79 +403,6 @@ class _Call:
             plan.pending = pending["pending_loss"]
         return self.leaves
 
-    def _weights(self, head: int) -> tuple[list[float] | Tensor, Any]:
-        """The affine weights of the full window whose newest residual is in slot `head`
-        (`passes.mixing_weights()`, whose Python-float route this is: `solve_known()`'s
-        arithmetic on the committed Grams' values), and whether the solve succeeded."""
-        plan, state = self.plan, self.state
-        options = plan.options
-        if plan.finite:
-            known = solve_known_scaled(*self._system(head), plan.system.cutoff_inverse)
-        else:  # a value the plan found not finite: the lists, which `solve_known()` checks
-            q = plan.q
-            gram, dr_gram, dr_rhs = (t.tolist() for t in (state.gram, state.dr_gram, state.dr_rhs))
-            slots = [(head + 1 + j) % q for j in range(q)]  # oldest first
-            later = slots[1:]  # the newer ends of the differences (the columns of gamma)
-            known = solve_known(
-                [[dr_gram[i][j] for j in later] for i in later],
-                [dr_rhs[i] for i in later],
-                [gram[s][s] for s in slots],
-                known_ridge(options, [dr_gram[i][i] for i in later]),
-            )
-        if known is not None:
-            return known[1], True
-        # A value that is not finite: the tensor route decides, as in the executor.
-        return passes.mixing_weights(options, plan.ring(), Grams.of(state), head, plan.q)
-
-    def _aadl_weights(self, head: int) -> tuple[Tensor, Any]:
-        """Mode "aadl"'s float32 mixing weights in ring order (`-c`, `aadl_coefficients()`
-        negated), and whether the solve succeeded: in the native kernel from the solve's
-        gamma where the plan reads the system natively, else from `_weights()`."""
-        plan = self.plan
-        weights = self._native_weights(head, classic=False) if plan.finite else None
-        if weights is not None:
-            return weights, True
-        alpha, solved = self._weights(head)  # (a gamma that is not finite: the tensor route)
-        minus_c = aadl_coefficients(alpha, plan.options.relaxation, negated=True)
-        return _float32_weights(head, minus_c), solved
-
-    def _classic_weights(self, head: int) -> tuple[Tensor, Any]:
-        """Mode "classic"'s float32 mixing weights in ring order (the points' weights
-        `classic_coefficients()`, then the steps' `relaxation * alpha`), and whether the solve
-        succeeded: natively from gamma as `_aadl_weights()`, else from `_weights()`."""
-        plan = self.plan
-        relaxation = plan.options.relaxation
-        weights = self._native_weights(head, classic=True) if plan.finite else None
-        if weights is not None:
-            return weights, True
-        alpha, solved = self._weights(head)  # (a gamma that is not finite: the tensor route)
-        scaled = [relaxation * a for a in alpha] if isinstance(alpha, list) else relaxation * alpha
-        return _float32_weights(head, classic_coefficients(alpha), scaled), solved
-
-    def _native_weights(self, head: int, classic: bool) -> Tensor | None:
-        """The float32 mixing weights in ring order from the committed Grams (which the
-        plan knows finite), natively: in one call where the plan has a `native_blas`
-        solver and the ridge is a number, else the plan's gamma (`known_gamma()` or the
-        solver's) of the system the kernel reads and the kernel's weights. None when a
-        gamma is not finite or LAPACK failed: the tensor route then answers (or raises), as
-        the executor's would."""
-        options, system, solver = self.plan.options, self.plan.system, self.plan.solver
-        if solver is not None and options.reg_relative == 0.0:
-            return solver.weights(system, head, options.reg, options.relaxation, classic)
-        # (A relative ridge: torch sums the system's diagonal, then the plan's gamma.)
-        if (gamma := self.plan.gamma_of(*self._system(head))) is None:
-            return None  # LAPACK failed: the torch route raises its error
-        mixing_weights = system.classic_weights if classic else system.aadl_weights
-        return mixing_weights(gamma, options.relaxation, head)
-
-    def _system(self, head: int) -> tuple[Tensor, Tensor, float]:
-        """The scaled small system `(h, c, reg)` read from the committed Grams by the native
-        kernel (one division per value, as `solve_known()` does on the lists)."""
-        system, options = self.plan.system, self.plan.options
-        unit = system.read(head)
-        diag = system.diag.tolist() if options.reg_relative else ()
-        return system.h, system.c, known_ridge(options, diag) / unit
-
     def _poisoned(self, head: int, window_size: int) -> list[Tensor]:
         """A Gram row that is not finite (`_Step.append()`'s poisoned append): the slot and
         the Grams are zeroed and the window restarts (`window_size` entries: the anchor `y`
@@ -546,6 +464,9 @@ class _Call:
         if self.progress.param_versions is None and self.progress.pending is None:
             return  # nothing written
         plan = self.plan
+        if self.stepping:  # the plain step in the append's pass: done or not, every leaf
+            self.progress.param_versions = [None] * len(self.leaves)
+            self.progress.stepped = list(self.leaves) if plan.rows.stepped.value else []
         call = update_call.Call(
             plan.options, self.state, self.leaves, plan.spec, self.updates, self._inner_state(),
             inplace=True, loss_fn=None, loss=self.loss, guard=self.guard,
@@ -563,11 +484,18 @@ class _Call:
         `native.LeafRows`)."""
         self.plan.rows.dots(head)
 
-    def _append(self, head: int) -> None:
+    def _append(self, head: int, steps: list[Tensor] | tuple) -> None:
         """The fused append of every leaf (`native.append_differences()`, one kernel call for
         the tree: `native.LeafRows`): the Gram row of the new difference, summed over the
-        leaves into `plan.rows.out`."""
+        leaves into `plan.rows.out`; with `steps`, the plain step `y = x + u` into the
+        params first, in the same pass."""
         plan = self.plan
         # Written behind torch's back: bump the version counters as an in-place op would.
-        torch.autograd.graph.increment_version(plan.appended[head])
-        plan.rows.append(head, self.leaves)
+        touched = plan.appended[head]
+        if steps:
+            # Whether the params hold y is then the kernel's mark, which `_recover()` reads
+            # (not their version counters: the kernel writes them after the bump).
+            plan.rows.stepped.value = 0
+            self.stepping, touched = True, touched + self.leaves
+        torch.autograd.graph.increment_version(touched)
+        plan.rows.append(head, self.leaves, steps)
