@@ -43,6 +43,7 @@ from aadl_func._src.wrapper_groups import (
     negative_zeros,
     torch_step_unless_rejected,
 )
+from aadl_func._src.wrapper_hooks import hooked_step
 from aadl_func._src.wrapper_loss import (
     check_loss_argument,
     check_no_sufficient_decrease,
@@ -248,6 +249,7 @@ class AcceleratedOptimizer(Optimizer):
         return self._windows
 
     # -- step --------------------------------------------------------------------------------
+    @hooked_step
     def step(  # type: ignore[override]
         self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None
     ) -> Any:
