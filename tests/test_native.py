@@ -227,8 +227,19 @@ def test_leaf_rows_append_takes_the_plain_step_and_the_maxima_in_its_pass(sizes)
             assert rows.maxima[q].item() == torch.cat(params).abs().max().item()
             others = [j for j in range(q) if j != slot]
             assert rows.maxima[others].isinf().all()  # (not appended since made)
+            rows.measure(window)  # ... or read from the window as it is
+            for j in range(q):
+                want = torch.cat([leaf[j] for leaf in window]).abs().max().item()
+                assert rows.maxima[j].item() == want
     finally:
         torch.set_num_threads(previous)
+    window[-1][0][-1] = math.nan
+    window[0][2][0] = -math.inf
+    rows.measure(window)
+    assert rows.maxima[0].isnan() and rows.maxima[2].item() == math.inf
+    empty = native.LeafRows([[torch.zeros(0)] * q, [torch.ones(2)] * q], [torch.zeros(0)] * 2)
+    empty.measure([[torch.zeros(0)] * q, [torch.ones(2)] * q])
+    assert empty.maxima[:q].tolist() == [1.0] * q
 
 
 @needs_kernel
@@ -266,7 +277,8 @@ def test_mix_bounded_says_finite_only_where_no_rounding_can_overflow():
 def test_avx2_dots_give_the_portable_bits(q):
     """The float32 dots in AVX2 (four float64 lanes) and in the portable code (two): the
     same lanes summed in the same order, so the same bytes, at every length around the
-    8-element step and the block, and in the append."""
+    8-element step and the block; and the append's element loop in either (the params,
+    the window, the maxima)."""
     library = native._load()[0]
     generator = torch.Generator().manual_seed(q)
     try:
@@ -279,8 +291,13 @@ def test_avx2_dots_give_the_portable_bits(q):
                 assert library.aadl_portable_dots(portable) == 1 - portable
                 window, anchor = [[t.clone() for t in rows]], [vector.clone()]
                 leaf = native.LeafRows(window, anchor)
-                leaf.append(q // 2, [vector * 3])
-                got.append((native.float64_dots(rows, vector).numpy().tobytes(), leaf.row()))
+                y = [vector * 3]
+                leaf.append(q // 2, y, [vector * 1e-3])  # (the element loop's code too)
+                got.append((
+                    native.float64_dots(rows, vector).numpy().tobytes(),
+                    leaf.row(),
+                    [t.numpy().tobytes() for t in (*window[0], *anchor, *y, leaf.maxima)],
+                ))  # fmt: skip
             assert got[0] == got[1]
     finally:
         library.aadl_portable_dots(0)

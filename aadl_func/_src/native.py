@@ -303,8 +303,8 @@ class LeafRows:
     anchor. The same sums as one `_call()` per leaf added up in leaf order.
 
     `maxima` (`q + 1` doubles): the largest |value| of each slot as its last `append()`
-    wrote it, and of the newest entry `y` of that append (+inf for a slot not appended
-    since this object was made; inf or NaN where a value is not finite): bounds on the
+    wrote it (or `measure()` read it), and of the newest entry `y` of that append (+inf
+    before either; inf or NaN where a value is not finite): bounds on the
     terms of the mix that follows, with which `mix_bounded()` can tell it finite without
     reading it. They hold while only `append()` writes the slots (the steady call's plan,
     remade when anything else writes them)."""
@@ -338,6 +338,17 @@ class LeafRows:
         in the same pass: `newest += steps`, rounded as `add_()` rounds it, after which
         `stepped` is 1. The caller bumps the version counters."""
         self._run(slot, pointers(newest), pointers(steps) if steps else None)
+
+    def measure(self, slots: Sequence[Sequence[Tensor]]) -> None:
+        """`maxima[:q]` read from `slots` (the window this object was made for) as they are
+        now: one pass over the window, for a caller whose window was filled before (the
+        steady call's plan), so that its first mixes need not wait for `q` appends."""
+        largest = torch.zeros(self.q, dtype=torch.float64)
+        for leaf in slots:
+            if leaf[0].numel():  # (the largest of nothing: 0)
+                leaf_max = torch.stack([torch.linalg.vector_norm(s, math.inf) for s in leaf])
+                largest = torch.maximum(largest, leaf_max.double())  # (NaN stays NaN)
+        self.maxima[: self.q] = largest
 
     def dots(self, slot: int) -> None:
         """The dots of every leaf's slot `slot` with its slots, summed from zero into `out`:

@@ -128,6 +128,8 @@ class Plan:
         called directly (the same bits), the small solve and mix in one call each."""
         # The Gram-row passes over every leaf, one native call each (`native.LeafRows`).
         self.rows = native.LeafRows(self.slots, self.anchor)
+        if not self.classic:  # the largest values of the slots, which bound mode "aadl"'s mix
+            self.rows.measure(self.slots)
         # What an append into slot `s` writes (its version counters to bump): each leaf's
         # slot `s` and anchor.
         self.appended = [
