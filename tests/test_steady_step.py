@@ -152,10 +152,24 @@ def _transposed_steps(lr: float) -> aa.InnerOptimizer:
     return aa.InnerOptimizer(init=lambda params: (), update=update)
 
 
+def _negative_view_steps(lr: float) -> aa.InnerOptimizer:
+    """Gradient descent whose updates are negative views (`torch._neg_view`) of `lr * g`:
+    their memory holds the opposite of their values."""
+
+    def update(updates, state, params=None, inplace=False):
+        return {k: torch._neg_view(lr * u) for k, u in updates.items()}, state
+
+    return aa.InnerOptimizer(init=lambda params: (), update=update)
+
+
 INNERS["transposed"] = lambda: _transposed_steps(2e-3)
+INNERS["negative views"] = lambda: _negative_view_steps(2e-3)
 
 
-@pytest.mark.parametrize("inner, joined", [("sgd", True), ("adam", True), ("transposed", False)])
+@pytest.mark.parametrize(
+    "inner, joined",
+    [("sgd", True), ("adam", True), ("transposed", False), ("negative views", False)],
+)
 def test_the_plain_step_joins_the_append_where_the_updates_allow(monkeypatch, inner, joined):
     """Mode "aadl": `y = x + u` is the append's pass where the updates are contiguous
     float32 tensors of their own (the built-ins' are); others are added first, as before.
@@ -170,6 +184,30 @@ def test_the_plain_step_joins_the_append_where_the_updates_allow(monkeypatch, in
     calls, eligible = _compare(monkeypatch, {"history_depth": 4}, inner)
     assert calls == eligible >= 25
     assert len(with_steps) == calls and set(with_steps) == {joined}
+
+
+@pytest.mark.parametrize("mode", ["aadl", "classic"])
+def test_params_that_are_negative_views_are_taken_at_their_values(mode):
+    """A param that is a negative view (`torch._neg_view`, e.g. the imaginary part of a
+    conjugate view), whose memory holds the opposite of its values, steps as a plain tensor
+    of those values: the native kernels, which read memory, decline it (from the first call,
+    and when such a tensor replaces a planned one)."""
+    opt = aa.anderson(aa.sgd(0.1), history_depth=3, mode=mode)
+
+    def run(negative_from):
+        generator = torch.Generator().manual_seed(1)
+        params = [torch.randn(64, generator=generator)]
+        state = opt.init(params)
+        for k in range(12):
+            if k == negative_from:
+                params = [torch._neg_view(-params[0])]
+                assert params[0].is_neg()
+            grads = [torch.randn(64, generator=generator)]
+            params, state = opt.update(state, params, grads, inplace=True)
+        return params[0].clone()  # (the values, resolved)
+
+    plain = run(None)
+    assert torch.equal(run(0), plain) and torch.equal(run(8), plain)
 
 
 @pytest.mark.parametrize("n", [1000, 2**18])  # a window mixed by `native_blas.Mixer`; addmv_

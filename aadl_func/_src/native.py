@@ -267,7 +267,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 def _plain_vectors(tensors: Sequence[Tensor], dtype: torch.dtype, n: int) -> bool:
     """Plain CPU tensors of `dtype` whose `n` elements lie contiguously in memory (a 1-d
-    stride-1 vector, or any C-contiguous tensor: the kernels only see a pointer and `n`)."""
+    stride-1 vector, or any C-contiguous tensor: the kernels only see a pointer and `n`), as
+    their values (not a negative view, whose memory holds the opposite)."""
     for t in tensors:
         if (
             type(t) is not torch.Tensor
@@ -275,6 +276,7 @@ def _plain_vectors(tensors: Sequence[Tensor], dtype: torch.dtype, n: int) -> boo
             or not t.is_cpu
             or t.numel() != n
             or not t.is_contiguous()
+            or t.is_neg()
         ):
             return False
     return True

@@ -259,7 +259,7 @@ def params_fit(leaves: list, plan: Plan) -> bool:
         if p.shape != shape or p.dtype != _FLOAT32 or not p.is_contiguous():
             return False
         if p is not planned:
-            if type(p) is not Tensor or p.is_inference() or not p.is_cpu:
+            if type(p) is not Tensor or p.is_inference() or not p.is_cpu or p.is_neg():
                 return False
             if p.requires_grad and not p.is_leaf:
                 return False  # a view of a leaf that requires grad: checks.check_writable's
@@ -272,14 +272,14 @@ def params_fit(leaves: list, plan: Plan) -> bool:
 
 def steps_fit(steps: list, leaves: list, plan: Plan) -> bool:
     """Inner updates the append's pass may add into the params (`native.LeafRows.append()`
-    with steps): contiguous float32 CPU tensors of the leaves' sizes whose memory is
-    neither the window's nor a params leaf's (where `add_()` would read what it writes, the
-    executor's add says what it does)."""
+    with steps): dense contiguous float32 CPU tensors of the leaves' sizes, whose memory
+    holds their values (no negative view) and is neither the window's nor a params leaf's
+    (where `add_()` would read what it writes, the executor's add says what it does)."""
     storages = set(plan.storages)
     for u, p in zip(steps, leaves):
-        if type(u) is not Tensor or u.dtype != _FLOAT32 or not u.is_cpu:
+        if type(u) is not Tensor or u.dtype != _FLOAT32 or u.layout != torch.strided:
             return False
-        if u.numel() != p.numel() or not u.is_contiguous():
+        if not u.is_cpu or u.numel() != p.numel() or not u.is_contiguous() or u.is_neg():
             return False
         storages.add(p.untyped_storage().data_ptr())
     return not any(u.untyped_storage().data_ptr() in storages for u in steps)
