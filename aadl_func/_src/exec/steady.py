@@ -25,10 +25,13 @@ point's stores into the Grams and counters (`native.commit_rows()`, done again b
 committed Grams (`native.System`, `core.lstsq.solve_known()`'s divisions). A built-in Adam
 runs by its known rule on the buffers the plan keeps (`inner_bound.BoundRule`); another
 built-in inner optimizer on the leaves the plan checked (`update.update_leaves`). Mode
-"aadl": the inner update, `y = x + u` into the params, the fused append (the newest
-difference into its slot, the anchor, the Gram row), the commit point, the small solve
-(`aadl_func._src.core.lstsq.solve_known_scaled()`), `x^+ = y - sum_j c_j \Delta x_j`
-accumulated in the params, the finiteness test and the final commit. Mode "classic": the
+"aadl": the inner update, then one pass of the fused append (`y = x + u` into the params
+where the updates allow, `plan.steps_fit()`, else added first; the newest difference into
+its slot, the anchor, the Gram row, the largest values of `y` and of that difference), the
+commit point, the small solve (`aadl_func._src.core.lstsq.solve_known_scaled()`),
+`x^+ = y - sum_j c_j \Delta x_j` accumulated in the params, the finiteness test (skipped
+where the window's maxima bound the mix: `native.LeafRows.mix_bounded()`) and the final
+commit. Mode "classic": the
 pair `(x_k - anchor, u_k)` into its slots and its Gram row first, then the anchor and the
 plain step, and the mix over both rings. A call off the `frequency` (or within
 `wait_iterations`) stores and commits the same way and stops before the solve. A call off
