@@ -151,24 +151,13 @@ __attribute__((target("avx2"), always_inline)) static inline void dot_group_f32_
     }
 }
 
-__attribute__((target("avx2"))) static void block_dots_f32_avx2(
-    const float *const *rows, int64_t q, int64_t start, const double *v, int64_t len,
-    double *sums) {
-    for (int64_t r = 0; r < q; r += AADL_GROUP) {
-        switch (q - r < AADL_GROUP ? (int)(q - r) : AADL_GROUP) {
-            case 4: dot_group_f32_avx2(rows + r, 4, start, v, len, sums + r); break;
-            case 3: dot_group_f32_avx2(rows + r, 3, start, v, len, sums + r); break;
-            case 2: dot_group_f32_avx2(rows + r, 2, start, v, len, sums + r); break;
-            default: dot_group_f32_avx2(rows + r, 1, start, v, len, sums + r); break;
-        }
-    }
-}
 #endif
 
-/* sums[r] = the dot products of rows r < q with the float64 block v over [start, start + len). */
-#define AADL_BLOCK_DOTS(NAME, T, GROUP)                                                      \
-    static void NAME(const T *const *rows, int64_t q, int64_t start, const double *v,       \
-                     int64_t len, double *sums) {                                            \
+/* sums[r] = the dot products of rows r < q with the float64 block v over [start, start + len)
+ * (ATTRIBUTES: the function's, e.g. its target). */
+#define AADL_BLOCK_DOTS(NAME, T, GROUP, ATTRIBUTES)                                          \
+    ATTRIBUTES static void NAME(const T *const *rows, int64_t q, int64_t start,             \
+                                const double *v, int64_t len, double *sums) {                \
         for (int64_t r = 0; r < q; r += AADL_GROUP) {                                        \
             /* constant group sizes, so that each call is unrolled for its size */           \
             switch (q - r < AADL_GROUP ? (int)(q - r) : AADL_GROUP) {                        \
@@ -180,7 +169,10 @@ __attribute__((target("avx2"))) static void block_dots_f32_avx2(
         }                                                                                    \
     }
 
-AADL_BLOCK_DOTS(block_dots_f32_sse2, float, dot_group_f32)
+AADL_BLOCK_DOTS(block_dots_f32_sse2, float, dot_group_f32, )
+#ifdef AADL_AVX2
+AADL_BLOCK_DOTS(block_dots_f32_avx2, float, dot_group_f32_avx2, __attribute__((target("avx2"))))
+#endif
 
 /* Set by aadl_portable_dots: the portable code runs even where AVX2 could. */
 static volatile int64_t portable_only = 0;
@@ -212,7 +204,7 @@ static void block_dots_f32(const float *const *rows, int64_t q, int64_t start, c
 #endif
     block_dots_f32_sse2(rows, q, start, v, len, sums);
 }
-AADL_BLOCK_DOTS(block_dots_bf16, uint16_t, dot_group_bf16)
+AADL_BLOCK_DOTS(block_dots_bf16, uint16_t, dot_group_bf16, )
 
 /* out[r] = sum_b partial[b * q + r], blocks in order. */
 static void sum_blocks(const double *partial, int64_t num_blocks, int64_t q, double *out) {

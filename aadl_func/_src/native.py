@@ -61,6 +61,7 @@ __all__ = [
     "finite_f32",
     "float64_dots",
     "kernel_info",
+    "plain_vectors",
     "pointers",
     "set_enabled",
     "status",
@@ -265,7 +266,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-def _plain_vectors(tensors: Sequence[Tensor], dtype: torch.dtype, n: int) -> bool:
+def plain_vectors(tensors: Sequence[Tensor], dtype: torch.dtype, n: int) -> bool:
     """Plain CPU tensors of `dtype` whose `n` elements lie contiguously in memory (a 1-d
     stride-1 vector, or any C-contiguous tensor: the kernels only see a pointer and `n`), as
     their values (not a negative view, whose memory holds the opposite)."""
@@ -534,7 +535,7 @@ def float64_dots(rows: Sequence[Tensor], vector: Tensor) -> Tensor | None:
     if not _enabled or not rows or vector.dtype not in _KERNELS or vector.dim() != 1:
         return None
     q, n = len(rows), vector.shape[0]
-    if not _plain_vectors([*rows, vector], vector.dtype, n):
+    if not plain_vectors([*rows, vector], vector.dtype, n):
         return None
     library = _load()[0]
     if library is None:
@@ -550,7 +551,7 @@ def can_append(rows: Sequence[Tensor], slot: int, newest: Tensor, anchor: Tensor
     if not _enabled or not rows or not 0 <= slot < len(rows):
         return False
     n = newest.numel()
-    if not _plain_vectors([*rows, newest, anchor], torch.float32, n):
+    if not plain_vectors([*rows, newest, anchor], torch.float32, n):
         return False
     if n > 0 and (
         _overlap(rows[slot], newest) or _overlap(rows[slot], anchor) or _overlap(newest, anchor)

@@ -277,9 +277,9 @@ def steps_fit(steps: list, leaves: list, plan: Plan) -> bool:
     (where `add_()` would read what it writes, the executor's add says what it does)."""
     storages = set(plan.storages)
     for u, p in zip(steps, leaves):
-        if type(u) is not Tensor or u.dtype != _FLOAT32 or u.layout != torch.strided:
-            return False
-        if not u.is_cpu or u.numel() != p.numel() or not u.is_contiguous() or u.is_neg():
+        if type(u) is not Tensor or u.layout != torch.strided:
+            return False  # (what `native.plain_vectors()` may ask of it is a strided tensor's)
+        if not native.plain_vectors([u], _FLOAT32, p.numel()):
             return False
         storages.add(p.untyped_storage().data_ptr())
     return not any(u.untyped_storage().data_ptr() in storages for u in steps)
