@@ -161,6 +161,29 @@ def test_gram_rows_are_exact_products_summed_in_float64(kernel, monkeypatch):
     assert (np.abs(np.array(window.gram) - exact) <= bound).all()
 
 
+@pytest.mark.parametrize("q", [2, 3, 5])
+def test_float64_factor_columns_are_the_residual_differences_and_the_newest(q):
+    """The rows a float64 window gathers for its QR, at every call from the first mix to
+    past twice around the ring: $f_{k-s+2} - f_{k-s+1}, \\ldots, f_k - f_{k-1}, f_k$ for
+    its $s$ pairs, oldest first, each difference rounded once (NumPy's float64
+    subtraction of the residuals as they were passed)."""
+    n = 6
+    window = solver_eager.EagerWindow(settings(history_depth=q), [torch.zeros(n, dtype=D)])
+    g = torch.Generator().manual_seed(q)
+    passed = []
+    for _ in range(2 * q + 3):
+        f = torch.randn(n, generator=g, dtype=D)
+        passed.append(f.numpy().copy())
+        window.step([torch.randn(n, generator=g, dtype=D)], [f])
+        if window.size < 2:
+            continue
+        newest = passed[-window.size :]
+        expected = np.stack([b - a for a, b in zip(newest, newest[1:])] + [newest[-1]])
+        later = window._slots()[1:]
+        gathered = window.factor_rows.index_select(0, window._gather(later)).numpy()
+        assert np.array_equal(gathered, expected)
+
+
 def settings(**options):
     """The solver's options for ``aa.fixed_point(..., **options)``."""
     keys = ("history_depth", "relaxation", "reg", "reg_relative")

@@ -6,7 +6,8 @@ needs (a state of tensors that vmap, torch.compile and `torch.save` can take, ar
 state checks, the in-place commit and its recovery), which on a small problem costs several
 times the evaluation itself. The eager loop owns its window: nobody else sees it, so here the
 same recurrence (`aadl_func._src.classic_step`) keeps its counters as Python ints, its Gram
-matrices as Python floats and its slots as rows of one `(2, Q, n)` buffer.
+matrices as Python floats and its slots as rows of one `(2, Q, n)` buffer (a float64
+window adds the residuals' differences, the columns of its QR factor).
 
 One call with the iterate $x_k$ and the residual $f_k$ (the map's step):
 
@@ -116,7 +117,8 @@ class EagerWindow:
 
     Attributes:
       ring: `(2, Q, n)` in the leaves' dtype: `[0]` the steps $\Delta x$, `[1]` the
-        residuals $f$, by ring slot (slot `head` the newest).
+        residuals $f$, by ring slot (slot `head` the newest); a float64 window's is
+        `(3, Q, n)`, `[2]` holding $d_t = f_t - f_{t-1}$ (the QR's columns).
       gram, dr_gram, dr_rhs: $\langle f_t, f_u \rangle$, $\langle d_t, d_u \rangle$ and
         $\langle d_t, f_{\mathrm{head}} \rangle$, $d_t = f_t - f_{t-1}$ (ring slots), as
         Python floats (the Gram route; a float64 window keeps none).
@@ -126,10 +128,15 @@ class EagerWindow:
         self.options, self.q = options, options.num_slots
         self.shapes = [t.shape for t in x]
         flat = _flat(x)
-        self.ring = flat.new_zeros(2, self.q, flat.shape[0])
+        self.exact = flat.dtype == torch.float64
+        # A float64 window also keeps each residual's difference from the one before it
+        # (`[2]`), so that one `index_select` gathers the QR's columns `[dF | f_k]`.
+        self.ring = flat.new_zeros(3 if self.exact else 2, self.q, flat.shape[0])
+        self.factor_rows = self.ring[1:].view(-1, flat.shape[0])  # f by slot, then dF
+        self.columns = self.ring[:2].view(2 * self.q, -1).mT  # steps, then f, by slot
+        self.gathers: dict[tuple[int, int], Tensor] = {}  # (head, size): the rows to gather
         self.anchor = flat  # x_{k-1}; the loop never writes its iterates
         self.count, self.head, self.size = 0, self.q - 1, 0
-        self.exact = flat.dtype == torch.float64
         self.gram = [[0.0] * self.q for _ in range(self.q)]
         self.dr_gram = [[0.0] * self.q for _ in range(self.q)]
         self.dr_rhs = [0.0] * self.q
@@ -154,11 +161,16 @@ class EagerWindow:
     def _append(self, x: Tensor, f: Tensor) -> None:
         steps, residuals = self.ring[0], self.ring[1]
         torch.sub(x, self.anchor, out=steps[self.head])
+        if self.exact:
+            if self.size:  # f_k - f_{k-1}, as `diff` rounds it (the factor is formed later)
+                torch.sub(f, residuals[(self.head - 1) % self.q], out=self.ring[2, self.head])
+            residuals[self.head].copy_(f)
+            self.anchor = x
+            self.size = min(self.size + 1, self.q)
+            return
         residuals[self.head].copy_(f)
         self.anchor = x
         self.size = min(self.size + 1, self.q)
-        if self.exact:
-            return  # the factor is formed from the slots when solving
         g = native.float64_dots(list(residuals), f)
         if g is None:  # no native kernel: the same exact products, summed by BLAS
             g = torch.mv(residuals.to(torch.float64), f.to(torch.float64))
@@ -183,14 +195,24 @@ class EagerWindow:
         """The ring slots of the window's pairs, oldest first."""
         return [(self.head - self.size + 1 + p) % self.q for p in range(self.size)]
 
+    def _gather(self, later: list[int]) -> Tensor:
+        r"""The rows of `factor_rows` holding $[\Delta F \mid f_k]$ for the window's
+        `later` slots (oldest first): their differences, then the newest residual; one
+        index tensor per window position, made once."""
+        key = (self.head, self.size)
+        rows = self.gathers.get(key)
+        if rows is None:
+            rows = torch.tensor([self.q + s for s in later] + [self.head])
+            self.gathers[key] = rows
+        return rows
+
     def _weights(self, slots: list[int]) -> list[float] | None:
         r"""$\alpha$ over the window's `slots` (oldest first; Python floats), or None when
         the problem is not finite."""
         reg = self.options.reg
         later = slots[1:]  # the newer end of each difference: the columns of gamma
         if self.exact:
-            residuals = self.ring[1].index_select(0, torch.tensor(slots))
-            a = torch.cat([residuals.diff(dim=0), residuals[-1:]]).mT  # [DF | f_k]
+            a = self.factor_rows.index_select(0, self._gather(later)).mT  # [DF | f_k]
             factor = torch.linalg.qr(a, mode="r").R
             if factor.shape[0] < factor.shape[1]:  # fewer coordinates than columns: square it
                 factor = torch.nn.functional.pad(
@@ -220,8 +242,7 @@ class EagerWindow:
         weights = [0.0] * (2 * q)
         for slot, w, a in zip(slots, classic_coefficients(alpha), alpha):
             weights[slot], weights[q + slot] = w, relaxation * a
-        window = self.ring.view(2 * q, -1)
-        mixed = torch.addmv(x, window.mT, float64_tensor(weights).to(window.dtype))
+        mixed = torch.addmv(x, self.columns, float64_tensor(weights).to(x.dtype))
         total = mixed.sum().item()
         return mixed if math.isfinite(total) else None
 

@@ -515,26 +515,26 @@ def solve_factor_known(
     # route's `torch.where` leaves them: LAPACK's SVD and BLAS's products round by the
     # layout they are given (on AVX-512 MKL a row-major copy gave other bits).
     column_major = q > 1 and factor.stride() == (1, q)
-    flat = [v for row in (factor.mT if column_major else factor).tolist() for v in row]
+    flat = (factor.mT if column_major else factor).reshape(-1).tolist()
     if not all(map(math.isfinite, flat)):
         return None
 
-    def laid_out(values: list[float]) -> Tensor:  # `values`: the matrix in memory order
-        flat = float64_tensor(values)
-        return flat.as_strided((q, q), (1, q)) if column_major else flat.view(q, q)
-
-    peak = max(abs(v) for v in flat)
+    row, column = (1, q) if column_major else (q, 1)  # (i, j) at i * row + j * column
+    peak = max(map(abs, flat))
     peak = peak if peak > 0 else 1.0
-    norms = torch.linalg.vector_norm(laid_out([v / peak for v in flat]), dim=0)
-    scale = peak * max(norms.tolist())
+    unit = float64_tensor([v / peak for v in flat]).as_strided((q, q), (row, column))
+    scale = peak * max(torch.linalg.vector_norm(unit, dim=0).tolist())
     scale = scale if scale > 0 else 1.0
-    r = laid_out([v / scale for v in flat])
+    r = float64_tensor([v / scale for v in flat])  # the scaled factor, in memory order
     # `reg / scale` with a tensor `scale` is torch's `scale.reciprocal() * reg` (two
     # roundings), then a true division: the same two steps here.
     shift = reg / scale / scale if tensor_ridge else (1.0 / scale) * reg / scale
-    u, sigma, vh = torch.linalg.svd(r[:m, :m])
+    # R_11 and r_12 as views (one call each: indexing costs more here than the products).
+    u, sigma, vh = torch.linalg.svd(r.as_strided((m, m), (row, column)))
     weighted = []
-    for s_i, b_i in zip(sigma.tolist(), torch.mv(u.mT, r[:m, m]).tolist()):
+    for s_i, b_i in zip(
+        sigma.tolist(), torch.mv(u.mT, r.as_strided((m,), (row,), m * column)).tolist()
+    ):
         denominator = s_i * s_i + shift
         phi = s_i / denominator if denominator > RCOND * RCOND else 0.0
         weighted.append(phi * b_i)
