@@ -189,12 +189,14 @@ def test_leaf_rows_sum_the_leaves_rows_in_leaf_order(sizes):
 
 
 @needs_kernel
+@pytest.mark.parametrize("scale", [1.0, -2e-3, -1 / 3, 7e4])
 @pytest.mark.parametrize("sizes", [[5], [native.BLOCK + 3, 7, 64], [50_001, 1, 3 * native.BLOCK]])
-def test_leaf_rows_append_takes_the_plain_step_and_the_maxima_in_its_pass(sizes):
-    """`LeafRows.append` with steps: `newest += steps` as torch's `add_()` rounds it, then
-    the append, in one pass: the bytes of the params, the window and the row of an `add_()`
-    followed by the append, for any thread count, and the kernel's mark; `maxima` the
-    largest |value| of the new slot and of `y`."""
+def test_leaf_rows_append_takes_the_plain_step_and_the_maxima_in_its_pass(sizes, scale):
+    """`LeafRows.append` with steps: `newest += steps * scale` as torch's `mul_()` (a
+    Python number taken as a float32) and `add_()` round it, then the append, in one pass:
+    the bytes of the params, the window and the row of a `mul_()` and an `add_()` followed
+    by the append, for any thread count, the steps as they were, and the kernel's mark;
+    `maxima` the largest |value| of the new slot and of `y`."""
     q, slot = 4, 1
     slots, newest, anchor = leaf_windows(sizes, q, seed=7 + len(sizes))
     generator = torch.Generator().manual_seed(len(sizes))
@@ -204,7 +206,8 @@ def test_leaf_rows_append_takes_the_plain_step_and_the_maxima_in_its_pass(sizes)
     ref_slots = [[t.clone() for t in leaf] for leaf in slots]
     ref_newest, ref_anchor = [t.clone() for t in newest], [t.clone() for t in anchor]
     for y, u in zip(ref_newest, steps):
-        y.add_(u)
+        y.add_(u if scale == 1.0 else u.clone().mul_(scale))
+    passed = [u.clone() for u in steps]
     ref_rows = native.LeafRows(ref_slots, ref_anchor)
     ref_rows.append(slot, ref_newest)
     previous = torch.get_num_threads()
@@ -215,8 +218,9 @@ def test_leaf_rows_append_takes_the_plain_step_and_the_maxima_in_its_pass(sizes)
             params, anchors = [t.clone() for t in newest], [t.clone() for t in anchor]
             rows = native.LeafRows(window, anchors)
             assert rows.stepped.value == 0 and rows.maxima.isinf().all()
-            rows.append(slot, params, steps)
+            rows.append(slot, params, steps, scale)
             assert rows.stepped.value == 1
+            assert all(torch.equal(u, v) for u, v in zip(steps, passed))
             assert rows.row() == ref_rows.row()
             for got, want in zip(
                 [params, anchors, *window], [ref_newest, ref_anchor, *ref_slots]
@@ -292,7 +296,7 @@ def test_avx2_dots_give_the_portable_bits(q):
                 window, anchor = [[t.clone() for t in rows]], [vector.clone()]
                 leaf = native.LeafRows(window, anchor)
                 y = [vector * 3]
-                leaf.append(q // 2, y, [vector * 1e-3])  # (the element loop's code too)
+                leaf.append(q // 2, y, [vector * 1e-3], -1 / 3)  # (the element loop's too)
                 got.append((
                     native.float64_dots(rows, vector).numpy().tobytes(),
                     leaf.row(),

@@ -164,26 +164,65 @@ def _negative_view_steps(lr: float) -> aa.InnerOptimizer:
 
 INNERS["transposed"] = lambda: _transposed_steps(2e-3)
 INNERS["negative views"] = lambda: _negative_view_steps(2e-3)
+# Plain SGD whose learning rate is a number at each call (a schedule's float), and one whose
+# learning rate is a tensor (its update is not one known number: the grads are scaled first).
+INNERS["sgd, schedule"] = lambda: aa.sgd(lambda count: 2e-3 / (1.0 + 0.1 * float(count)))
+INNERS["sgd, tensor lr"] = lambda: aa.sgd(torch.tensor(2e-3, dtype=torch.float64))
+_SCHEDULED = {2e-3 / (1.0 + 0.1 * k) for k in range(40)}
 
 
 @pytest.mark.parametrize(
-    "inner, joined",
-    [("sgd", True), ("adam", True), ("transposed", False), ("negative views", False)],
+    "inner, joined, scale",
+    [
+        ("sgd", True, {-2e-3}),  # its update formed in the append: the grads times -lr
+        ("sgd, schedule", True, {-lr for lr in _SCHEDULED}),
+        ("sgd, tensor lr", True, {1.0}),
+        ("adam", True, {1.0}),
+        ("transposed", False, {1.0}),
+        ("negative views", False, {1.0}),
+    ],
 )
-def test_the_plain_step_joins_the_append_where_the_updates_allow(monkeypatch, inner, joined):
+def test_the_plain_step_joins_the_append_where_the_updates_allow(monkeypatch, inner, joined, scale):
     """Mode "aadl": `y = x + u` is the append's pass where the updates are contiguous
     float32 tensors of their own (the built-ins' are); others are added first, as before.
-    Either way every call gives the executor's bytes."""
-    with_steps, original = [], native.LeafRows.append
+    Plain SGD with a learning rate that is a number passes its grads and `-lr` (the append
+    forms `u`). Either way every call gives the executor's bytes."""
+    with_steps, scales, original = [], set(), native.LeafRows.append
 
-    def spied(self, slot, newest, steps=()):
+    def spied(self, slot, newest, steps=(), scale=1.0):
         with_steps.append(bool(steps))
-        return original(self, slot, newest, steps)
+        scales.add(scale)
+        return original(self, slot, newest, steps, scale)
 
     monkeypatch.setattr(native.LeafRows, "append", spied)
     calls, eligible = _compare(monkeypatch, {"history_depth": 4}, inner)
     assert calls == eligible >= 25
     assert len(with_steps) == calls and set(with_steps) == {joined}
+    assert scales <= scale and len(scales) == min(len(scale), calls)
+
+
+@pytest.mark.parametrize("store_each_nth", [1, 2])
+def test_plain_sgd_in_the_append_only_reads_the_grads(monkeypatch, store_each_nth):
+    """A steady call that forms plain SGD's update in its append leaves the grads as they
+    were passed (the in-place `update` may overwrite them: its inner update scales them
+    first); a call off `store_each_nth`, which takes its plain step without the append,
+    scales them as before."""
+    opt = aa.anderson(aa.sgd(1e-2), history_depth=3, store_each_nth=store_each_nth)
+    params, loss = _problem(torch.float32)
+    state = opt.init(params)
+    taken, read_only, written = _counted(monkeypatch), 0, 0
+    for _ in range(20):
+        grads = torch.func.grad(loss)(params)
+        passed, steady_calls = {k: v.clone() for k, v in grads.items()}, taken[0]
+        params, state = opt.update(state, params, grads, inplace=True)
+        if taken[0] > steady_calls:
+            same = all(torch.equal(grads[k], passed[k]) for k in grads)
+            read_only, written = read_only + same, written + (not same)
+    assert read_only >= 20 // store_each_nth - 8
+    if store_each_nth == 1:
+        assert written == 0
+    else:  # every other steady call stores
+        assert abs(written - read_only) <= 1
 
 
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
@@ -368,12 +407,14 @@ FAULTS = {
 }
 
 
+@pytest.mark.parametrize("inner", ["adam", "sgd"])
 @pytest.mark.parametrize("mode", ["aadl", "classic"])
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("where", list(FAULTS))
-def test_an_exception_inside_ends_as_in_the_executor(monkeypatch, where, error, mode):
+def test_an_exception_inside_ends_as_in_the_executor(monkeypatch, where, error, mode, inner):
     """An exception raised inside a steady call leaves the caller what the executor leaves
-    (the same bytes), and the runs go on alike."""
+    (the same bytes), and the runs go on alike. (Plain SGD: mode "aadl"'s append forms its
+    update from the grads, which `_recover()` forms again where the append did not run.)"""
     if where == "before the append" and mode == "classic":
         pytest.skip("mode 'classic' stores its pair by copies, not by the fused append")
     armed = [False]
@@ -393,7 +434,7 @@ def test_an_exception_inside_ends_as_in_the_executor(monkeypatch, where, error, 
             monkeypatch.setattr(anderson_module.steady, "run", lambda *a, **k: None)
         for module, name in FAULTS[where]():
             monkeypatch.setattr(module, name, failing(getattr(module, name)))
-        opt = aa.anderson(aa.adam(0.01), history_depth=4, mode=mode)
+        opt = aa.anderson(INNERS[inner](), history_depth=4, mode=mode)
         params, loss = _problem(torch.float32)
         state = opt.init(params)
         history, raised = [], 0

@@ -254,18 +254,19 @@ static inline double bits_value(uint32_t bits) {
 
 /* The element loop of one block of append_leaf (below), i in [start, start + len): y, the
  * slot's new difference f (also widened into v[i - start]), the anchor, and the running
- * maxima of |y| and |f| as abs bits. Compiled twice from one body: the portable code and, for
+ * maxima of |y| and |f| as abs bits. The step is step[i] * scale (exactly step[i] for a
+ * scale of 1). Compiled twice from one body: the portable code and, for
  * CPUs with AVX2, eight lanes per operation; elementwise IEEE operations and exact maxima, so
  * the same bytes. */
 #define AADL_APPEND_BLOCK(NAME, ATTRIBUTES)                                                   \
-    ATTRIBUTES static void NAME(float *newest, const float *step, float *anchor,              \
+    ATTRIBUTES static void NAME(float *newest, const float *step, float scale, float *anchor, \
                                 float *residual, int64_t start, int64_t len, double *v,       \
                                 uint32_t *y_max_io, uint32_t *f_max_io) {                     \
         uint32_t y_max = *y_max_io, f_max = *f_max_io;                                        \
         for (int64_t i = start; i < start + len; i++) {                                       \
             float y = newest[i];                                                              \
             if (step != NULL) {                                                               \
-                y = y + step[i];                                                              \
+                y = y + step[i] * scale;                                                      \
                 newest[i] = y;                                                                \
             }                                                                                 \
             float f = y - anchor[i];                                                          \
@@ -288,8 +289,10 @@ AADL_APPEND_BLOCK(append_block_avx2, __attribute__((target("avx2"))))
 /* The append of one float32 leaf, fused with its Gram row (and, with `step`, the plain step
  * before it):
  *
- *   y          = newest + step  (float32 addition, rounded as torch.add_ rounds it), written
- *                               into newest; without step, y = newest
+ *   y          = newest + step * scale  (float32 product and sum, rounded as torch's
+ *                               step.mul_(scale) then newest.add_(step) round them; with a
+ *                               scale of 1 the product is step itself), written into
+ *                               newest; without step, y = newest
  *   rows[slot] = y - anchor     (float32 subtraction, rounded as torch.sub rounds it)
  *   anchor     = y
  *   out[r]     = sum_i f64(rows[r][i]) * f64(rows[slot][i])
@@ -300,8 +303,9 @@ AADL_APPEND_BLOCK(append_block_avx2, __attribute__((target("avx2"))))
  * step, anchor and rows[slot] do not overlap but where they are one tensor. Arguments as
  * aadl_dots_f32. */
 static int64_t append_leaf(float *const *rows, int64_t q, int64_t slot, float *newest,
-                           const float *step, float *anchor, int64_t n, int64_t block,
-                           int64_t threads, double *partial, double *out, uint32_t *maxima) {
+                           const float *step, float scale, float *anchor, int64_t n,
+                           int64_t block, int64_t threads, double *partial, double *out,
+                           uint32_t *maxima) {
     if (block < 1 || block > AADL_MAX_BLOCK || slot < 0 || slot >= q) return -1;
     int64_t num_blocks = (n + block - 1) / block;
     float *residual = rows[slot];
@@ -313,10 +317,12 @@ static int64_t append_leaf(float *const *rows, int64_t q, int64_t slot, float *n
         int64_t len = n - start < block ? n - start : block;
 #ifdef AADL_AVX2
         if (aadl_dots_avx2())
-            append_block_avx2(newest, step, anchor, residual, start, len, v, &y_max, &f_max);
+            append_block_avx2(newest, step, scale, anchor, residual, start, len, v, &y_max,
+                              &f_max);
         else
 #endif
-            append_block_portable(newest, step, anchor, residual, start, len, v, &y_max, &f_max);
+            append_block_portable(newest, step, scale, anchor, residual, start, len, v, &y_max,
+                                  &f_max);
         block_dots_f32((const float *const *)rows, q, start, v, len, partial + b * q);
     }
     sum_blocks(partial, num_blocks, q, out);
@@ -331,8 +337,8 @@ static int64_t append_leaf(float *const *rows, int64_t q, int64_t slot, float *n
 int64_t aadl_append_f32(float *const *rows, int64_t q, int64_t slot, const float *newest,
                         float *anchor, int64_t n, int64_t block, int64_t threads,
                         double *partial, double *out) {
-    return append_leaf(rows, q, slot, (float *)newest, NULL, anchor, n, block, threads, partial,
-                       out, NULL);
+    return append_leaf(rows, q, slot, (float *)newest, NULL, 1.0f, anchor, n, block, threads,
+                       partial, out, NULL);
 }
 
 /* The threads for one leaf's pass: those of native.py's _threads() (at most max_threads,
@@ -349,8 +355,8 @@ static int64_t leaf_threads(int64_t q, int64_t n, int64_t block, int64_t max_thr
  * (aadl_func/_src/exec/steady.py), which otherwise makes one call per leaf and sums their
  * rows in Python; the same sums in the same order:
  *
- *   append (newest != NULL): append_leaf of each leaf l (with its plain step step[l] when
- *                            step != NULL), out = row_0 + row_1 + ...
+ *   append (newest != NULL): append_leaf of each leaf l (with its plain step step[l] times
+ *                            scale when step != NULL), out = row_0 + row_1 + ...
  *   dots   (newest == NULL): aadl_dots_f32 of rows[l][slot] with rows[l],
  *                            out = ((0 + row_0) + row_1) + ...
  *
@@ -361,7 +367,8 @@ static int64_t leaf_threads(int64_t q, int64_t n, int64_t block, int64_t max_thr
  * (the steady call's recovery reads it: the call writes nothing else). Returns 0, or -1
  * for a bad slot or block, having written nothing. */
 int64_t aadl_leaves_f32(int64_t leaves, float *const *const *rows, int64_t q, int64_t slot,
-                        float *const *newest, const float *const *step, float *const *anchor,
+                        float *const *newest, const float *const *step, float scale,
+                        float *const *anchor,
                         const int64_t *n, int64_t block, int64_t max_threads,
                         int64_t parallel_min, double *const *partial, double *scratch,
                         double *out, double *maxima, int64_t *stepped) {
@@ -375,7 +382,7 @@ int64_t aadl_leaves_f32(int64_t leaves, float *const *const *rows, int64_t q, in
         if (newest != NULL) {
             uint32_t leaf_max[2];
             code = append_leaf(rows[l], q, slot, newest[l], step == NULL ? NULL : step[l],
-                               anchor[l], n[l], block, threads, partial[l],
+                               scale, anchor[l], n[l], block, threads, partial[l],
                                l == 0 ? out : scratch, leaf_max);
             y_max = leaf_max[0] > y_max ? leaf_max[0] : y_max;
             f_max = leaf_max[1] > f_max ? leaf_max[1] : f_max;
@@ -662,4 +669,4 @@ int64_t aadl_mix_f32(aadl_sgemv_fn gemv, int64_t leaves, float *const *x,
 }
 
 /* Lets the loader check that it got this file's build (bumped with any change of API). */
-int64_t aadl_dots_version(void) { return 10; }
+int64_t aadl_dots_version(void) { return 11; }

@@ -512,7 +512,25 @@ def sgd(
     if use_momentum:
         stages.append(trace(momentum, dampening, nesterov))
     stages.append(scale_by_learning_rate())
-    return _optimizer(fn, SgdState, stages, lr, weight_decay, check_state)
+    optimizer = _optimizer(fn, SgdState, stages, lr, weight_decay, check_state)
+    if not use_momentum and _is_zero(weight_decay):  # the update: the grads times a number
+        scale = functools.partial(_gradient_scale, fn, lr)
+        optimizer.update.gradient_scale = scale  # type: ignore[attr-defined]
+    return optimizer
+
+
+def _gradient_scale(fn: str, lr: ScalarOrSchedule, state: Any) -> tuple[float, SgdState] | None:
+    r"""Plain SGD's next update as one number, for a caller that forms it itself where it
+    reads the grads anyway (anderson's steady call, in its append's pass): `(-lr, new_state)`,
+    the update being `grads.mul_(-lr)` (`scale_by_learning_rate()`) and `new_state` the state
+    after it, where `lr` at `state`'s count is a Python number; else None (a tensor
+    learning rate, or a state of another type: `update` says what is wrong)."""
+    if type(state) is not SgdState or not isinstance(state.count, Tensor):
+        return None
+    step_lr = _value_at(fn, "lr", lr, state.count)
+    if type(step_lr) is not float:
+        return None
+    return -step_lr, SgdState(state.count + 1)
 
 
 def _adam(

@@ -70,7 +70,7 @@ __all__ = [
 
 # Built by setup.py (the extension "aadl_func._src._dots") with the interpreter's suffix.
 LIBRARY = Path(__file__).with_name("_dots" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
-_VERSION = 10  # aadl_dots_version() of the source this module was written for
+_VERSION = 11  # aadl_dots_version() of the source this module was written for
 
 # Elements per block (at most the C side's AADL_MAX_BLOCK): the float64 copy of a vector
 # block (16 KiB) stays in L1 while every row streams past it.
@@ -233,8 +233,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.aadl_append_f32.restype = i64
     library.aadl_commit_f64.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64]
     library.aadl_commit_f64.restype = i64
-    library.aadl_leaves_f32.argtypes = [i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
-                                        ptr, ptr, ptr, ptr, ptr]  # fmt: skip
+    library.aadl_leaves_f32.argtypes = [i64, ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr,
+                                        i64, i64, i64, ptr, ptr, ptr, ptr, ptr]  # fmt: skip
     library.aadl_leaves_f32.restype = i64
     library.aadl_finite_f32.argtypes = [ptr, i64, i64]
     library.aadl_finite_f32.restype = i64
@@ -333,14 +333,18 @@ class LeafRows:
         # Set to 1 by an `append()` with `steps` once they are all in `newest`.
         self.stepped = ctypes.c_int64(0)
 
-    def append(self, slot: int, newest: Sequence[Tensor], steps: Sequence[Tensor] = ()) -> None:
+    def append(
+        self, slot: int, newest: Sequence[Tensor], steps: Sequence[Tensor] = (), scale: float = 1.0
+    ) -> None:
         """`append_differences()` of every leaf (`rows[slot] = newest - anchor`, `anchor =
         newest`), the rows summed into `out`: `row_0 + row_1 + ...`; `maxima[slot]` and
         `maxima[q]` set. With `steps` (contiguous float32 leaves of the window's sizes that
         share no memory with `newest`, the anchor or the slots), the plain step first,
-        in the same pass: `newest += steps`, rounded as `add_()` rounds it, after which
-        `stepped` is 1. The caller bumps the version counters."""
-        self._run(slot, pointers(newest), pointers(steps) if steps else None)
+        in the same pass: `newest += steps * scale`, rounded as `steps.mul_(scale)` (the
+        number `scale` taken as a float32, as torch takes it) then `add_()` round it (with a
+        `scale` of 1, `steps` themselves), after which `stepped` is 1; `steps` are only
+        read. The caller bumps the version counters."""
+        self._run(slot, pointers(newest), pointers(steps) if steps else None, scale)
 
     def measure(self, slots: Sequence[Sequence[Tensor]]) -> None:
         """`maxima[:q]` read from `slots` (the window this object was made for) as they are
@@ -356,7 +360,7 @@ class LeafRows:
     def dots(self, slot: int) -> None:
         """The dots of every leaf's slot `slot` with its slots, summed from zero into `out`:
         `((0 + row_0) + row_1) + ...`."""
-        self._run(slot, None, None)
+        self._run(slot, None, None, 1.0)
 
     def row(self) -> list[float]:
         """The last row summed (`append()`, `dots()`), as Python floats."""
@@ -386,9 +390,12 @@ class LeafRows:
         `weights`: `q` contiguous float32 values."""
         return _load()[0].aadl_mix_bounded(weights.data_ptr(), self.maxima_address, self.q) == 1
 
-    def _run(self, slot: int, newest: ctypes.Array | None, steps: ctypes.Array | None) -> None:
+    def _run(
+        self, slot: int, newest: ctypes.Array | None, steps: ctypes.Array | None, scale: float
+    ) -> None:
         code = _load()[0].aadl_leaves_f32(
-            self.leaves, self.rows, self.q, slot, newest, steps, self.anchor, self.sizes, BLOCK,
+            self.leaves, self.rows, self.q, slot, newest, steps, scale, self.anchor, self.sizes,
+            BLOCK,
             torch.get_num_threads(), PARALLEL_MIN, self.partial, self.scratch.data_ptr(),
             self._out, self.maxima_address, ctypes.byref(self.stepped),
         )  # fmt: skip

@@ -48,6 +48,7 @@ class Plan:
         "keeps", "adopts", "leaf_update", "committed", "counters", "finite", "classic",
         "iterates", "runs", "storages", "bound", "inner_count", "system", "counts", "mix_terms",
         "solver", "gamma_of", "mixer", "plain_in_params", "list_size", "appended",
+        "gradient_scale",
     )  # fmt: skip
 
     def __init__(self, options: AndersonOptions, state: AndersonState, leaves: list, spec: Any):
@@ -107,6 +108,10 @@ class Plan:
         # passes `-0` as the grads (the wrapper's `StepInParams`): `y = x + (-0)` is `x`,
         # so the steady call neither adds nor checks them.
         self.plain_in_params = getattr(options.inner.update, "plain_in_params", False) is True
+        # Plain SGD's update as a number (`inner._gradient_scale()`), which mode "aadl"'s
+        # append multiplies the grads by in its pass, else None.
+        scale = getattr(options.inner.update, "gradient_scale", None)
+        self.gradient_scale = None if self.classic or self.plain_in_params else scale
         # Its known rule bound to the inner state's buffers (`inner_bound`), whose count the
         # plan keeps as a Python int; those tensors are tracked too (their memory changes
         # at each commit, so they are not among `storages`).

@@ -171,9 +171,14 @@ class _Call:
         self.steady = True  # the plan still describes the state after the call
         self.committing: int | None = None  # the commit point's slot, while it writes
         self.stepping = False  # the plain step is the append's (`_append()`)
+        # Plain SGD's update formed in the append's pass: `updates` are then the grads,
+        # which the append multiplies by `scale` (`_scaled_in_append()`).
+        self.scale: float | None = None
 
     def run(self) -> list[Tensor]:
         plan, state = self.plan, self.state
+        if self._scaled_in_append():
+            return self._stepped()
         # The inner update out of place when it keeps buffers (committed with the plain step);
         # a built-in's on the leaves, which the plan checked as its checks would: by its
         # known rule on the buffers the plan keeps where it has one.
@@ -198,6 +203,19 @@ class _Call:
                             owner="anderson.update")  # fmt: skip
             self.updates = u_leaves
         return self._stepped()
+
+    def _scaled_in_append(self) -> bool:
+        """Plain SGD (`plan.gradient_scale`), on a call that stores, with grads the append's
+        pass may read: its update `grads * -lr` is formed there, and the grads are only read
+        (its in-place `update` would scale them first, a pass over them the append saves)."""
+        rule = self.plan.gradient_scale
+        if rule is None or not self.stores:
+            return False
+        done = rule(self.state.inner_state)
+        if done is None or not plans.steps_fit(self.g_leaves, self.leaves, self.plan):
+            return False
+        self.updates, (self.scale, self.inner_state) = self.g_leaves, done
+        return True
 
     def _stepped(self) -> list[Tensor]:
         """The rest of the call, once the inner update is known; an exception from here on
@@ -226,7 +244,8 @@ class _Call:
         # 1. y = x + u, in the params: in the append's pass where it may (the params hold y
         # already where u is the wrapper's -0).
         steps = () if plan.plain_in_params else self.updates
-        if steps and not (self.stores and plans.steps_fit(steps, params, plan)):
+        fit = self.scale is not None  # (`_scaled_in_append()` checked them)
+        if steps and not (fit or self.stores and plans.steps_fit(steps, params, plan)):
             passes.add_steps(params, steps, progress.stepped)
             steps = ()
         if not self.stores:
@@ -470,8 +489,11 @@ class _Call:
         if self.stepping:  # the plain step in the append's pass: done or not, every leaf
             self.progress.param_versions = [None] * len(self.leaves)
             self.progress.stepped = list(self.leaves) if plan.rows.stepped.value else []
+        updates = self.updates
+        if self.scale is not None:  # the update the append forms (its grads are as they were)
+            updates = [torch.mul(g, self.scale) for g in self.g_leaves]
         call = update_call.Call(
-            plan.options, self.state, self.leaves, plan.spec, self.updates, self._inner_state(),
+            plan.options, self.state, self.leaves, plan.spec, updates, self._inner_state(),
             inplace=True, loss_fn=None, loss=self.loss, guard=self.guard,
         )  # fmt: skip
         call.count, call.count_value = (
@@ -501,4 +523,4 @@ class _Call:
             plan.rows.stepped.value = 0
             self.stepping, touched = True, touched + self.leaves
         torch.autograd.graph.increment_version(touched)
-        plan.rows.append(head, self.leaves, steps)
+        plan.rows.append(head, self.leaves, steps, 1.0 if self.scale is None else self.scale)
