@@ -255,9 +255,9 @@ def measure(n: int, m: int, device: torch.device, args) -> dict:
     grads = [1e-2 * torch.randn(n, device=device, generator=generator) for _ in range(4)]
     row = {"n": n, "log2_n": int(math.log2(n)), "m": m, "history_depth": m}
 
-    # aadl_func: fill the window with real steps, warm up, then time. inplace=True consumes
-    # the gradient buffer (the inner SGD scales it in place), so every step gets a fresh
-    # copy, made before the clock starts.
+    # aadl_func: fill the window with real steps, warm up, then time. inplace=True may write
+    # the gradient buffer (the inner SGD scales it in place until the window is full; then
+    # the append forms -lr * g), so every step gets a fresh copy, made before the clock starts.
     fresh = [grads[i % 4].clone() for i in range(m + 3 + args.repeats)]
     ours = AadlFunc(torch.randn(n, device=device, generator=generator), m)
     for _ in range(m + 1):

@@ -232,6 +232,11 @@ def anderson(
       alone goes on (docs/guide.md). The inner update is then computed out of place (its
       input is the gradient the condition reads).
 
+    `inplace=True` may also write the grads (the inner optimizer's in-place update puts its
+    update there, torchopt's convention); pass grads that are not needed after the call.
+    (Mode "aadl" around a plain `sgd` reads them only, once its window is full: the update
+    `-lr * g` is formed in the pass that stores the window's entry.)
+
     `inplace=True` is exception safe: whatever is raised wherever in a call (`loss_fn`,
     Ctrl-C, an out-of-memory error, another signal's handler), the params and the state
     passed in are left at one complete outcome, ready for the next call, and the exception

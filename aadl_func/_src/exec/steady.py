@@ -26,9 +26,11 @@ committed Grams (`native.System`, `core.lstsq.solve_known()`'s divisions). A bui
 runs by its known rule on the buffers the plan keeps (`inner_bound.BoundRule`); another
 built-in inner optimizer on the leaves the plan checked (`update.update_leaves`). Mode
 "aadl": the inner update, then one pass of the fused append (`y = x + u` into the params
-where the updates allow, `plan.steps_fit()`, else added first; the newest difference into
-its slot, the anchor, the Gram row, the largest values of `y` and of that difference), the
-commit point, the small solve (`aadl_func._src.core.lstsq.solve_known_scaled()`),
+where the updates allow, `plan.steps_fit()`, else added first; plain SGD's `u = -lr g`
+formed in that pass from the grads, which it then only reads, `_Call._scaled_in_append()`;
+the newest difference into its slot, the anchor, the Gram row, the largest values of `y` and
+of that difference), the commit point, the small solve
+(`aadl_func._src.core.lstsq.solve_known_scaled()`),
 `x^+ = y - sum_j c_j \Delta x_j` accumulated in the params, the finiteness test (skipped
 where the window's maxima bound the mix: `native.LeafRows.mix_bounded()`) and the final
 commit. Mode "classic": the
