@@ -99,6 +99,9 @@ for _name in ("aadl-steady", "classic-steady"):
         "history_depth": 3,
         "warm": 10,
     }
+# Plain SGD in the steady call: its update formed in the append's pass from the grads (which
+# are only read), and formed again by the recovery where the append did not run.
+CONFIGS["aadl-steady-sgd"] = {**CONFIGS["aadl-steady"], "inner": lambda: aa.sgd(0.05)}
 ERRORS = [RuntimeError, SystemExit, KeyboardInterrupt]
 
 
