@@ -8,6 +8,7 @@ of spec.md's rules written here from background.md's formulas.
 from __future__ import annotations
 
 import io
+import types
 
 import numpy as np
 import optree
@@ -763,8 +764,9 @@ def test_step_runs_torch_optims_hooks_and_is_labelled_only_while_a_profiler_reco
     step hooks in torch's order with torch's arguments (a pre-hook may replace them, and
     one that returns something else raises torch's error), and its profiler label while a
     profiler records; without one no `record_function` is opened (its cost, ~6 us, is
-    several percent of a small model's step). The wrapped optimizer's own step keeps
-    torch's."""
+    several percent of a small model's step). The wrapped optimizer's own step, the
+    wrapper's plain step, runs the same way: its own hooks as torch calls them, its label
+    only while a profiler records."""
     from aadl_func._src import wrapper_hooks
 
     model, X, Y = make_cnn(seed=5)
@@ -772,6 +774,10 @@ def test_step_runs_torch_optims_hooks_and_is_labelled_only_while_a_profiler_reco
     plain = torch.optim.SGD(make_cnn(seed=5)[0].parameters(), lr=0.1)
     traces: dict[str, list] = {"ours": [], "torch": []}
     handles = [*_hook_trace(opt, traces["ours"], ""), *_hook_trace(plain, traces["torch"], "")]
+    inner, inner_calls = opt.optimizer, []
+    for kind in ("pre", "post"):
+        register = getattr(inner, f"register_step_{kind}_hook")
+        handles.append(register(lambda o, a, k, kind=kind: inner_calls.append((kind, o, a, k))))
     try:
         for o in (opt, plain):
             o.zero_grad()
@@ -782,6 +788,8 @@ def test_step_runs_torch_optims_hooks_and_is_labelled_only_while_a_profiler_reco
                             lambda name: opened.append(name) or original(name))  # fmt: skip
         opt.step()
         assert opened == []
+        # (torch's wrapper calls the hooks with `args` = the optimizer and the step's arguments)
+        assert inner_calls == [("pre", inner, (inner,), {}), ("post", inner, (inner,), {})]
         for p in plain.param_groups[0]["params"]:
             p.grad = torch.zeros_like(p)
         plain.step()
@@ -790,7 +798,7 @@ def test_step_runs_torch_optims_hooks_and_is_labelled_only_while_a_profiler_reco
         assert ours == [t for t in traces["torch"] if t[1]] and len(ours) == 4
         with torch.profiler.profile() as profiler:
             opt.step()
-        assert opened == ["Optimizer.step#AcceleratedOptimizer.step"]
+        assert opened == ["Optimizer.step#AcceleratedOptimizer.step", "Optimizer.step#SGD.step"]
         names = [e.name for e in profiler.events()]
         assert "Optimizer.step#AcceleratedOptimizer.step" in names
         assert "Optimizer.step#SGD.step" in names
@@ -806,6 +814,27 @@ def test_step_runs_torch_optims_hooks_and_is_labelled_only_while_a_profiler_reco
     with pytest.raises(RuntimeError, match="must return None or a tuple"):
         opt.step()
     bad.remove()
+
+
+def test_a_step_patched_on_the_wrapped_optimizer_is_called_as_it_is():
+    """A `step` replaced on the torch optimizer's instance before it is wrapped (a user's, or
+    an LR scheduler's, which records that the optimizer stepped) is the wrapper's plain step
+    as it is: the scheduler then steps without torch's warning (an error here) that it
+    stepped before its optimizer."""
+    model, X, Y = make_cnn(seed=6)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls, original = [], sgd.step
+    sgd.step = types.MethodType(
+        lambda self, *args, **kwargs: calls.append(1) or original(*args, **kwargs), sgd
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    opt = AcceleratedOptimizer(sgd, history_depth=3)
+    for _ in range(3):
+        opt.zero_grad()
+        mse(model, X, Y).backward()
+        opt.step()
+        scheduler.step()
+    assert calls == [1, 1, 1] and sgd.param_groups[0]["lr"] == 0.1 * 0.5**3
 
 
 def test_returned_loss_is_the_loss_before_the_step_when_a_later_group_averages():
