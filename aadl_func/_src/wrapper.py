@@ -43,7 +43,7 @@ from aadl_func._src.wrapper_groups import (
     negative_zeros,
     torch_step_unless_rejected,
 )
-from aadl_func._src.wrapper_hooks import hooked_step, plain_step
+from aadl_func._src.wrapper_hooks import hooked_step
 from aadl_func._src.wrapper_loss import (
     check_loss_argument,
     check_no_sufficient_decrease,
@@ -165,7 +165,7 @@ class AcceleratedOptimizer(Optimizer):
         self.optimizer = optimizer
         self._windows: list[AndersonState | None] = [None] * len(optimizer.param_groups)
         # The torch optimizer's own methods, captured before `accelerate` patches them.
-        self._plain_step: Callable[..., Any] = plain_step(optimizer)
+        self._plain_step: Callable[..., Any] = optimizer.step
         self._plain_state_dict: Callable[[], dict[str, Any]] = optimizer.state_dict
         self._plain_load_state_dict: Callable[[dict[str, Any]], None] = optimizer.load_state_dict
         # torch.optim.Optimizer's bookkeeping (hooks, profiling of `step`). Its `__init__`

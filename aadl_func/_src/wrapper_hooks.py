@@ -8,10 +8,7 @@ optimizer's, then global), all inside `record_function("Optimizer.step#<class>.s
 wrapper keeps all of it but opens that `record_function` only while a profiler records
 (or under torch.compile, which traces it as torch's): with none, it labels nothing and costs
 about 6 us, a few percent of a small model's accelerated step. The wrapped optimizer's own
-`step`, which the wrapper calls for its plain step, runs the same way (`plain_step()`): its
-hooks, and its label only while a profiler records, where it is torch's wrapper around the
-class's `step`; a `step` patched on the instance (an LR scheduler's counter, a user's) is
-called as it is.
+`step` keeps torch's wrapper, label and hooks.
 """
 
 from __future__ import annotations
@@ -25,26 +22,9 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.optim import optimizer as torch_optimizer
 
-__all__ = ["hooked_step", "plain_step"]
+__all__ = ["hooked_step"]
 
 _profiling: Callable[[], bool] = torch._C._autograd._profiler_enabled
-# The code of the wrapper `Optimizer.profile_hook_step` puts around a class's `step` (one code
-# object for every wrapper it makes): how `plain_step()` knows a step as torch's.
-_TORCH_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
-
-
-def plain_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """`optimizer.step` as `hooked_step()` runs it where it is torch's wrapper around the
-    class's `step` (its hooks, its label only while a profiler records), else `optimizer.step`
-    itself."""
-    step = optimizer.step
-    function = getattr(step, "__func__", None)
-    wrapped = getattr(function, "__wrapped__", None)
-    if getattr(step, "__self__", None) is not optimizer or wrapped is None:
-        return step
-    if getattr(function, "__code__", None) is not _TORCH_WRAPPER:
-        return step
-    return functools.partial(hooked_step(wrapped), optimizer)
 
 
 def hooked_step(step: Callable[..., Any]) -> Callable[..., Any]:
