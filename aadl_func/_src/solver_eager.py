@@ -161,16 +161,13 @@ class EagerWindow:
     def _append(self, x: Tensor, f: Tensor) -> None:
         steps, residuals = self.ring[0], self.ring[1]
         torch.sub(x, self.anchor, out=steps[self.head])
-        if self.exact:
-            if self.size:  # f_k - f_{k-1}, as `diff` rounds it (the factor is formed later)
-                torch.sub(f, residuals[(self.head - 1) % self.q], out=self.ring[2, self.head])
-            residuals[self.head].copy_(f)
-            self.anchor = x
-            self.size = min(self.size + 1, self.q)
-            return
+        if self.exact and self.size:  # f_k - f_{k-1}, as `diff` rounds it: a QR column
+            torch.sub(f, residuals[(self.head - 1) % self.q], out=self.ring[2, self.head])
         residuals[self.head].copy_(f)
         self.anchor = x
         self.size = min(self.size + 1, self.q)
+        if self.exact:
+            return  # the factor is formed from the slots when solving
         g = native.float64_dots(list(residuals), f)
         if g is None:  # no native kernel: the same exact products, summed by BLAS
             g = torch.mv(residuals.to(torch.float64), f.to(torch.float64))
