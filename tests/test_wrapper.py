@@ -764,9 +764,8 @@ def test_step_runs_torch_optims_hooks_and_is_labelled_only_while_a_profiler_reco
     step hooks in torch's order with torch's arguments (a pre-hook may replace them, and
     one that returns something else raises torch's error), and its profiler label while a
     profiler records; without one no `record_function` is opened (its cost, ~6 us, is
-    several percent of a small model's step). The wrapped optimizer's own step keeps
-    torch's (its hooks, its label): the wrapper's recovery needs it to be one call of
-    torch's code, with no line of the package between its step and its return."""
+    several percent of a small model's step). The wrapped optimizer's own step keeps its
+    hooks (with torch's arguments) and, while a profiler records, its label."""
     from aadl_func._src import wrapper_hooks
 
     model, X, Y = make_cnn(seed=5)
@@ -814,6 +813,61 @@ def test_step_runs_torch_optims_hooks_and_is_labelled_only_while_a_profiler_reco
     with pytest.raises(RuntimeError, match="must return None or a tuple"):
         opt.step()
     bad.remove()
+
+
+@pytest.mark.parametrize("how", ["grads", "closure"])
+def test_the_wrapped_optimizers_post_hook_sees_its_plain_step_and_may_raise(how):
+    """The wrapped optimizer's step post-hook runs after its step and before the mix, as
+    torch's wrapper runs it: it sees the params at the plain step (torch.optim.SGD's, from the
+    same params). One that raises ends the step recorded (`PlainStep.finish()` runs once the
+    wrapper has recorded the torch step): every group's window counts it, with the params,
+    at the plain step, its newest entry, and the next step goes on."""
+    model, X, Y = make_cnn(seed=7)
+    opt = AcceleratedOptimizer(torch.optim.SGD(groups_of(model)), history_depth=3)
+    reference_model = make_cnn(seed=7)[0]
+    reference = torch.optim.SGD(groups_of(reference_model))
+
+    def run(opt, model):
+        def closure():
+            model.zero_grad()
+            loss = mse(model, X, Y)
+            loss.backward()
+            return loss
+
+        if how == "closure":
+            return opt.step(closure)
+        closure()
+        return opt.step()
+
+    for _ in range(3):  # the window fills: the next step mixes
+        run(opt, model)
+    # The plain step from these params (SGD without momentum: a function of the params alone)
+    with torch.no_grad():
+        for p, q in zip(reference_model.parameters(), model.parameters()):
+            p.copy_(q)
+    run(reference, reference_model)
+    plain = [p.detach().clone() for p in reference_model.parameters()]
+    seen = []
+
+    def post_hook(optimizer, args, kwargs):
+        seen.append([p.detach().clone() for p in model.parameters()])
+        if len(seen) == 1:
+            raise ValueError("a post-hook fails")
+
+    handle = opt.optimizer.register_step_post_hook(post_hook)
+    counts = [int(w.count) for w in opt.anderson_states]
+    with pytest.raises(ValueError, match="a post-hook fails"):
+        run(opt, model)
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], plain))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain))
+    for group, window, count in zip(opt.param_groups, opt.anderson_states, counts):
+        assert int(window.count) == count + 1
+        assert all(torch.equal(p, a) for p, a in zip(group["params"], window.anchor))
+    run(opt, model)  # the next step: its hook runs again
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert len(seen) == 2
+    assert [int(w.count) for w in opt.anderson_states] == [c + 2 for c in counts]
+    handle.remove()
 
 
 def test_a_step_patched_on_the_wrapped_optimizer_is_called_as_it_is():

@@ -43,7 +43,7 @@ from aadl_func._src.wrapper_groups import (
     negative_zeros,
     torch_step_unless_rejected,
 )
-from aadl_func._src.wrapper_hooks import hooked_step
+from aadl_func._src.wrapper_hooks import PlainStep, hooked_step
 from aadl_func._src.wrapper_loss import (
     check_loss_argument,
     check_no_sufficient_decrease,
@@ -164,8 +164,9 @@ class AcceleratedOptimizer(Optimizer):
         self._safeguard = safeguard
         self.optimizer = optimizer
         self._windows: list[AndersonState | None] = [None] * len(optimizer.param_groups)
-        # The torch optimizer's own methods, captured before `accelerate` patches them.
-        self._plain_step: Callable[..., Any] = optimizer.step
+        # The torch optimizer's own methods, captured before `accelerate` patches them (its
+        # step in two calls, `PlainStep`: its post-hooks run once the step is recorded).
+        self._plain_step = PlainStep(optimizer)
         self._plain_state_dict: Callable[[], dict[str, Any]] = optimizer.state_dict
         self._plain_load_state_dict: Callable[[dict[str, Any]], None] = optimizer.load_state_dict
         # torch.optim.Optimizer's bookkeeping (hooks, profiling of `step`). Its `__init__`
@@ -267,14 +268,15 @@ class AcceleratedOptimizer(Optimizer):
 
         * by `closure` before the wrapped optimizer writes anything (`torch.optim`
           evaluates it first), or by the argument checks: nothing has changed;
-        * after the wrapped optimizer's step (in a safeguard's `closure`, in the core, or
-          in the copies back into the params): the groups decided before keep their
-          decisions; the group in progress ends at one outcome of the core (its plain step,
-          its finished step, or its plain step with the window restarted), written into its
-          params; every later group ends at the wrapped optimizer's plain step, recorded in
-          its window (no mix, no moving average), or, when the deferred safeguard rejected
-          its mix, at its previous plain step. Params, the torch optimizer's state and
-          the windows then agree, and the next step continues from there;
+        * after the wrapped optimizer's step (in its step post-hooks, in a safeguard's
+          `closure`, in the core, or in the copies back into the params): the groups
+          decided before keep their decisions; the group in progress ends at one outcome
+          of the core (its plain step, its finished step, or its plain step with the window
+          restarted), written into its params; every later group ends at the wrapped
+          optimizer's plain step, recorded in its window (no mix, no moving average), or,
+          when the deferred safeguard rejected its mix, at its previous plain step. Params,
+          the torch optimizer's state and the windows then agree, and the next step
+          continues from there;
         * inside the wrapped optimizer's own step (its loop over the params, e.g. an
           out-of-memory error or an exception from another signal's handler): not
           protected. Some params and some of the torch optimizer's buffers may have been
@@ -369,6 +371,7 @@ class AcceleratedOptimizer(Optimizer):
         try:
             # One statement: no line runs between the torch step and its record.
             returned, torch_stepped = self._torch_step_unless_rejected(closure, verdicts), True
+            self._plain_step.finish()  # its post-hooks; an exception in one is recovered
             for index, (group, start) in enumerate(zip(groups, starts)):
                 position, mark = index, None
                 params = group["params"]
