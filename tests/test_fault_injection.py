@@ -304,11 +304,14 @@ def test_an_exception_at_any_line_leaves_one_complete_outcome(name, error):
 # -- the torch.optim wrapper ---------------------------------------------------------------
 
 
-def _wrapped(seed=0, warm=WARM, safeguard="loss_fn"):
-    """Two param groups under SGD with momentum, wrapped, warmed up with the safeguard."""
+def _wrapped(seed=0, warm=WARM, safeguard="loss_fn", late=0):
+    """Two param groups under SGD with momentum, wrapped, warmed up with the safeguard. With
+    `late` steps: a third group (an output scale, in the model as `model.scale`) added after
+    the warm-up and stepped `late` times with the others, so that its window is younger."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
     model.double()
+    model.scale = torch.nn.Parameter(torch.ones(2, dtype=torch.float64), requires_grad=late > 0)
     groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.05}]
     opt = aa.AcceleratedOptimizer(
         torch.optim.SGD(groups, lr=0.1, momentum=0.9), history_depth=4, safeguard=safeguard
@@ -319,12 +322,16 @@ def _wrapped(seed=0, warm=WARM, safeguard="loss_fn"):
 
     def closure():
         opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
+        loss = ((model(x) * model.scale - y) ** 2).mean()
         loss.backward()
         return loss
 
     for _ in range(warm):
         opt.step(closure)
+    if late:
+        opt.add_param_group({"params": [model.scale], "lr": 0.01})
+        for _ in range(late):
+            opt.step(closure)
     return model, opt, closure
 
 
@@ -436,26 +443,32 @@ def _marks(opt):
     return [(int(w.count), int(w.num_rejected)) for w in opt.anderson_states]
 
 
-@pytest.mark.parametrize("verdict", ["kept", "rejected"])
+@pytest.mark.parametrize("verdict", ["kept", "rejected", "mixed"])
 @pytest.mark.parametrize("error", ERRORS, ids=lambda e: e.__name__)
 @pytest.mark.usefixtures("default_sigint")
 def test_wrapper_deferred_step_ends_consistent_whatever_is_raised_in_its_code(error, verdict):
     """``safeguard="deferred"``, a mix pending in both groups, ``step(loss=value)`` with a
     loss below it (kept: the torch optimizer steps both groups) or above it (rejected: it
-    steps neither, and both go back to their previous plain step). After a fault: nothing
-    changed, or every group ended recorded, with its params at the uninterrupted step's or at
-    its window's newest entry, the torch state stepped exactly where the mix was kept, and
-    the run goes on."""
+    steps neither, and both go back to their previous plain step); mixed: both rejected and a
+    third, younger group with no mix pending, which the torch optimizer steps (the rejected
+    groups' grads hidden from it meanwhile). After a fault: nothing changed, or every group
+    ended recorded, with its params at the uninterrupted step's or at its window's newest
+    entry, the torch state stepped exactly where the mix was kept; the user's grads are as
+    they were, and the run goes on."""
     from window_invariant import state_gram_errors
 
-    model, opt, closure = _wrapped(warm=DEFERRED_WARM, safeguard="deferred")
+    late = 2 if verdict == "mixed" else 0
+    model, opt, closure = _wrapped(warm=DEFERRED_WARM, safeguard="deferred", late=late)
     pending = [float(w.pending_loss) for w in opt.anderson_states]
-    assert all(p < float("inf") for p in pending), pending  # a mix pending in each group
-    loss = min(pending) * 0.5 if verdict == "kept" else max(pending) * 2.0 + 1.0
+    # a mix pending in each group (mixed: in the first two, none in the young one)
+    assert all(p < float("inf") for p in pending[:2]), pending
+    assert pending[2:] == ([float("inf")] if late else []), pending
+    loss = min(pending) * 0.5 if verdict == "kept" else max(pending[:2]) * 2.0 + 1.0
     before = ([p.clone() for p in model.parameters()], _momenta(opt), _marks(opt))
     closure()  # the grads at the params, as the loop computes them with its loss
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     reference_model, reference, reference_closure = _wrapped(
-        warm=DEFERRED_WARM, safeguard="deferred"
+        warm=DEFERRED_WARM, safeguard="deferred", late=late
     )
     reference_closure()
     reference.step(loss=loss)
@@ -469,10 +482,13 @@ def test_wrapper_deferred_step_ends_consistent_whatever_is_raised_in_its_code(er
     stride = int(os.environ.get("AADL_FAULT_STRIDE", "0")) or max(1, lines // SAMPLES)
     seen = {"before": 0, "recorded": 0}
     for at in range(ERRORS.index(error) * stride // len(ERRORS), lines, stride):
-        model, opt, closure = _wrapped(warm=DEFERRED_WARM, safeguard="deferred")
+        model, opt, closure = _wrapped(warm=DEFERRED_WARM, safeguard="deferred", late=late)
         closure()
         LineFaults(_in_package, error, at).run(lambda: opt.step(loss=loss))  # noqa: B023
         assert_ctrl_c_works()
+        kept = [p.grad for p in model.parameters() if p.requires_grad]
+        assert all(g is not None for g in kept), f"line event {at}: a grad lost"
+        assert _equal(kept, grads), f"line event {at}: the grads changed"
         params = [p.detach() for p in model.parameters()]
         if _marks(opt) == before[2]:
             seen["before"] += 1

@@ -38,9 +38,11 @@ from aadl_func._src.wrapper_groups import (
     StepInParams,
     TakenStep,
     check_windows_fit,
+    hide_rejected_grads,
     in_params_route,
     marks,
     negative_zeros,
+    put_back_grads,
     torch_step_unless_rejected,
 )
 from aadl_func._src.wrapper_hooks import PlainStep, hooked_step
@@ -353,7 +355,8 @@ class AcceleratedOptimizer(Optimizer):
             # block, which dynamo cannot resume in after torch.optim's own graph break.
             # `torch` is named in this frame (and `step`) on purpose: dynamo only traces
             # frames that name it or hold a tensor.
-            returned = self._torch_step_unless_rejected(closure, verdicts)
+            torch_step = functools.partial(self._torch_step, closure)
+            returned = torch_step_unless_rejected(torch_step, groups, self.state, verdicts)
             for index, (group, start) in enumerate(zip(groups, starts)):
                 if not group["params"]:
                     continue
@@ -366,11 +369,14 @@ class AcceleratedOptimizer(Optimizer):
             return returned
         # Once the torch optimizer has stepped, every group must end recorded. `position`:
         # the first group not finished; `mark`: its window's marks before its update (None
-        # until read).
-        position, mark, torch_stepped = 0, None, False
+        # until read); `hidden`: the grads of groups whose mix the deferred safeguard rejects,
+        # hidden from the torch optimizer, put back once its step is recorded.
+        position, mark, torch_stepped, hidden = 0, None, False, []
         try:
+            hide_rejected_grads(groups, verdicts, hidden)
             # One statement: no line runs between the torch step and its record.
-            returned, torch_stepped = self._torch_step_unless_rejected(closure, verdicts), True
+            returned, torch_stepped = self._torch_step(closure), True
+            put_back_grads(hidden)
             self._plain_step.finish()  # its post-hooks; an exception in one is recovered
             for index, (group, start) in enumerate(zip(groups, starts)):
                 position, mark = index, None
@@ -381,6 +387,7 @@ class AcceleratedOptimizer(Optimizer):
                     self._update_group(windows, index, params, start, guarded_closure, loss)
                 position, mark = index + 1, None
         except BaseException:
+            put_back_grads(hidden)
             if torch_stepped:
                 self._recover(groups, starts, windows, position, mark, loss)
             raise
@@ -393,14 +400,6 @@ class AcceleratedOptimizer(Optimizer):
             return [flags.FALSE] * len(windows)
         value = deferred.check_loss(self._config, loss, None)
         return [flags.FALSE if w is None else deferred.rejects(w, value) for w in windows]
-
-    def _torch_step_unless_rejected(
-        self, closure: Callable[[], Any] | None, verdicts: list[Tensor]
-    ) -> Any:
-        """The wrapped optimizer's step for every group but those whose pending mix the
-        deferred safeguard rejects (`wrapper_groups.torch_step_unless_rejected()`)."""
-        torch_step = functools.partial(self._torch_step, closure)
-        return torch_step_unless_rejected(torch_step, self.param_groups, self.state, verdicts)
 
     def _window(
         self, windows: list[AndersonState | None], index: int, start: list[Tensor]

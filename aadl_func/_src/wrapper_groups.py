@@ -24,9 +24,11 @@ __all__ = [
     "StepInParams",
     "TakenStep",
     "check_windows_fit",
+    "hide_rejected_grads",
     "in_params_route",
     "marks",
     "negative_zeros",
+    "put_back_grads",
     "torch_step_unless_rejected",
 ]
 
@@ -237,15 +239,13 @@ def torch_step_unless_rejected(
     the previous plain step (in the core), so the torch optimizer must not step them from the
     rejected point.
 
-    Eagerly their grads are hidden (`None`: torch.optim skips such params, state and all) and
-    put back after. Compiled, where the verdicts have no value, the torch optimizer steps
-    every group and a rejected group's tensor state (`torch_state`, the optimizer's `state`)
-    is blended back."""
-    known = [flags.value(verdict) for verdict in verdicts]
-    if all(value is False for value in known):
+    The compiled step's: where the verdicts have no value, the torch optimizer steps every
+    group and a rejected group's tensor state (`torch_state`, the optimizer's `state`) is
+    blended back; where they have one, their grads are hidden (`hide_rejected_grads()`). The
+    eager step hides and puts back the grads itself, around its record of the step."""
+    if all(flags.value(verdict) is False for verdict in verdicts):
         return torch_step()
-    if any(value is None for value in known):
-        # No try block here: dynamo cannot resume in one after torch.optim's own break.
+    if any(flags.value(verdict) is None for verdict in verdicts):
         kept = [
             entry
             for group, verdict in zip(param_groups, verdicts)
@@ -255,16 +255,34 @@ def torch_step_unless_rejected(
         for tensor, before, verdict in kept:
             tensor.copy_(torch.where(verdict.to(tensor.device), before, tensor))
         return returned
-    hidden = [
-        (p, p.grad) for group, value in zip(param_groups, known) if value for p in group["params"]
-    ]
+    hidden: list[tuple[Tensor, Tensor | None]] = []
     try:
-        for p, _ in hidden:
-            p.grad = None
+        hide_rejected_grads(param_groups, verdicts, hidden)
         return torch_step()
     finally:
-        for p, grad in hidden:
-            p.grad = grad
+        put_back_grads(hidden)
+
+
+def hide_rejected_grads(
+    param_groups: list[dict[str, Any]],
+    verdicts: list[Tensor],
+    hidden: list[tuple[Tensor, Tensor | None]],
+) -> None:
+    """Hides from the torch optimizer the grads of the groups whose pending mix the deferred
+    safeguard rejects (`verdicts` with values, one per group): `p.grad = None`, which
+    torch.optim skips, state and all. Each `(p, grad)` is appended to `hidden` before its
+    grad is hidden, so that `put_back_grads(hidden)` restores them however far this got."""
+    for group, verdict in zip(param_groups, verdicts):
+        if flags.value(verdict):
+            for p in group["params"]:
+                hidden.append((p, p.grad))
+                p.grad = None
+
+
+def put_back_grads(hidden: list[tuple[Tensor, Tensor | None]]) -> None:
+    """The grads `hide_rejected_grads()` hid, back in their params (again: the same)."""
+    for p, grad in hidden:
+        p.grad = grad
 
 
 def _torch_state(
