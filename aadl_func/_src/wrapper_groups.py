@@ -246,6 +246,7 @@ def torch_step_unless_rejected(
     if all(flags.value(verdict) is False for verdict in verdicts):
         return torch_step()
     if any(flags.value(verdict) is None for verdict in verdicts):
+        # No try block here: dynamo cannot resume in one after torch.optim's own break.
         kept = [
             entry
             for group, verdict in zip(param_groups, verdicts)
