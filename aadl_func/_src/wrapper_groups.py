@@ -243,9 +243,10 @@ def torch_step_unless_rejected(
     group and a rejected group's tensor state (`torch_state`, the optimizer's `state`) is
     blended back; where they have one, their grads are hidden (`hide_rejected_grads()`). The
     eager step hides and puts back the grads itself, around its record of the step."""
-    if all(flags.value(verdict) is False for verdict in verdicts):
+    known = [flags.value(verdict) for verdict in verdicts]
+    if all(value is False for value in known):
         return torch_step()
-    if any(flags.value(verdict) is None for verdict in verdicts):
+    if any(value is None for value in known):
         # No try block here: dynamo cannot resume in one after torch.optim's own break.
         kept = [
             entry
